@@ -1,0 +1,193 @@
+"""Hand-written OTLP protobuf encoder for span records.
+
+Building ``opentelemetry.proto`` message objects from Python costs about 10 µs per span and holds the
+interpreter for the whole loop (see ../shared/notes on the export path). Spans from a model server repeat the
+same few attribute values (method, status code, system), so this module writes the protobuf wire format
+directly and caches the encoded bytes of every (key, value) attribute pair it has seen. The output is a
+byte-exact ``opentelemetry.proto.collector.trace.v1.ExportTraceServiceRequest``; tests parse it back with
+the official message classes.
+
+Wire format reference: field tag = (field_number << 3) | wire_type; wire types 0 varint, 1 fixed64,
+2 length-delimited, 5 fixed32.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from zoomer_serve.recording.records import (
+    EV_ATTRS,
+    EV_NAME,
+    EV_TIME_NS,
+    R_ATTRS,
+    R_END_NS,
+    R_EVENTS,
+    R_KIND,
+    R_LINKS,
+    R_NAME,
+    R_PARENT_ID,
+    R_PARENT_REMOTE,
+    R_SPAN_ID,
+    R_START_NS,
+    R_STATUS,
+    R_STATUS_MSG,
+    R_TRACE_FLAGS,
+    R_TRACE_ID,
+    R_TRACE_STATE,
+)
+
+_pack_q = struct.Struct("<Q").pack
+_pack_d = struct.Struct("<d").pack
+_pack_i = struct.Struct("<I").pack
+_MAX_CACHE = 50_000  # attribute encodings kept; bounded so unique values cannot grow memory forever
+
+_FLAG_HAS_IS_REMOTE = 0x100
+_FLAG_IS_REMOTE = 0x200
+
+
+def varint(value: int) -> bytes:
+    """Encode a non-negative int (or a negative int64, two's complement) as a protobuf varint."""
+    if value < 0:
+        value += 1 << 64
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _ld(tag: int, payload: bytes) -> bytes:
+    """A length-delimited field: tag byte(s), length varint, payload."""
+    return bytes((tag,)) + varint(len(payload)) + payload
+
+
+def _ld_tag(tag_bytes: bytes, payload: bytes) -> bytes:
+    return tag_bytes + varint(len(payload)) + payload
+
+
+def encode_any_value(value: Any) -> bytes:
+    """Encode an attribute value as ``opentelemetry.proto.common.v1.AnyValue``.
+
+    bool, int (int64), float (double), str, bytes, and sequences of those (ArrayValue) are supported;
+    mappings become KeyValueList; anything else is encoded as its ``str()``.
+    """
+    if isinstance(value, bool):
+        return b"\x10" + (b"\x01" if value else b"\x00")
+    if isinstance(value, int):
+        return b"\x18" + varint(value)
+    if isinstance(value, float):
+        return b"\x21" + _pack_d(value)
+    if isinstance(value, str):
+        return _ld(0x0A, value.encode("utf-8", "replace"))
+    if isinstance(value, (bytes, bytearray)):
+        return _ld(0x3A, bytes(value))
+    if isinstance(value, Mapping):
+        inner = b"".join(_ld(0x0A, encode_key_value(str(k), v)) for k, v in value.items())
+        return _ld(0x32, inner)
+    if isinstance(value, (list, tuple)):
+        inner = b"".join(_ld(0x0A, encode_any_value(v)) for v in value)
+        return _ld(0x2A, inner)
+    return _ld(0x0A, str(value).encode("utf-8", "replace"))
+
+
+def encode_key_value(key: str, value: Any) -> bytes:
+    """Encode one ``KeyValue`` message (without its enclosing tag)."""
+    return _ld(0x0A, key.encode("utf-8", "replace")) + _ld(0x12, encode_any_value(value))
+
+
+class SpanEncoder:
+    """Encodes span records (see :mod:`zoomer_serve.recording.records`) into OTLP request bytes.
+
+    One encoder per exporter; it caches the encoded form of attribute pairs and span names, bounded by
+    ``_MAX_CACHE`` entries. Not thread-safe: use it from the export thread only.
+    """
+
+    def __init__(self, resource_attributes: Mapping[str, Any], scope_name: str, scope_version: str) -> None:
+        resource = b"".join(_ld(0x0A, encode_key_value(k, v)) for k, v in resource_attributes.items())
+        self._resource_field = _ld(0x0A, resource)  # ResourceSpans.resource
+        scope = _ld(0x0A, scope_name.encode()) + _ld(0x12, scope_version.encode())
+        self._scope_field = _ld(0x0A, scope)  # ScopeSpans.scope
+        self._attr_cache: dict[tuple[str, Any], bytes] = {}
+        self._name_cache: dict[str, bytes] = {}
+
+    def _attr(self, key: str, value: Any) -> bytes:
+        cache_key = (key, value) if not isinstance(value, (list, dict)) else None
+        if cache_key is not None:
+            try:
+                hit = self._attr_cache.get(cache_key)
+            except TypeError:  # an unhashable value inside a tuple
+                hit, cache_key = None, None
+            if hit is not None:
+                return hit
+        encoded = _ld(0x4A, encode_key_value(key, value))
+        if cache_key is not None and len(self._attr_cache) < _MAX_CACHE:
+            self._attr_cache[cache_key] = encoded
+        return encoded
+
+    def _name(self, name: str) -> bytes:
+        hit = self._name_cache.get(name)
+        if hit is None:
+            hit = _ld(0x2A, name.encode("utf-8", "replace"))
+            if len(self._name_cache) < _MAX_CACHE:
+                self._name_cache[name] = hit
+        return hit
+
+    def encode_span(self, rec: Sequence[Any]) -> bytes:
+        """Encode one span record as an OTLP ``Span`` message body."""
+        parts = [b"\x0a\x10", rec[R_TRACE_ID].to_bytes(16, "big"), b"\x12\x08", rec[R_SPAN_ID].to_bytes(8, "big")]
+        trace_state = rec[R_TRACE_STATE]
+        if trace_state:
+            parts.append(_ld(0x1A, trace_state.encode()))
+        parent = rec[R_PARENT_ID]
+        if parent:
+            parts.append(b"\x22\x08")
+            parts.append(parent.to_bytes(8, "big"))
+        parts.append(self._name(rec[R_NAME]))
+        parts.append(b"\x30")
+        parts.append(varint(rec[R_KIND]))
+        parts.append(b"\x39")
+        parts.append(_pack_q(rec[R_START_NS]))
+        parts.append(b"\x41")
+        parts.append(_pack_q(rec[R_END_NS]))
+        attr = self._attr
+        for key, value in rec[R_ATTRS].items():
+            if value is not None:
+                parts.append(attr(key, value))
+        events = rec[R_EVENTS]
+        if events:
+            for ev in events:
+                body = b"\x09" + _pack_q(ev[EV_TIME_NS]) + _ld(0x12, ev[EV_NAME].encode("utf-8", "replace"))
+                for key, value in (ev[EV_ATTRS] or {}).items():
+                    if value is not None:
+                        body += _ld(0x1A, encode_key_value(key, value))
+                parts.append(_ld(0x5A, body))
+        links = rec[R_LINKS]
+        if links:
+            for link_trace, link_span, link_attrs in links:
+                body = _ld(0x0A, link_trace.to_bytes(16, "big")) + _ld(0x12, link_span.to_bytes(8, "big"))
+                for key, value in (link_attrs or {}).items():
+                    body += _ld(0x22, encode_key_value(key, value))
+                parts.append(_ld(0x6A, body))
+        status = rec[R_STATUS]
+        if status:
+            body = b""
+            msg = rec[R_STATUS_MSG]
+            if msg:
+                body += _ld(0x12, msg.encode("utf-8", "replace"))
+            body += b"\x18" + varint(status)
+            parts.append(_ld(0x7A, body))
+        flags = rec[R_TRACE_FLAGS] | _FLAG_HAS_IS_REMOTE
+        if rec[R_PARENT_REMOTE]:
+            flags |= _FLAG_IS_REMOTE
+        parts.append(b"\x85\x01")
+        parts.append(_pack_i(flags))
+        return b"".join(parts)
+
+    def encode_request(self, spans: Iterable[bytes]) -> bytes:
+        """Wrap encoded spans into one ``ExportTraceServiceRequest`` (one resource, one scope)."""
+        scope_spans = self._scope_field + b"".join(_ld_tag(b"\x12", s) for s in spans)
+        resource_spans = self._resource_field + _ld(0x12, scope_spans)
+        return _ld(0x0A, resource_spans)

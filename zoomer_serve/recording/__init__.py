@@ -1,0 +1,19 @@
+"""Recording: the framework-neutral request recorder, phases, W3C context parsing, head sampling."""
+
+from zoomer_serve.recording.errors import internal_error, internal_error_counts
+from zoomer_serve.recording.propagation import ParentContext, format_traceparent, parse_traceparent
+from zoomer_serve.recording.recorder import RequestRecorder, RequestSpan, current_request, phase
+from zoomer_serve.recording.sampling import Sampler
+
+__all__ = [
+    "ParentContext",
+    "RequestRecorder",
+    "RequestSpan",
+    "Sampler",
+    "current_request",
+    "format_traceparent",
+    "internal_error",
+    "internal_error_counts",
+    "parse_traceparent",
+    "phase",
+]

@@ -1,0 +1,320 @@
+"""The request recorder: the framework-neutral core that every transport adapter calls.
+
+An adapter calls :meth:`RequestRecorder.start` when a request arrives, sets attributes and status on the
+returned :class:`RequestSpan` while the request runs, and calls :meth:`RequestSpan.end` exactly once
+(later calls are ignored). Ending a span builds one compact record (:mod:`zoomer_serve.recording.records`)
+and hands it to the sink (the export pipeline), which only appends it to a bounded queue: encoding and
+sending happen off the request path. Phases (:func:`phase`) become child spans of the current request.
+
+While a request span is *active* (between :meth:`RequestSpan.activate` and :meth:`RequestSpan.deactivate`,
+on the thread or task that runs the handler), spans that user code starts with the OpenTelemetry API
+become its children, and :func:`current_request` returns it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from zoomer_serve.recording import records as r
+from zoomer_serve.recording.errors import internal_error
+from zoomer_serve.recording.propagation import ParentContext, new_span_id, new_trace_id
+from zoomer_serve.recording.sampling import Sampler
+
+Sink = Callable[[tuple[Any, ...]], None]
+F = TypeVar("F", bound=Callable[..., Any])
+
+_current: contextvars.ContextVar[RequestSpan | None] = contextvars.ContextVar("zoomer_request", default=None)
+_time_ns = time.time_ns
+
+
+def _drop(record: tuple[Any, ...]) -> None:
+    """The sink of a recorder that has nowhere to send records."""
+
+
+class RequestSpan:
+    """One request (or any span an adapter records) between its start and its end.
+
+    Attributes: ``trace_id`` (128-bit int), ``span_id`` (64-bit int), ``parent_id`` (int, 0 for a root),
+    ``start_ns`` (Unix epoch ns), ``sampled`` (bool: the span is exported; metrics count it either way).
+    Methods never raise into the caller's request handling beyond argument type errors.
+    """
+
+    __slots__ = (
+        "_recorder", "trace_id", "span_id", "parent_id", "parent_remote", "trace_flags", "trace_state",
+        "name", "kind", "start_ns", "attributes", "events", "links", "children", "status", "status_message",
+        "_open", "_tokens", "_phase_stack", "_flags",
+    )
+
+    def __init__(self, recorder: RequestRecorder, name: str, kind: int, attributes: dict[str, Any],
+                 parent: ParentContext | None, start_ns: int, sampled: bool, is_request: bool) -> None:
+        self._recorder = recorder
+        self.name = name
+        self.kind = kind
+        self.start_ns = start_ns
+        self.attributes = attributes
+        self.span_id = new_span_id()
+        if parent is None:
+            self.trace_id = new_trace_id()
+            self.parent_id = 0
+            self.parent_remote = False
+            self.trace_state = None
+        else:
+            self.trace_id = parent.trace_id
+            self.parent_id = parent.span_id
+            self.parent_remote = parent.remote
+            self.trace_state = parent.trace_state
+        self.trace_flags = 1 if sampled else 0
+        self._flags = (r.F_SAMPLED if sampled else 0) | (r.F_REQUEST if is_request else 0)
+        self.events: list[tuple[int, str, dict[str, Any] | None]] | None = None
+        self.links: list[tuple[int, int, dict[str, Any] | None]] | None = None
+        self.children: list[tuple[Any, ...]] | None = None
+        self.status = r.STATUS_UNSET
+        self.status_message: str | None = None
+        self._open = [True]  # list.pop() is atomic: the first end() wins
+        self._tokens: list[Any] = []
+        self._phase_stack: list[int] = []
+
+    @property
+    def sampled(self) -> bool:
+        return bool(self.trace_flags & 1)
+
+    @property
+    def is_open(self) -> bool:
+        return bool(self._open)
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        """Set one span attribute (str, bool, int, float, or a list of those)."""
+        self.attributes[key] = value
+
+    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
+        self.attributes.update(attributes)
+
+    def add_event(self, name: str, attributes: dict[str, Any] | None = None, time_ns: int | None = None) -> None:
+        """Add a span event at ``time_ns`` (Unix epoch ns; now when omitted)."""
+        if self.events is None:
+            self.events = []
+        self.events.append((time_ns or _time_ns(), name, attributes))
+
+    def add_link(self, trace_id: int, span_id: int, attributes: dict[str, Any] | None = None) -> None:
+        """Link this span to another span (ids as ints)."""
+        if self.links is None:
+            self.links = []
+        self.links.append((trace_id, span_id, attributes))
+
+    def record_exception(self, exc: BaseException) -> None:
+        """Add the semantic-convention ``exception`` event (type, message, stacktrace)."""
+        stack = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        self.add_event("exception", {
+            "exception.type": type(exc).__qualname__,
+            "exception.message": str(exc),
+            "exception.stacktrace": stack,
+        })
+
+    def set_status(self, status: int, message: str | None = None) -> None:
+        """Set the span status: ``records.STATUS_OK`` / ``STATUS_ERROR`` / ``STATUS_UNSET``."""
+        self.status = status
+        self.status_message = message if status == r.STATUS_ERROR else None
+
+    def add_child(self, name: str, start_ns: int, end_ns: int, attributes: dict[str, Any],
+                  status: int = r.STATUS_UNSET, parent_id: int | None = None,
+                  span_id: int | None = None) -> int:
+        """Record a finished child span (a phase) of this span; returns its span id."""
+        span_id = span_id or new_span_id()
+        rec = (self.trace_id, span_id, parent_id or self.span_id, False, self.trace_flags, self.trace_state,
+               name, r.KIND_INTERNAL, start_ns, end_ns, status, None, attributes, None, None, None,
+               self._flags & r.F_SAMPLED)
+        if self._open:
+            if self.children is None:
+                self.children = []
+            self.children.append(rec)
+        else:  # the request already left: send the child on its own
+            self._recorder.sink(rec)
+        return span_id
+
+    def activate(self) -> None:
+        """Make this span current on this thread or task (see the module docstring). Pair with
+        :meth:`deactivate` on the same thread or task."""
+        self._tokens.append(_current.set(self))
+        otel = self._recorder.otel_attach
+        if otel is not None:
+            self._tokens.append(otel(self))
+        else:
+            self._tokens.append(None)
+
+    def deactivate(self) -> None:
+        """Undo the latest :meth:`activate`."""
+        try:
+            otel_token = self._tokens.pop()
+            if otel_token is not None:
+                self._recorder.otel_detach(otel_token)
+            _current.reset(self._tokens.pop())
+        except (IndexError, ValueError) as exc:
+            internal_error("RequestSpan.deactivate", exc)
+
+    def end(self, end_ns: int | None = None) -> bool:
+        """End the span and hand its record to the sink. Returns True the first time, False after."""
+        try:
+            self._open.pop()
+        except IndexError:
+            return False
+        rec = (self.trace_id, self.span_id, self.parent_id, self.parent_remote, self.trace_flags,
+               self.trace_state, self.name, self.kind, self.start_ns, end_ns or _time_ns(), self.status,
+               self.status_message, self.attributes, self.events, self.links, self.children, self._flags)
+        try:
+            self._recorder.sink(rec)
+        except Exception as exc:  # the sink is ours; never let it break the server
+            internal_error("sink", exc)
+        return True
+
+
+class RequestRecorder:
+    """Starts request spans and sends their records to ``sink``.
+
+    Args:
+        sink: called with each finished record; must be cheap and must not block (the export pipeline's
+            ``submit``).
+        sampler: head sampler for new traces (see :class:`~zoomer_serve.recording.sampling.Sampler`).
+        otel_context: when True, an active request span is also made the current OpenTelemetry span so
+            that user spans become its children (about 1-2 µs per activation).
+    """
+
+    def __init__(self, sink: Sink | None = None, sampler: Sampler | None = None, otel_context: bool = True) -> None:
+        self.sink: Sink = sink or _drop
+        self.sampler = sampler or Sampler()
+        self.otel_attach: Callable[[RequestSpan], Any] | None = None
+        self.otel_detach: Callable[[Any], None] = lambda token: None
+        if otel_context:
+            self._setup_otel_bridge()
+
+    def _setup_otel_bridge(self) -> None:
+        from opentelemetry import context as otel_context
+        from opentelemetry import trace as otel_trace
+        from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
+
+        set_span = otel_trace.set_span_in_context
+        attach = otel_context.attach
+        sampled_flags, unsampled_flags = TraceFlags(1), TraceFlags(0)
+
+        def bridge_attach(span: RequestSpan) -> Any:
+            state = TraceState.from_header([span.trace_state]) if span.trace_state else None
+            ctx = SpanContext(span.trace_id, span.span_id, False,
+                              sampled_flags if span.trace_flags & 1 else unsampled_flags, state)
+            return attach(set_span(NonRecordingSpan(ctx)))
+
+        self.otel_attach = bridge_attach
+        self.otel_detach = otel_context.detach
+
+    def start(self, name: str, kind: int = r.KIND_SERVER, attributes: dict[str, Any] | None = None,
+              parent: ParentContext | None = None, start_ns: int | None = None,
+              is_request: bool = True) -> RequestSpan:
+        """Start a span named ``name`` (for RPCs, the fully qualified method ``pkg.Service/Method``).
+
+        ``parent``: the caller's context from :func:`~zoomer_serve.recording.propagation.parse_traceparent`,
+        or None to start a new trace. ``start_ns``: Unix epoch ns, now when omitted. ``is_request``: count it
+        in the ``rpc.*.call.duration`` metrics.
+        """
+        trace_id = parent.trace_id if parent is not None else 0
+        sampled = self.sampler.should_sample(trace_id, parent) if parent is not None else None
+        span = RequestSpan(self, name, kind, attributes if attributes is not None else {}, parent,
+                           start_ns or _time_ns(), True, is_request)
+        if sampled is None:
+            sampled = self.sampler.should_sample(span.trace_id, None)
+        if not sampled:
+            span.trace_flags = 0
+            span._flags &= ~r.F_SAMPLED
+        return span
+
+
+def current_request() -> RequestSpan | None:
+    """The request span active on this thread or task, or None."""
+    return _current.get()
+
+
+def _profiler_enabled() -> bool:
+    """True while a torch.profiler / autograd profiler session runs (a cheap C call; False when torch was
+    never imported, since nobody can be profiling then)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    try:
+        return bool(torch.autograd._profiler_enabled())
+    except Exception:
+        return False
+
+
+class phase:  # noqa: N801 - used like a function: ``with phase("forward"):`` / ``@phase("forward")``
+    """Time a block of request work as a child span named ``name`` with attribute ``zoomer.phase``.
+
+    Usable as a context manager or a decorator. While a torch.profiler session runs, the block is also a
+    ``torch.profiler.record_function`` range of the same name, so kernel profiles line up with phases.
+    Outside a request it only opens that profiler range (when profiling) and records nothing. An exception
+    leaving the block marks the phase span ERROR and propagates unchanged.
+    """
+
+    __slots__ = ("name", "_start_ns", "_request", "_range", "_attrs")
+
+    def __init__(self, name: str, attributes: Mapping[str, Any] | None = None) -> None:
+        self.name = name
+        self._attrs = dict(attributes) if attributes else None
+        self._request: RequestSpan | None = None
+        self._range: Any = None
+        self._start_ns = 0
+
+    def __enter__(self) -> phase:
+        self._request = _current.get()
+        if _profiler_enabled():
+            try:
+                import torch
+
+                self._range = torch.profiler.record_function(self.name)
+                self._range.__enter__()
+            except Exception as exc:
+                internal_error("phase.record_function", exc)
+                self._range = None
+        if self._request is not None:
+            self._request._phase_stack.append(new_span_id())
+        self._start_ns = _time_ns()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        end_ns = _time_ns()
+        if self._range is not None:
+            try:
+                self._range.__exit__(exc_type, exc, tb)
+            except Exception as err:
+                internal_error("phase.record_function", err)
+            self._range = None
+        req = self._request
+        if req is None:
+            return
+        self._request = None
+        try:
+            stack = req._phase_stack
+            span_id = stack.pop()
+            parent_id = stack[-1] if stack else None
+            attrs = {"zoomer.phase": self.name}
+            if self._attrs:
+                attrs.update(self._attrs)
+            status = r.STATUS_UNSET
+            if exc_type is not None:
+                status = r.STATUS_ERROR
+                attrs["error.type"] = exc_type.__qualname__
+            req.add_child(self.name, self._start_ns, end_ns, attrs, status, parent_id, span_id)
+        except Exception as err:
+            internal_error("phase.exit", err)
+
+    def __call__(self, func: F) -> F:
+        name, attrs = self.name, self._attrs
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with phase(name, attrs):
+                return func(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]

@@ -1,0 +1,61 @@
+"""The span record: the one compact shape in which the request path hands spans to the exporter.
+
+A record is a plain tuple (cheap to build, to pickle across the pipe to the exporter process, and to read).
+The index constants below are the single definition of its layout; everything that builds or reads records
+uses them.
+
+Fields (units):
+
+- ``R_TRACE_ID`` int, 128-bit trace id; ``R_SPAN_ID`` int, 64-bit span id; ``R_PARENT_ID`` int (0 = root)
+- ``R_PARENT_REMOTE`` bool, the parent came from another process (W3C ``traceparent``)
+- ``R_TRACE_FLAGS`` int, W3C trace flags (bit 0 = sampled); ``R_TRACE_STATE`` str or None (W3C tracestate)
+- ``R_NAME`` str; ``R_KIND`` int, OTLP ``Span.SpanKind`` (``KIND_SERVER`` ...)
+- ``R_START_NS`` / ``R_END_NS`` int, Unix epoch time in ns (``time.time_ns``)
+- ``R_STATUS`` int, OTLP ``Status.StatusCode`` (``STATUS_UNSET`` / ``STATUS_OK`` / ``STATUS_ERROR``)
+- ``R_STATUS_MSG`` str or None; ``R_ATTRS`` dict[str, scalar or list]
+- ``R_EVENTS`` list of ``(time_ns, name, attrs)`` or None; ``R_LINKS`` list of ``(trace_id, span_id, attrs)``
+  or None
+- ``R_CHILDREN`` list of child records (phases) exported with this one, or None
+- ``R_FLAGS`` int, ``F_SAMPLED`` (export the span) | ``F_REQUEST`` (count it in the RPC metrics)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+R_TRACE_ID = 0
+R_SPAN_ID = 1
+R_PARENT_ID = 2
+R_PARENT_REMOTE = 3
+R_TRACE_FLAGS = 4
+R_TRACE_STATE = 5
+R_NAME = 6
+R_KIND = 7
+R_START_NS = 8
+R_END_NS = 9
+R_STATUS = 10
+R_STATUS_MSG = 11
+R_ATTRS = 12
+R_EVENTS = 13
+R_LINKS = 14
+R_CHILDREN = 15
+R_FLAGS = 16
+
+EV_TIME_NS = 0
+EV_NAME = 1
+EV_ATTRS = 2
+
+# OTLP Span.SpanKind values
+KIND_INTERNAL = 1
+KIND_SERVER = 2
+KIND_CLIENT = 3
+
+# OTLP Status.StatusCode values
+STATUS_UNSET = 0
+STATUS_OK = 1
+STATUS_ERROR = 2
+
+F_SAMPLED = 1
+F_REQUEST = 2
+
+SpanRecord = tuple[Any, ...]
