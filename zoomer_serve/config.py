@@ -1,0 +1,209 @@
+"""Configuration: dataclasses filled from the environment, then from code.
+
+Each setting has one environment variable: the OpenTelemetry ``OTEL_*`` one where OpenTelemetry defines it,
+else a ``ZOOMER_*`` one. Arguments passed in code (``configure(service_name=...)``) override the
+environment. A bad value raises :class:`ConfigError` naming the variable and the value.
+
+| setting | variable | default |
+| --- | --- | --- |
+| service name | ``OTEL_SERVICE_NAME`` | ``zoomer-serve`` (also read from ``OTEL_RESOURCE_ATTRIBUTES``) |
+| resource attributes | ``OTEL_RESOURCE_ATTRIBUTES`` (``k=v,k2=v2``, percent-encoded values) | none |
+| OTLP endpoint | ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` | ``http://localhost:4317`` (grpc), ``http://localhost:4318`` (http) |
+| protocol | ``OTEL_EXPORTER_OTLP_PROTOCOL`` / ``..._TRACES_PROTOCOL``: ``grpc`` or ``http/protobuf`` | ``grpc`` |
+| headers | ``OTEL_EXPORTER_OTLP_HEADERS`` / ``..._TRACES_HEADERS`` | none |
+| export timeout | ``OTEL_EXPORTER_OTLP_TIMEOUT`` / ``..._TRACES_TIMEOUT`` (ms) | 10000 ms |
+| compression | ``OTEL_EXPORTER_OTLP_COMPRESSION`` / ``..._TRACES_COMPRESSION``: ``gzip`` or ``none`` | none |
+| sampler | ``OTEL_TRACES_SAMPLER``, ``OTEL_TRACES_SAMPLER_ARG`` | ``parentbased_always_on`` |
+| span queue | ``OTEL_BSP_MAX_QUEUE_SIZE`` | 2048 spans |
+| batch size | ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` | 512 spans |
+| batch delay | ``OTEL_BSP_SCHEDULE_DELAY`` (ms) | 5000 ms |
+| metric interval | ``OTEL_METRIC_EXPORT_INTERVAL`` (ms) | 60000 ms |
+| old RPC names too | ``OTEL_SEMCONV_STABILITY_OPT_IN`` containing ``rpc/dup`` | off |
+| SDK off | ``OTEL_SDK_DISABLED=true`` | false |
+| export mode | ``ZOOMER_EXPORT_MODE``: ``process`` (a helper process encodes and sends), ``thread``, ``none`` | ``process`` |
+| excluded methods | ``ZOOMER_EXCLUDED_METHODS`` (comma-separated globs over ``pkg.Service/Method``) | health and reflection |
+| store | ``ZOOMER_STORE`` | ``./zoomer-data/zoomer.duckdb`` |
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+DEFAULT_EXCLUDED_METHODS = ("grpc.health.v1.Health/*", "grpc.reflection.*")
+PROTOCOLS = ("grpc", "http/protobuf")
+EXPORT_MODES = ("process", "thread", "none")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the variable (or argument) and the value."""
+
+
+@dataclass
+class ExportConfig:
+    """Where and how spans and metrics leave the process.
+
+    ``traces_endpoint`` is the full URL the trace exporter uses (for ``http/protobuf`` it includes
+    ``/v1/traces``); ``metrics_endpoint`` likewise. Times are in ms, sizes in spans.
+    """
+
+    protocol: str = "grpc"
+    traces_endpoint: str = "http://localhost:4317"
+    metrics_endpoint: str = "http://localhost:4317"
+    headers: dict[str, str] = field(default_factory=dict)
+    timeout_ms: int = 10_000
+    compression: str = "none"
+    max_queue_size: int = 2048
+    max_export_batch_size: int = 512
+    schedule_delay_ms: int = 5000
+    metric_export_interval_ms: int = 60_000
+    mode: str = "process"
+
+    def __post_init__(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise ConfigError(f"OTLP protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
+        if self.mode not in EXPORT_MODES:
+            raise ConfigError(f"ZOOMER_EXPORT_MODE must be one of {EXPORT_MODES}, got {self.mode!r}")
+        if self.compression not in ("none", "gzip"):
+            raise ConfigError(f"OTLP compression must be 'gzip' or 'none', got {self.compression!r}")
+        for name in ("timeout_ms", "max_queue_size", "max_export_batch_size", "schedule_delay_ms",
+                     "metric_export_interval_ms"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_export_batch_size > self.max_queue_size:
+            raise ConfigError("OTEL_BSP_MAX_EXPORT_BATCH_SIZE must not exceed OTEL_BSP_MAX_QUEUE_SIZE "
+                              f"({self.max_export_batch_size} > {self.max_queue_size})")
+
+
+@dataclass
+class ZoomerConfig:
+    """Everything :func:`zoomer_serve.configure` needs. Build it with :meth:`from_env`."""
+
+    service_name: str = "zoomer-serve"
+    resource_attributes: dict[str, str] = field(default_factory=dict)
+    sampler: str = "parentbased_always_on"
+    sampler_ratio: float = 1.0
+    export: ExportConfig = field(default_factory=ExportConfig)
+    semconv_rpc_dup: bool = False
+    excluded_methods: tuple[str, ...] = DEFAULT_EXCLUDED_METHODS
+    sdk_disabled: bool = False
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ZoomerConfig:
+        """Read every setting from ``env`` (default ``os.environ``). Raises ConfigError on a bad value."""
+        env = os.environ if env is None else env
+        resource = parse_key_values(env.get("OTEL_RESOURCE_ATTRIBUTES", ""), "OTEL_RESOURCE_ATTRIBUTES")
+        service = env.get("OTEL_SERVICE_NAME") or resource.get("service.name") or "zoomer-serve"
+        sampler, ratio = _sampler_from_env(env)
+        excluded = env.get("ZOOMER_EXCLUDED_METHODS")
+        return cls(
+            service_name=service,
+            resource_attributes=resource,
+            sampler=sampler,
+            sampler_ratio=ratio,
+            export=_export_from_env(env),
+            semconv_rpc_dup="rpc/dup" in _csv(env.get("OTEL_SEMCONV_STABILITY_OPT_IN", "")),
+            excluded_methods=tuple(_csv(excluded)) if excluded is not None else DEFAULT_EXCLUDED_METHODS,
+            sdk_disabled=env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true",
+        )
+
+
+def _csv(value: str) -> list[str]:
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def parse_key_values(value: str, variable: str) -> dict[str, str]:
+    """Parse the W3C-baggage-like ``k=v,k2=v2`` form of ``OTEL_RESOURCE_ATTRIBUTES`` and
+    ``OTEL_EXPORTER_OTLP_HEADERS`` (values percent-decoded). Raises ConfigError naming ``variable``."""
+    out: dict[str, str] = {}
+    for item in _csv(value):
+        key, sep, val = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{variable}: expected key=value pairs separated by commas, got {item!r}")
+        out[urllib.parse.unquote(key.strip())] = urllib.parse.unquote(val.strip())
+    return out
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
+    if value <= 0:
+        raise ConfigError(f"{name} must be > 0, got {raw!r}")
+    return value
+
+
+def _sampler_from_env(env: Mapping[str, str]) -> tuple[str, float]:
+    from zoomer_serve.recording.sampling import SAMPLER_NAMES
+
+    name = env.get("OTEL_TRACES_SAMPLER", "parentbased_always_on").strip().lower() or "parentbased_always_on"
+    if name not in SAMPLER_NAMES:
+        raise ConfigError(f"OTEL_TRACES_SAMPLER={name!r} is not supported; use one of {', '.join(SAMPLER_NAMES)}")
+    ratio = 1.0
+    if name.endswith("traceidratio"):
+        raw = env.get("OTEL_TRACES_SAMPLER_ARG", "1.0")
+        try:
+            ratio = float(raw)
+        except ValueError:
+            raise ConfigError(f"OTEL_TRACES_SAMPLER_ARG must be a number in [0, 1], got {raw!r}") from None
+        if not 0.0 <= ratio <= 1.0:
+            raise ConfigError(f"OTEL_TRACES_SAMPLER_ARG must be within [0, 1], got {raw!r}")
+    return name, ratio
+
+
+def _signal(env: Mapping[str, str], signal: str, suffix: str) -> str | None:
+    return env.get(f"OTEL_EXPORTER_OTLP_{signal}_{suffix}") or env.get(f"OTEL_EXPORTER_OTLP_{suffix}")
+
+
+def _endpoint(env: Mapping[str, str], signal: str, protocol: str) -> str:
+    specific = env.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT")
+    if specific:
+        return _check_url(specific, f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT")
+    base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if not base:
+        base = "http://localhost:4317" if protocol == "grpc" else "http://localhost:4318"
+    base = _check_url(base, "OTEL_EXPORTER_OTLP_ENDPOINT")
+    if protocol == "grpc":
+        return base
+    return base.rstrip("/") + "/v1/" + signal.lower()
+
+
+def _check_url(url: str, variable: str) -> str:
+    parsed = urllib.parse.urlparse(url.strip())
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ConfigError(f"{variable} must be an http:// or https:// URL with a host, got {url!r}")
+    try:
+        parsed.port
+    except ValueError:
+        raise ConfigError(f"{variable} has an invalid port: {url!r}") from None
+    return url.strip()
+
+
+def _export_from_env(env: Mapping[str, str]) -> ExportConfig:
+    protocol = (_signal(env, "TRACES", "PROTOCOL") or "grpc").strip()
+    if protocol not in PROTOCOLS:
+        raise ConfigError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r} is not supported; use 'grpc' or 'http/protobuf'")
+    timeout = _signal(env, "TRACES", "TIMEOUT")
+    compression = (_signal(env, "TRACES", "COMPRESSION") or "none").strip().lower()
+    if compression not in ("none", "gzip"):
+        raise ConfigError(f"OTEL_EXPORTER_OTLP_COMPRESSION={compression!r} is not supported; use 'gzip' or 'none'")
+    return ExportConfig(
+        protocol=protocol,
+        traces_endpoint=_endpoint(env, "TRACES", protocol),
+        metrics_endpoint=_endpoint(env, "METRICS", protocol),
+        headers=parse_key_values(_signal(env, "TRACES", "HEADERS") or "", "OTEL_EXPORTER_OTLP_HEADERS"),
+        timeout_ms=_int({"OTEL_EXPORTER_OTLP_TIMEOUT": timeout} if timeout else {}, "OTEL_EXPORTER_OTLP_TIMEOUT",
+                        10_000),
+        compression=compression,
+        max_queue_size=_int(env, "OTEL_BSP_MAX_QUEUE_SIZE", 2048),
+        max_export_batch_size=_int(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512),
+        schedule_delay_ms=_int(env, "OTEL_BSP_SCHEDULE_DELAY", 5000),
+        metric_export_interval_ms=_int(env, "OTEL_METRIC_EXPORT_INTERVAL", 60_000),
+        mode=(env.get("ZOOMER_EXPORT_MODE") or "process").strip().lower(),
+    )

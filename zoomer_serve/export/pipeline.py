@@ -1,0 +1,208 @@
+"""The export pipeline on the server side: a bounded queue that the request path appends to, and a
+writer thread that moves records in batches to the export worker.
+
+The request path calls :meth:`ExportPipeline.submit`: one length check and one ``deque.append``
+(no lock, no system call, no encoding). When the queue holds ``max_queue_size`` records, new records are
+dropped and counted (``dropped``), never blocking a request. A writer thread wakes every 50 ms (or when the
+queue is half full), takes everything queued, and either pickles it into one frame on the helper process's
+stdin (``mode="process"``) or hands it to an in-process :class:`~zoomer_serve.export.worker.ExportWorker`
+thread (``mode="thread"``).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict
+from typing import Any
+
+from zoomer_serve.config import ExportConfig
+from zoomer_serve.export.worker import ExportStats, ExportWorker
+from zoomer_serve.recording import records as r
+
+logger = logging.getLogger("zoomer_serve.export")
+_FRAME_HEADER = struct.Struct(">I")
+_WRITER_PERIOD_S = 0.05
+_READY_TIMEOUT_S = 30.0
+
+
+class ExportPipeline:
+    """Bounded, non-blocking hand-off of span records from the request path to the export worker.
+
+    Args:
+        cfg: export settings (mode, queue size, endpoint ...).
+        resource: resource attributes of every exported span and metric.
+        version: instrumentation scope version.
+    Raises:
+        RuntimeError from :meth:`start` when the helper process does not come up (mode ``process``).
+    """
+
+    def __init__(self, cfg: ExportConfig, resource: dict[str, Any], version: str = "0") -> None:
+        self.cfg = cfg
+        self.resource = resource
+        self.version = version
+        self.dropped = 0  # spans dropped on the server side (queue full or worker gone)
+        self.submitted = 0  # spans handed to the worker
+        self._queue: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._max = cfg.max_queue_size
+        self._wake_at = max(1, cfg.max_queue_size // 2)
+        self._wake = threading.Event()
+        self._closing = False
+        self._writer: threading.Thread | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._worker: ExportWorker | None = None
+        self._broken = False
+        self.final_stats: ExportStats | None = None
+
+    # -- request path -------------------------------------------------------------------------------
+    def submit(self, record: tuple[Any, ...]) -> None:
+        """Queue one record; never blocks, never raises. Drops (and counts) it when the queue is full."""
+        q = self._queue
+        n = len(q)
+        if n >= self._max or self._closing:
+            self.dropped += 1 + len(record[r.R_CHILDREN] or ())
+            return
+        q.append(record)
+        if n == self._wake_at:
+            self._wake.set()
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.cfg.mode == "process":
+            self._start_process()
+        elif self.cfg.mode == "thread":
+            self._worker = ExportWorker(self.cfg, self.resource, self.version)
+            self._worker.start()
+        self._writer = threading.Thread(target=self._write_loop, name="zoomer-export-writer", daemon=True)
+        self._writer.start()
+
+    def _start_process(self) -> None:
+        spec = {"export": asdict(self.cfg), "resource": self.resource, "version": self.version}
+        env = dict(os.environ, ZOOMER_WORKER_CONFIG=json.dumps(spec))
+        self._proc = subprocess.Popen(  # a subprocess (fork+exec), never a bare fork: grpcio is not fork-safe
+            [sys.executable, "-m", "zoomer_serve.export.helper"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, env=env, close_fds=True)
+        line = _readline_with_timeout(self._proc, _READY_TIMEOUT_S)
+        if not line or json.loads(line).get("event") != "ready":
+            self._proc.kill()
+            raise RuntimeError("zoomer-serve: the export helper process did not start "
+                               f"(python -m zoomer_serve.export.helper; first output: {line!r})")
+
+    @property
+    def helper_pid(self) -> int | None:
+        """The pid of the export helper process (mode ``process``), else None."""
+        return self._proc.pid if self._proc is not None else None
+
+    def _write_loop(self) -> None:
+        while not self._closing:
+            self._wake.wait(_WRITER_PERIOD_S)
+            self._wake.clear()
+            self._drain_once()
+        self._drain_once()
+
+    def _drain_once(self) -> None:
+        q = self._queue
+        if not q:
+            return
+        batch = []
+        popleft = q.popleft
+        try:
+            while True:
+                batch.append(popleft())
+        except IndexError:
+            pass
+        spans = sum(count_spans(rec) for rec in batch)
+        self.submitted += spans
+        if self._broken:
+            self.dropped += spans
+            return
+        try:
+            if self._worker is not None:
+                self._worker.put(batch)
+            elif self._proc is not None and self._proc.stdin is not None:
+                payload = pickle.dumps((self.dropped, batch), protocol=pickle.HIGHEST_PROTOCOL)
+                self._proc.stdin.write(_FRAME_HEADER.pack(len(payload)) + payload)
+                self._proc.stdin.flush()
+            else:
+                self.dropped += spans
+        except (BrokenPipeError, OSError, ValueError) as exc:
+            self._broken = True
+            self.dropped += spans
+            logger.warning("zoomer-serve: the export helper process is gone (%r); spans are now dropped "
+                           "and counted (logged once)", exc)
+
+    def shutdown(self, timeout_s: float | None = None) -> ExportStats:
+        """Flush queued records and stop the worker, within about ``timeout_s`` (default: the export
+        timeout) plus one second, even when the collector is unreachable. Logs once how many spans could not
+        be sent. Returns the final counters; safe to call twice."""
+        if self.final_stats is not None:
+            return self.final_stats
+        budget = self.cfg.timeout_ms / 1000 if timeout_s is None else timeout_s
+        deadline = time.monotonic() + budget + 1.0
+        self._closing = True
+        self._wake.set()
+        if self._writer is not None:
+            self._writer.join(max(0.1, deadline - time.monotonic()))
+        stats = ExportStats()
+        if self._worker is not None:
+            stats = self._worker.shutdown(max(0.1, deadline - time.monotonic() - 0.5))
+        elif self._proc is not None:
+            stats = self._stop_process(deadline)
+        stats.dropped_queue += self.dropped
+        self.final_stats = stats
+        if stats.dropped:
+            logger.warning("zoomer-serve: %d spans could not be exported to %s (queue full: %d, export failed: "
+                           "%d; last error: %s)", stats.dropped, self.cfg.traces_endpoint, stats.dropped_queue,
+                           stats.dropped_export, stats.last_error)
+        return stats
+
+    def _stop_process(self, deadline: float) -> ExportStats:
+        proc = self._proc
+        assert proc is not None
+        try:
+            if proc.stdin is not None:
+                proc.stdin.close()
+        except OSError:
+            pass
+        line = _readline_with_timeout(proc, max(0.1, deadline - time.monotonic()), event="stats")
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if not line:
+            return ExportStats(dropped_export=self.submitted - self.dropped, last_error="helper did not report")
+        data = json.loads(line)
+        data.pop("event", None)
+        return ExportStats(**data)
+
+
+def _readline_with_timeout(proc: subprocess.Popen[bytes], timeout_s: float, event: str | None = None) -> str:
+    """Read stdout lines of ``proc`` until one is JSON (with ``event`` when given) or the timeout passes."""
+    result: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.decode("utf-8", "replace").strip()
+            if line.startswith("{") and (event is None or f'"{event}"' in line):
+                result.append(line)
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    return result[0] if result else ""
+
+
+def count_spans(record: tuple[Any, ...]) -> int:
+    """How many spans one record exports (itself and its phases) when sampled."""
+    return 1 + len(record[r.R_CHILDREN] or ())

@@ -1,0 +1,158 @@
+"""Senders of pre-encoded OTLP trace requests: OTLP/gRPC and OTLP/HTTP (protobuf), with the OTLP retry rules.
+
+A sender takes the bytes of one ``ExportTraceServiceRequest`` and a deadline, retries retryable failures
+with exponential back-off until the deadline, and returns True when the collector accepted the request.
+It never raises for network or server errors; those are returned as False with ``last_error`` set.
+"""
+
+from __future__ import annotations
+
+import gzip
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from zoomer_serve.config import ExportConfig
+
+_TRACE_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+_RETRYABLE_HTTP = {429, 502, 503, 504}
+
+
+class TraceSender:
+    """Base class: ``send(payload, deadline)`` (deadline on ``time.monotonic()``) and ``close()``."""
+
+    def __init__(self, cfg: ExportConfig, stop: threading.Event) -> None:
+        self.cfg = cfg
+        self.stop = stop
+        self.last_error: str | None = None
+
+    def send(self, payload: bytes, deadline: float) -> bool:
+        delay = 0.1
+        while True:
+            ok, retryable = self._attempt(payload, deadline)
+            if ok:
+                self.last_error = None
+                return True
+            remaining = deadline - time.monotonic()
+            if not retryable or remaining <= delay or self.stop.is_set():
+                return False
+            self.stop.wait(delay)
+            delay = min(delay * 2, 5.0)
+
+    def _attempt(self, payload: bytes, deadline: float) -> tuple[bool, bool]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class GrpcTraceSender(TraceSender):
+    """OTLP/gRPC: ``TraceService/Export`` with the payload passed through as raw bytes."""
+
+    def __init__(self, cfg: ExportConfig, stop: threading.Event) -> None:
+        super().__init__(cfg, stop)
+        import grpc
+
+        self._grpc = grpc
+        url = urllib.parse.urlparse(cfg.traces_endpoint)
+        target = f"{url.hostname}:{url.port or (443 if url.scheme == 'https' else 4317)}"
+        if url.hostname and ":" in url.hostname:
+            target = f"[{url.hostname}]:{url.port or 4317}"
+        if url.scheme == "https":
+            self._channel = grpc.secure_channel(target, grpc.ssl_channel_credentials())
+        else:
+            self._channel = grpc.insecure_channel(target)
+        self._call = self._channel.unary_unary(_TRACE_METHOD, request_serializer=None, response_deserializer=None)
+        self._metadata = tuple((k.lower(), v) for k, v in cfg.headers.items())
+        self._compression = grpc.Compression.Gzip if cfg.compression == "gzip" else None
+        self._retryable = {
+            grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
+            grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS,
+        }
+
+    def _attempt(self, payload: bytes, deadline: float) -> tuple[bool, bool]:
+        timeout = max(0.05, deadline - time.monotonic())
+        try:
+            self._call(payload, timeout=timeout, metadata=self._metadata, compression=self._compression)
+            return True, False
+        except self._grpc.RpcError as err:
+            code = err.code() if hasattr(err, "code") else None
+            self.last_error = f"{code}: {err.details() if hasattr(err, 'details') else err}"
+            return False, code in self._retryable
+        except Exception as err:  # a broken channel must not kill the exporter
+            self.last_error = repr(err)
+            return False, True
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class HttpTraceSender(TraceSender):
+    """OTLP/HTTP with ``Content-Type: application/x-protobuf`` (and gzip when configured)."""
+
+    def _attempt(self, payload: bytes, deadline: float) -> tuple[bool, bool]:
+        headers = {"Content-Type": "application/x-protobuf", **self.cfg.headers}
+        body = payload
+        if self.cfg.compression == "gzip":
+            body = gzip.compress(payload)
+            headers["Content-Encoding"] = "gzip"
+        req = urllib.request.Request(self.cfg.traces_endpoint, data=body, headers=headers, method="POST")
+        timeout = max(0.05, deadline - time.monotonic())
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - configured URL
+                resp.read()
+            return True, False
+        except urllib.error.HTTPError as err:
+            self.last_error = f"HTTP {err.code}"
+            return False, err.code in _RETRYABLE_HTTP
+        except (urllib.error.URLError, OSError, TimeoutError) as err:
+            self.last_error = repr(getattr(err, "reason", err))
+            return False, True
+
+
+def make_sender(cfg: ExportConfig, stop: threading.Event) -> TraceSender:
+    """The sender for ``cfg.protocol``."""
+    if cfg.protocol == "grpc":
+        return GrpcTraceSender(cfg, stop)
+    return HttpTraceSender(cfg, stop)
+
+
+def sdk_metric_exporter(cfg: ExportConfig) -> Any:
+    """The OpenTelemetry SDK's OTLP metric exporter for the same endpoint, protocol, headers and timeout."""
+    timeout_s = cfg.timeout_ms / 1000
+    if cfg.protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import Compression as GrpcCompression
+
+        url = urllib.parse.urlparse(cfg.metrics_endpoint)
+        return OTLPMetricExporter(endpoint=cfg.metrics_endpoint, insecure=url.scheme != "https",
+                                  headers=cfg.headers or None, timeout=timeout_s,
+                                  compression=GrpcCompression.Gzip if cfg.compression == "gzip" else None)
+    from opentelemetry.exporter.otlp.proto.http import Compression as HttpCompression
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as HttpMetricExporter
+
+    return HttpMetricExporter(endpoint=cfg.metrics_endpoint, headers=cfg.headers or None, timeout=timeout_s,
+                              compression=HttpCompression.Gzip if cfg.compression == "gzip"
+                              else HttpCompression.NoCompression)
+
+
+def sdk_span_exporter(cfg: ExportConfig) -> Any:
+    """The OpenTelemetry SDK's OTLP span exporter (for spans that user code starts with the API)."""
+    timeout_s = cfg.timeout_ms / 1000
+    if cfg.protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import Compression as GrpcCompression
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        url = urllib.parse.urlparse(cfg.traces_endpoint)
+        return OTLPSpanExporter(endpoint=cfg.traces_endpoint, insecure=url.scheme != "https",
+                                headers=cfg.headers or None, timeout=timeout_s,
+                                compression=GrpcCompression.Gzip if cfg.compression == "gzip" else None)
+    from opentelemetry.exporter.otlp.proto.http import Compression as HttpCompression
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpanExporter
+
+    return HttpSpanExporter(endpoint=cfg.traces_endpoint, headers=cfg.headers or None, timeout=timeout_s,
+                            compression=HttpCompression.Gzip if cfg.compression == "gzip"
+                            else HttpCompression.NoCompression)

@@ -1,0 +1,252 @@
+"""The export worker: turns span records into OTLP spans and RPC metrics and sends them to the collector.
+
+It runs either in a helper process (the default, ``ZOOMER_EXPORT_MODE=process``: the server hands it
+record batches over a pipe, so encoding and sending never hold the server's interpreter) or in a thread of
+the server process (``thread``). Either way it keeps a bounded queue of record batches; a batch that does
+not fit is dropped and counted, never blocking the sender.
+
+Protocol of the helper process (``python -m zoomer_serve.export.helper``): the configuration is JSON in
+the environment variable ``ZOOMER_WORKER_CONFIG``; stdin carries frames of a 4-byte big-endian length and a
+pickled ``(parent_dropped_total, [record, ...])``; stdout carries JSON lines: ``{"event": "ready"}`` once
+started, ``{"event": "stats", ...}`` when stdin closes and everything is flushed (or the deadline passed).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import queue
+import struct
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from zoomer_serve.config import ExportConfig
+from zoomer_serve.export.otlp_wire import SpanEncoder
+from zoomer_serve.export.rpc_metrics import RpcMetrics
+from zoomer_serve.export.transport import make_sender, sdk_metric_exporter
+from zoomer_serve.recording import records as r
+
+logger = logging.getLogger("zoomer_serve.export")
+_FRAME_HEADER = struct.Struct(">I")
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+SCOPE_NAME = "zoomer_serve"
+
+
+@dataclass
+class ExportStats:
+    """Counters of the export path (spans, not requests): ``records`` received by the worker, ``exported``
+    spans the collector accepted, ``dropped_export`` spans lost to export failures, ``dropped_queue`` spans
+    that did not fit a queue (server side included), ``last_error`` the last export failure."""
+
+    records: int = 0
+    exported: int = 0
+    dropped_export: int = 0
+    dropped_queue: int = 0
+    last_error: str | None = None
+
+    @property
+    def dropped(self) -> int:
+        return self.dropped_export + self.dropped_queue
+
+
+def _span_count(batch: list[tuple[Any, ...]]) -> int:
+    return sum(1 + len(rec[r.R_CHILDREN] or ()) for rec in batch if rec[r.R_FLAGS] & r.F_SAMPLED)
+
+
+class ExportWorker:
+    """Consumes record batches (``put``), encodes sampled spans, exports them in batches of at most
+    ``cfg.max_export_batch_size`` every ``cfg.schedule_delay_ms`` (or sooner when a batch is full), and
+    records the RPC metrics of every request record on an SDK ``MeterProvider`` with ``resource``."""
+
+    def __init__(self, cfg: ExportConfig, resource: dict[str, Any], version: str = "0") -> None:
+        self.cfg = cfg
+        self.stats = ExportStats()
+        self.parent_dropped = 0
+        self._stop = threading.Event()
+        self._queue: queue.Queue[list[tuple[Any, ...]] | None] = queue.Queue(
+            maxsize=max(4, cfg.max_queue_size // 16))
+        self._encoder = SpanEncoder(resource, SCOPE_NAME, version)
+        self._sender = make_sender(cfg, self._stop)
+        self._pending: list[bytes] = []
+        self._last_flush = time.monotonic()
+        self._meter_provider = self._make_meter_provider(resource)
+        self._metrics = RpcMetrics(self._meter_provider.get_meter(SCOPE_NAME, version))
+        self._thread = threading.Thread(target=self._run, name="zoomer-export", daemon=True)
+        self._logged_failure = False
+
+    def _make_meter_provider(self, resource: dict[str, Any]) -> Any:
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+        from opentelemetry.sdk.resources import Resource
+
+        reader = PeriodicExportingMetricReader(sdk_metric_exporter(self.cfg),
+                                               export_interval_millis=self.cfg.metric_export_interval_ms,
+                                               export_timeout_millis=self.cfg.timeout_ms)
+        provider = MeterProvider(resource=Resource(resource), metric_readers=[reader])
+        meter = provider.get_meter(SCOPE_NAME)
+        meter.create_observable_counter(
+            "otel.sdk.exporter.span.exported", unit="{span}",
+            description="Spans the zoomer-serve exporter sent (error.type set when they were lost)",
+            callbacks=[self._observe_exported])
+        return provider
+
+    def _observe_exported(self, options: Any) -> Any:
+        from opentelemetry.metrics import Observation
+
+        return [Observation(self.stats.exported, {}),
+                Observation(self.stats.dropped_export, {"error.type": "export_failed"}),
+                Observation(self.stats.dropped_queue + self.parent_dropped, {"error.type": "queue_full"})]
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def put(self, batch: list[tuple[Any, ...]]) -> None:
+        """Queue a batch of records without blocking; a full queue drops it (counted)."""
+        try:
+            self._queue.put_nowait(batch)
+        except queue.Full:
+            self.stats.dropped_queue += _span_count(batch)
+
+    def _run(self) -> None:
+        delay = self.cfg.schedule_delay_ms / 1000
+        while True:
+            timeout = max(0.0, self._last_flush + delay - time.monotonic())
+            try:
+                batch = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                batch = []
+            if batch is None:
+                return
+            self._ingest(batch)
+            due = time.monotonic() - self._last_flush >= delay
+            if len(self._pending) >= self.cfg.max_export_batch_size or (due and self._pending):
+                self._flush(time.monotonic() + self.cfg.timeout_ms / 1000)
+            elif due:
+                self._last_flush = time.monotonic()
+
+    def _ingest(self, batch: list[tuple[Any, ...]]) -> None:
+        encode = self._encoder.encode_span
+        for rec in batch:
+            self.stats.records += 1
+            try:
+                self._metrics.record(rec)
+                if rec[r.R_FLAGS] & r.F_SAMPLED:
+                    self._pending.append(encode(rec))
+                    for child in rec[r.R_CHILDREN] or ():
+                        self._pending.append(encode(child))
+            except Exception as exc:  # a malformed record must not stop the exporter
+                self.stats.dropped_export += 1
+                logger.warning("zoomer-serve: could not encode a span record: %r", exc)
+            if len(self._pending) >= self.cfg.max_export_batch_size:
+                self._flush(time.monotonic() + self.cfg.timeout_ms / 1000)
+
+    def _flush(self, deadline: float) -> None:
+        size = self.cfg.max_export_batch_size
+        while self._pending:
+            chunk, self._pending = self._pending[:size], self._pending[size:]
+            if self._stop.is_set() and time.monotonic() >= deadline:
+                self.stats.dropped_export += len(chunk)
+                continue
+            if self._sender.send(self._encoder.encode_request(chunk), deadline):
+                self.stats.exported += len(chunk)
+            else:
+                self.stats.dropped_export += len(chunk)
+                self.stats.last_error = self._sender.last_error
+                if not self._logged_failure:
+                    self._logged_failure = True
+                    logger.warning("zoomer-serve: could not export spans to %s (%s); dropping and counting "
+                                   "them (logged once)", self.cfg.traces_endpoint, self._sender.last_error)
+        self._last_flush = time.monotonic()
+
+    def shutdown(self, timeout_s: float) -> ExportStats:
+        """Export what is queued, then stop; returns within about ``timeout_s`` seconds whatever the
+        collector does. Spans not sent by then are counted as dropped."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            self._queue.put(None, timeout=max(0.01, timeout_s / 2))
+        except queue.Full:
+            self._stop.set()
+        metrics_done = threading.Thread(target=self._shutdown_metrics, args=(timeout_s,), daemon=True)
+        metrics_done.start()
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        self._stop.set()
+        if not self._thread.is_alive():
+            self._drain_queue()
+            self._flush(deadline)
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        metrics_done.join(max(0.0, deadline - time.monotonic()))
+        if self._thread.is_alive():
+            self.stats.dropped_export += len(self._pending)
+        self._sender.close()
+        return self.stats
+
+    def _drain_queue(self) -> None:
+        while True:
+            try:
+                batch = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if batch:
+                self._ingest(batch)
+
+    def _shutdown_metrics(self, timeout_s: float) -> None:
+        try:
+            self._meter_provider.shutdown(timeout_millis=timeout_s * 1000)
+        except Exception as exc:
+            logger.warning("zoomer-serve: metric export at shutdown failed: %r", exc)
+
+
+def _read_exact(stream: Any, n: int) -> bytes | None:
+    buf = b""
+    while len(buf) < n:
+        chunk = stream.read(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return buf
+
+
+def _emit(event: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    """Entry point of the helper process (see the module docstring)."""
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    try:
+        os.nice(5)
+    except OSError:
+        pass
+    spec = json.loads(os.environ["ZOOMER_WORKER_CONFIG"])
+    worker = ExportWorker(ExportConfig(**spec["export"]), spec["resource"], spec.get("version", "0"))
+    worker.start()
+    _emit({"event": "ready", "pid": os.getpid()})
+    stdin = sys.stdin.buffer
+    while True:
+        header = _read_exact(stdin, _FRAME_HEADER.size)
+        if header is None:
+            break
+        (length,) = _FRAME_HEADER.unpack(header)
+        if length > MAX_FRAME_BYTES:
+            logger.error("zoomer-serve exporter: frame of %d bytes exceeds the limit; stopping", length)
+            break
+        payload = _read_exact(stdin, length)
+        if payload is None:
+            break
+        parent_dropped, batch = pickle.loads(payload)  # noqa: S301 - frames come from our parent over a pipe
+        worker.parent_dropped = parent_dropped
+        worker.put(batch)
+    stats = worker.shutdown(spec["export"]["timeout_ms"] / 1000)
+    _emit({"event": "stats", **asdict(stats)})
+    sys.stdout.flush()
+    os._exit(0)  # do not wait for SDK threads still retrying against an unreachable collector
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""The OpenTelemetry resource of this process: service, host, process, torch and (where present) GPU."""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import socket
+import sys
+import uuid
+from typing import Any
+
+from zoomer_serve.config import ZoomerConfig
+
+logger = logging.getLogger("zoomer_serve")
+_INSTANCE_ID = str(uuid.uuid4())
+
+
+def build_resource_attributes(cfg: ZoomerConfig) -> dict[str, Any]:
+    """Resource attributes: ``service.name``, ``service.instance.id`` (a UUID per process unless
+    ``OTEL_RESOURCE_ATTRIBUTES`` sets one), ``host.name``, ``process.pid``, ``process.runtime.*``,
+    ``telemetry.sdk.*``, ``zoomer.torch.version`` (when torch is importable) and, when CUDA is available,
+    ``zoomer.gpu.model`` (``torch.cuda.get_device_name``), ``zoomer.gpu.count`` and
+    ``zoomer.gpu.driver_version`` (NVML ``nvmlSystemGetDriverVersion``). Attributes from
+    ``OTEL_RESOURCE_ATTRIBUTES`` win over detected ones, except ``service.name`` which comes from the config.
+    """
+    from zoomer_serve import __version__
+
+    attrs: dict[str, Any] = {
+        "service.instance.id": _INSTANCE_ID,
+        "host.name": socket.gethostname(),
+        "process.pid": os.getpid(),
+        "process.runtime.name": sys.implementation.name,
+        "process.runtime.version": platform.python_version(),
+        "telemetry.sdk.name": "zoomer-serve",
+        "telemetry.sdk.language": "python",
+        "telemetry.sdk.version": __version__,
+    }
+    attrs.update(_torch_attributes())
+    attrs.update(cfg.resource_attributes)
+    attrs["service.name"] = cfg.service_name
+    return attrs
+
+
+def _torch_attributes() -> dict[str, Any]:
+    try:
+        import torch
+    except ImportError:
+        return {}
+    out: dict[str, Any] = {"zoomer.torch.version": torch.__version__}
+    try:
+        if torch.cuda.is_available():
+            out["zoomer.gpu.model"] = torch.cuda.get_device_name(0)
+            out["zoomer.gpu.count"] = torch.cuda.device_count()
+            driver = _nvml_driver_version()
+            if driver:
+                out["zoomer.gpu.driver_version"] = driver
+    except Exception as exc:  # a broken CUDA setup must not stop the server
+        logger.warning("zoomer-serve: could not read GPU details for the resource: %r", exc)
+    return out
+
+
+def _nvml_driver_version() -> str | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    except Exception:
+        return None

@@ -1,0 +1,203 @@
+"""Telemetry setup: :func:`configure` builds the recorder, the export pipeline and the OpenTelemetry SDK
+providers from the environment (``OTEL_*``, then ``ZOOMER_*``; see :mod:`zoomer_serve.config`) and code.
+
+One :class:`Telemetry` is active per process. Adapters that are created before anyone called
+:func:`configure` configure it from the environment (at construction, never on the request path).
+:func:`shutdown` (also registered with ``atexit``) flushes within the export timeout plus one second.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from zoomer_serve.config import ConfigError, ExportConfig, ZoomerConfig
+from zoomer_serve.export import ExportPipeline, ExportStats
+from zoomer_serve.recording import RequestRecorder, Sampler
+from zoomer_serve.resource import build_resource_attributes
+
+logger = logging.getLogger("zoomer_serve")
+_lock = threading.RLock()
+_active: Telemetry | None = None
+
+
+@dataclass
+class Telemetry:
+    """The configured telemetry of this process.
+
+    ``recorder`` starts request spans; ``pipeline`` carries their records to the exporter (None when the SDK
+    is disabled or ``ZOOMER_EXPORT_MODE=none``); ``tracer_provider`` / ``meter_provider`` are SDK providers
+    for spans and metrics that user code and other zoomer-serve parts create with the OpenTelemetry API.
+    """
+
+    config: ZoomerConfig
+    resource: dict[str, Any]
+    recorder: RequestRecorder
+    pipeline: ExportPipeline | None
+    tracer_provider: Any
+    meter_provider: Any
+    _stats: ExportStats | None = None
+
+    def shutdown(self, timeout_s: float | None = None) -> ExportStats:
+        """Flush and stop everything within about ``timeout_s`` (default: the OTLP export timeout) + 1 s.
+        Returns the export counters; calling it again returns the same counters."""
+        if self._stats is not None:
+            return self._stats
+        budget = self.config.export.timeout_ms / 1000 if timeout_s is None else timeout_s
+        threads = [threading.Thread(target=_shutdown_provider, args=(p, budget), daemon=True)
+                   for p in (self.tracer_provider, self.meter_provider) if p is not None]
+        for t in threads:
+            t.start()
+        stats = self.pipeline.shutdown(budget) if self.pipeline is not None else ExportStats()
+        for t in threads:
+            t.join(budget + 1.0)
+        self.recorder.sink = lambda record: None
+        self._stats = stats
+        return stats
+
+
+def _shutdown_provider(provider: Any, budget_s: float) -> None:
+    try:
+        if hasattr(provider, "force_flush"):
+            provider.force_flush(int(budget_s * 1000))
+        provider.shutdown()
+    except Exception as exc:
+        logger.warning("zoomer-serve: SDK provider shutdown failed: %r", exc)
+
+
+def configure(*, service_name: str | None = None, endpoint: str | None = None, protocol: str | None = None,
+              export_mode: str | None = None, sampler: str | None = None, sampler_ratio: float | None = None,
+              resource_attributes: dict[str, str] | None = None, timeout_ms: int | None = None,
+              schedule_delay_ms: int | None = None, metric_export_interval_ms: int | None = None,
+              set_global_providers: bool = True, config: ZoomerConfig | None = None) -> Telemetry:
+    """Configure telemetry for this process and return it (replacing, after shutting it down, any earlier one).
+
+    Settings come from ``config`` when given, else from the environment; each keyword argument that is
+    not None overrides them. ``endpoint`` is the OTLP base URL (``http://host:4317`` for grpc,
+    ``http://host:4318`` for http/protobuf, where ``/v1/traces`` and ``/v1/metrics`` are appended).
+    ``set_global_providers`` installs the SDK providers as the OpenTelemetry global ones when none is set yet.
+
+    Raises:
+        ConfigError: a setting is invalid (the message names it).
+        RuntimeError: the export helper process could not start.
+    """
+    global _active
+    cfg = config or ZoomerConfig.from_env()
+    cfg = _apply_overrides(cfg, service_name, endpoint, protocol, export_mode, sampler, sampler_ratio,
+                           resource_attributes, timeout_ms, schedule_delay_ms, metric_export_interval_ms)
+    with _lock:
+        if _active is not None:
+            _active.shutdown()
+            _active = None
+        _active = _build(cfg, set_global_providers)
+        return _active
+
+
+def _apply_overrides(cfg: ZoomerConfig, service_name: str | None, endpoint: str | None, protocol: str | None,
+                     export_mode: str | None, sampler: str | None, sampler_ratio: float | None,
+                     resource_attributes: dict[str, str] | None, timeout_ms: int | None,
+                     schedule_delay_ms: int | None, metric_export_interval_ms: int | None) -> ZoomerConfig:
+    exp = cfg.export
+    changes: dict[str, Any] = {}
+    if protocol is not None:
+        changes["protocol"] = protocol
+    if endpoint is not None:
+        proto = protocol or exp.protocol
+        base = endpoint.rstrip("/")
+        changes["traces_endpoint"] = base if proto == "grpc" else base + "/v1/traces"
+        changes["metrics_endpoint"] = base if proto == "grpc" else base + "/v1/metrics"
+    for key, value in (("mode", export_mode), ("timeout_ms", timeout_ms), ("schedule_delay_ms", schedule_delay_ms),
+                       ("metric_export_interval_ms", metric_export_interval_ms)):
+        if value is not None:
+            changes[key] = value
+    new_export: ExportConfig = dataclasses.replace(exp, **changes) if changes else exp
+    top: dict[str, Any] = {"export": new_export}
+    if service_name is not None:
+        top["service_name"] = service_name
+    if sampler is not None:
+        top["sampler"] = sampler
+    if sampler_ratio is not None:
+        top["sampler_ratio"] = sampler_ratio
+    if resource_attributes:
+        top["resource_attributes"] = {**cfg.resource_attributes, **resource_attributes}
+    return dataclasses.replace(cfg, **top)
+
+
+def _build(cfg: ZoomerConfig, set_global: bool) -> Telemetry:
+    try:
+        sampler = Sampler(cfg.sampler, cfg.sampler_ratio)
+    except ValueError as exc:
+        raise ConfigError(f"sampler: {exc}") from None
+    if cfg.sdk_disabled:
+        logger.info("zoomer-serve: OTEL_SDK_DISABLED=true; recording nothing")
+        return Telemetry(cfg, {}, RequestRecorder(None, sampler, otel_context=False), None, None, None)
+    from zoomer_serve import __version__
+
+    resource = build_resource_attributes(cfg)
+    pipeline = None
+    if cfg.export.mode != "none":
+        pipeline = ExportPipeline(cfg.export, resource, __version__)
+        pipeline.start()
+    recorder = RequestRecorder(pipeline.submit if pipeline else None, sampler)
+    tracer_provider, meter_provider = _sdk_providers(cfg, resource, set_global)
+    return Telemetry(cfg, resource, recorder, pipeline, tracer_provider, meter_provider)
+
+
+def _sdk_providers(cfg: ZoomerConfig, resource: dict[str, Any], set_global: bool) -> tuple[Any, Any]:
+    from opentelemetry import metrics, trace
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    from zoomer_serve.export.transport import sdk_metric_exporter, sdk_span_exporter
+
+    res = Resource(resource)
+    exp = cfg.export
+    tracer_provider = TracerProvider(resource=res, sampler=ParentBased(TraceIdRatioBased(cfg.sampler_ratio)))
+    if exp.mode != "none":
+        tracer_provider.add_span_processor(BatchSpanProcessor(
+            sdk_span_exporter(exp), max_queue_size=exp.max_queue_size, schedule_delay_millis=exp.schedule_delay_ms,
+            max_export_batch_size=exp.max_export_batch_size, export_timeout_millis=exp.timeout_ms))
+    readers = []
+    if exp.mode != "none":
+        readers.append(PeriodicExportingMetricReader(sdk_metric_exporter(exp),
+                                                     export_interval_millis=exp.metric_export_interval_ms,
+                                                     export_timeout_millis=exp.timeout_ms))
+    meter_provider = MeterProvider(resource=res, metric_readers=readers)
+    if set_global:
+        if type(trace.get_tracer_provider()).__name__ == "ProxyTracerProvider":
+            trace.set_tracer_provider(tracer_provider)
+        if type(metrics.get_meter_provider()).__name__ == "_ProxyMeterProvider":
+            metrics.set_meter_provider(meter_provider)
+    return tracer_provider, meter_provider
+
+
+def get_telemetry() -> Telemetry:
+    """The active telemetry, configured from the environment on first use."""
+    with _lock:
+        if _active is None:
+            return configure()
+        return _active
+
+
+def get_recorder() -> RequestRecorder:
+    """The active request recorder (configuring from the environment on first use)."""
+    return get_telemetry().recorder
+
+
+def shutdown(timeout_s: float | None = None) -> ExportStats | None:
+    """Flush and stop the active telemetry (see :meth:`Telemetry.shutdown`); None when none is active."""
+    global _active
+    with _lock:
+        active, _active = _active, None
+    return active.shutdown(timeout_s) if active is not None else None
+
+
+atexit.register(shutdown)
