@@ -48,7 +48,7 @@ class RequestSpan:
     __slots__ = (
         "_recorder", "trace_id", "span_id", "parent_id", "parent_remote", "trace_flags", "trace_state",
         "name", "kind", "start_ns", "attributes", "events", "links", "children", "status", "status_message",
-        "_open", "_tokens", "_phase_stack", "_flags",
+        "_open", "_tokens", "_phase_stack", "_flags", "otel_parent_context",
     )
 
     def __init__(self, recorder: RequestRecorder, name: str, kind: int, attributes: dict[str, Any],
@@ -79,6 +79,7 @@ class RequestSpan:
         self._open = [True]  # list.pop() is atomic: the first end() wins
         self._tokens: list[Any] = []
         self._phase_stack: list[int] = []
+        self.otel_parent_context: Any = None  # an OpenTelemetry Context carrying the caller's baggage
 
     @property
     def sampled(self) -> bool:
@@ -201,7 +202,7 @@ class RequestRecorder:
         bridge_cls = _otel_bridge_class()
 
         def bridge_attach(span: RequestSpan) -> Any:
-            return attach(set_span(bridge_cls(span)))
+            return attach(set_span(bridge_cls(span), span.otel_parent_context))
 
         self.otel_attach = bridge_attach
         self.otel_detach = otel_context.detach
