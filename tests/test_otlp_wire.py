@@ -1,0 +1,87 @@
+"""The hand-written OTLP encoder produces messages that the official protobuf classes parse back exactly."""
+
+from __future__ import annotations
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+from zoomer_serve.export.otlp_wire import SpanEncoder, encode_any_value
+from zoomer_serve.recording import records as r
+
+
+def _record(**over):
+    rec = [0] * 17
+    rec[r.R_TRACE_ID] = 0x0123456789ABCDEF0123456789ABCDEF
+    rec[r.R_SPAN_ID] = 0x1122334455667788
+    rec[r.R_PARENT_ID] = 0x99AABBCCDDEEFF00
+    rec[r.R_PARENT_REMOTE] = True
+    rec[r.R_TRACE_FLAGS] = 1
+    rec[r.R_TRACE_STATE] = "vendor=x"
+    rec[r.R_NAME] = "pkg.Svc/Method"
+    rec[r.R_KIND] = r.KIND_SERVER
+    rec[r.R_START_NS] = 1_700_000_000_000_000_000
+    rec[r.R_END_NS] = 1_700_000_000_002_500_000
+    rec[r.R_STATUS] = r.STATUS_ERROR
+    rec[r.R_STATUS_MSG] = "boom"
+    rec[r.R_ATTRS] = {"rpc.method": "pkg.Svc/Method", "server.port": 50051, "neg": -5, "ratio": 0.25,
+                      "ok": True, "list": ["a", "b"], "ints": [1, 2], "none": None}
+    rec[r.R_EVENTS] = [(1_700_000_000_001_000_000, "exception", {"exception.type": "ValueError"})]
+    rec[r.R_LINKS] = [(0xAB, 0xCD, {"k": "v"})]
+    rec[r.R_CHILDREN] = None
+    rec[r.R_FLAGS] = r.F_SAMPLED | r.F_REQUEST
+    for key, value in over.items():
+        rec[getattr(r, key)] = value
+    return tuple(rec)
+
+
+def _attrs(kvs):
+    out = {}
+    for kv in kvs:
+        which = kv.value.WhichOneof("value")
+        value = getattr(kv.value, which)
+        if which == "array_value":
+            value = [getattr(v, v.WhichOneof("value")) for v in value.values]
+        out[kv.key] = value
+    return out
+
+
+def test_span_round_trips_through_official_messages():
+    enc = SpanEncoder({"service.name": "svc", "process.pid": 42}, "zoomer_serve", "0.1.0")
+    payload = enc.encode_request([enc.encode_span(_record()), enc.encode_span(_record(R_PARENT_ID=0))])
+    req = ExportTraceServiceRequest.FromString(payload)
+    rs = req.resource_spans[0]
+    assert _attrs(rs.resource.attributes) == {"service.name": "svc", "process.pid": 42}
+    assert rs.scope_spans[0].scope.name == "zoomer_serve"
+    assert rs.scope_spans[0].scope.version == "0.1.0"
+    first, second = rs.scope_spans[0].spans
+    assert first.trace_id.hex() == "0123456789abcdef0123456789abcdef"
+    assert first.span_id.hex() == "1122334455667788"
+    assert first.parent_span_id.hex() == "99aabbccddeeff00"
+    assert second.parent_span_id == b""
+    assert first.trace_state == "vendor=x"
+    assert first.name == "pkg.Svc/Method"
+    assert first.kind == Span.SPAN_KIND_SERVER
+    assert first.end_time_unix_nano - first.start_time_unix_nano == 2_500_000
+    assert _attrs(first.attributes) == {"rpc.method": "pkg.Svc/Method", "server.port": 50051, "neg": -5,
+                                        "ratio": 0.25, "ok": True, "list": ["a", "b"], "ints": [1, 2]}
+    assert first.status.code == 2 and first.status.message == "boom"
+    assert first.events[0].name == "exception"
+    assert _attrs(first.events[0].attributes) == {"exception.type": "ValueError"}
+    assert first.links[0].trace_id == (0xAB).to_bytes(16, "big")
+    assert _attrs(first.links[0].attributes) == {"k": "v"}
+    assert first.flags == 0x1 | 0x100 | 0x200  # sampled, has-is-remote, is-remote
+
+
+def test_cached_attribute_encodings_stay_correct_across_spans():
+    enc = SpanEncoder({}, "s", "v")
+    spans = [enc.encode_span(_record(R_ATTRS={"code": c, "n": i})) for i, c in enumerate(["OK", "OK", "X"])]
+    req = ExportTraceServiceRequest.FromString(enc.encode_request(spans))
+    got = [_attrs(s.attributes) for s in req.resource_spans[0].scope_spans[0].spans]
+    assert got == [{"code": "OK", "n": 0}, {"code": "OK", "n": 1}, {"code": "X", "n": 2}]
+
+
+def test_any_value_of_unknown_type_is_its_string():
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+    assert AnyValue.FromString(encode_any_value(object)).string_value == str(object)
+    assert AnyValue.FromString(encode_any_value({"a": 1})).kvlist_value.values[0].value.int_value == 1
