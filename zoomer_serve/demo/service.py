@@ -1,0 +1,298 @@
+"""gRPC ``zoomer.demo.v1.Ranker`` service backed by the DLRM demo model.
+
+Every scored request runs three phases of the project's phase API, so the profiling
+middleware can attribute time within a request:
+
+* ``preprocess``: validate the request and build tensors on the model's device;
+* ``forward``: the model call under ``torch.inference_mode()``, including copying the scores
+  back to the CPU (so on CUDA the phase covers the kernels, not just their launch);
+* ``postprocess``: build the ``PredictResponse``.
+
+Invalid requests end the call with ``INVALID_ARGUMENT`` and a message naming the candidate,
+the feature and the offending value; see ``InvalidRequestError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from zoomer_serve.recording import phase
+
+from . import ranker_pb2, ranker_pb2_grpc
+from .model import DLRM, DLRMConfig, build_model
+
+DEFAULT_MAX_BATCH_SIZE = 1024
+DEFAULT_MAX_IDS_PER_FEATURE = 64
+
+# build_server(extra_servicers=...) accepts either a callable that registers something on the
+# server, or an (add_XServicer_to_server, servicer) pair as produced by protoc.
+ExtraServicer = Callable[[grpc.Server], Any] | tuple[Callable[[Any, grpc.Server], Any], Any]
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Serving limits and labels.
+
+    Attributes:
+        max_batch_size: most candidates accepted in one PredictRequest.
+        max_ids_per_feature: most ids accepted for one sparse feature of one candidate.
+        model_version: returned in every PredictResponse.model_version.
+    """
+
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    max_ids_per_feature: int = DEFAULT_MAX_IDS_PER_FEATURE
+    model_version: str = "dlrm-demo-v1"
+
+    def __post_init__(self) -> None:
+        """Raise ValueError on a limit below 1."""
+        if self.max_batch_size < 1 or self.max_ids_per_feature < 1:
+            raise ValueError(
+                f"limits must be >= 1, got max_batch_size={self.max_batch_size}, "
+                f"max_ids_per_feature={self.max_ids_per_feature}"
+            )
+
+
+class InvalidRequestError(ValueError):
+    """A PredictRequest the model cannot score; ``str(err)`` says exactly what is wrong."""
+
+
+class ServerBindError(OSError):
+    """The gRPC server could not listen on the requested host:port."""
+
+
+@dataclass
+class Batch:
+    """Model inputs built from a validated request.
+
+    Attributes:
+        dense: float32 [batch, num_dense].
+        ids: per sparse feature, int64 [total_ids_f] (all candidates' ids concatenated).
+        offsets: per sparse feature, int64 [batch] start offsets into ``ids``.
+    """
+
+    dense: torch.Tensor
+    ids: list[torch.Tensor]
+    offsets: list[torch.Tensor]
+
+    @property
+    def size(self) -> int:
+        """Number of candidates."""
+        return int(self.dense.shape[0])
+
+    def to(self, device: torch.device) -> Batch:
+        """Copy all tensors to ``device`` (non-blocking where possible)."""
+        return Batch(
+            dense=self.dense.to(device, non_blocking=True),
+            ids=[t.to(device, non_blocking=True) for t in self.ids],
+            offsets=[t.to(device, non_blocking=True) for t in self.offsets],
+        )
+
+
+def _check_shape(request: ranker_pb2.PredictRequest, model_config: DLRMConfig, config: ServiceConfig) -> None:
+    """Check counts (batch, dense and sparse features, ids per feature); raise InvalidRequestError."""
+    n = len(request.candidates)
+    if n == 0:
+        raise InvalidRequestError(
+            f"empty batch: PredictRequest.candidates has 0 entries, need 1 to {config.max_batch_size}"
+        )
+    if n > config.max_batch_size:
+        raise InvalidRequestError(
+            f"batch too large: {n} candidates, max_batch_size is {config.max_batch_size}"
+        )
+    num_dense, num_sparse = model_config.num_dense, model_config.num_sparse
+    for i, candidate in enumerate(request.candidates):
+        if len(candidate.dense) != num_dense:
+            raise InvalidRequestError(
+                f"candidate {i}: expected {num_dense} dense features, got {len(candidate.dense)}"
+            )
+        if len(candidate.sparse) != num_sparse:
+            raise InvalidRequestError(
+                f"candidate {i}: expected {num_sparse} sparse features, got {len(candidate.sparse)}"
+            )
+        for f, feature in enumerate(candidate.sparse):
+            if not 1 <= len(feature.ids) <= config.max_ids_per_feature:
+                raise InvalidRequestError(
+                    f"candidate {i}, sparse feature {f}: {len(feature.ids)} ids, "
+                    f"need 1 to {config.max_ids_per_feature}"
+                )
+
+
+def _check_dense_finite(dense: torch.Tensor) -> None:
+    """Raise InvalidRequestError naming the first NaN/inf in float32 [batch, num_dense]."""
+    bad = ~torch.isfinite(dense)
+    if bool(bad.any()):
+        i, j = (int(v) for v in bad.nonzero()[0])
+        raise InvalidRequestError(
+            f"candidate {i}: dense feature {j} is {float(dense[i, j])}, dense values must be finite"
+        )
+
+
+def _check_id_range(f: int, ids: torch.Tensor, offsets: torch.Tensor, table_size: int) -> None:
+    """Raise InvalidRequestError naming the first id of feature ``f`` outside [0, table_size)."""
+    bad = (ids < 0) | (ids >= table_size)
+    if bool(bad.any()):
+        pos = int(bad.nonzero()[0, 0])
+        candidate = int(torch.searchsorted(offsets, pos, right=True)) - 1
+        raise InvalidRequestError(
+            f"candidate {candidate}, sparse feature {f}: id {int(ids[pos])} out of range, "
+            f"table {f} has {table_size} rows (valid ids 0..{table_size - 1})"
+        )
+
+
+def request_to_batch(
+    request: ranker_pb2.PredictRequest,
+    model_config: DLRMConfig,
+    config: ServiceConfig | None = None,
+) -> Batch:
+    """Validate ``request`` and convert it to CPU tensors.
+
+    Raises InvalidRequestError (first problem found) for: an empty batch, more than
+    ``config.max_batch_size`` candidates, a wrong number of dense or sparse features, a sparse
+    feature with no ids or more than ``config.max_ids_per_feature``, a non-finite dense value,
+    or an id outside its table.
+    """
+    config = config or ServiceConfig()
+    _check_shape(request, model_config, config)
+    dense = torch.tensor([list(c.dense) for c in request.candidates], dtype=torch.float32)
+    _check_dense_finite(dense)
+    flat: list[list[int]] = [[] for _ in range(model_config.num_sparse)]
+    starts: list[list[int]] = [[] for _ in range(model_config.num_sparse)]
+    for candidate in request.candidates:
+        for f, feature in enumerate(candidate.sparse):
+            starts[f].append(len(flat[f]))
+            flat[f].extend(feature.ids)
+    ids = [torch.tensor(v, dtype=torch.int64) for v in flat]
+    offsets = [torch.tensor(v, dtype=torch.int64) for v in starts]
+    for f, table_size in enumerate(model_config.table_sizes):
+        _check_id_range(f, ids[f], offsets[f], table_size)
+    return Batch(dense=dense, ids=ids, offsets=offsets)
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+class RankerServicer(ranker_pb2_grpc.RankerServicer):
+    """Serves ``Ranker.Predict`` and ``Ranker.PredictStream`` with a DLRM model.
+
+    Args:
+        model: the model, in eval mode; shared by all worker threads (read-only).
+        device: where inputs are placed; None means the device of the model's parameters.
+        config: serving limits; None means ``ServiceConfig()``.
+    """
+
+    def __init__(
+        self,
+        model: DLRM,
+        device: torch.device | str | None = None,
+        config: ServiceConfig | None = None,
+    ) -> None:
+        self.model = model
+        self.device = torch.device(device) if device is not None else _model_device(model)
+        self.config = config or ServiceConfig()
+
+    def score(self, request: ranker_pb2.PredictRequest) -> ranker_pb2.PredictResponse:
+        """Score one request, transport-independent; raises InvalidRequestError."""
+        with phase("preprocess"):
+            batch = request_to_batch(request, self.model.config, self.config).to(self.device)
+        with phase("forward"), torch.inference_mode():
+            scores = self.model(batch.dense, batch.ids, batch.offsets).float().cpu()
+        with phase("postprocess"):
+            return ranker_pb2.PredictResponse(
+                request_id=request.request_id,
+                scores=scores.tolist(),
+                model_version=self.config.model_version,
+            )
+
+    def _score_or_abort(
+        self, request: ranker_pb2.PredictRequest, context: grpc.ServicerContext
+    ) -> ranker_pb2.PredictResponse:
+        try:
+            return self.score(request)
+        except InvalidRequestError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            raise  # not reached: abort raises
+
+    def Predict(
+        self, request: ranker_pb2.PredictRequest, context: grpc.ServicerContext
+    ) -> ranker_pb2.PredictResponse:
+        """Unary: one response with one score per candidate; INVALID_ARGUMENT on a bad request."""
+        return self._score_or_abort(request, context)
+
+    def PredictStream(
+        self, request_iterator: Iterator[ranker_pb2.PredictRequest], context: grpc.ServicerContext
+    ) -> Iterator[ranker_pb2.PredictResponse]:
+        """Bidirectional: one response per request message, in order; the first bad message
+        ends the stream with INVALID_ARGUMENT (responses already sent stay delivered)."""
+        for request in request_iterator:
+            yield self._score_or_abort(request, context)
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def _register_extra(server: grpc.Server, extra: ExtraServicer) -> None:
+    if callable(extra):
+        extra(server)
+        return
+    add_fn, servicer = extra
+    add_fn(servicer, server)
+
+
+def build_server(
+    model: DLRM | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+    max_workers: int = 8,
+    extra_servicers: Iterable[ExtraServicer] = (),
+    config: ServiceConfig | None = None,
+) -> tuple[grpc.Server, int]:
+    """Build, bind and start a gRPC server hosting ``RankerServicer``.
+
+    Args:
+        model: the model to serve; None builds ``build_model()`` (default config, seed 0,
+            CUDA if available).
+        host, port: where to listen; port 0 picks a free port.
+        interceptors: server interceptors, outermost first.
+        max_workers: size of the thread pool handling RPCs.
+        extra_servicers: more services to host (health, reflection, ...): each a callable
+            ``f(server)`` or a pair ``(add_XServicer_to_server, servicer)``.
+        config: serving limits; None means ``ServiceConfig()``.
+
+    Returns:
+        ``(server, bound_port)``; the server is started, stop it with ``server.stop(grace)``.
+
+    Raises:
+        ServerBindError (an OSError): the address cannot be bound (in use, not a local
+            address, no permission). SO_REUSEPORT is disabled, so a port held by another
+            server is reported instead of silently shared.
+    """
+    model = model if model is not None else build_model()
+    servicer = RankerServicer(model, config=config)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ranker-rpc"),
+        interceptors=list(interceptors),
+        options=[("grpc.so_reuseport", 0)],
+    )
+    ranker_pb2_grpc.add_RankerServicer_to_server(servicer, server)
+    for extra in extra_servicers:
+        _register_extra(server, extra)
+    address = _address(host, port)
+    try:
+        bound_port = server.add_insecure_port(address)
+    except RuntimeError as err:  # grpcio >= 1.50 raises, older versions return 0
+        server.stop(None)
+        raise ServerBindError(f"cannot bind gRPC server to {address}: {err}") from err
+    if bound_port == 0:
+        server.stop(None)
+        raise ServerBindError(f"cannot bind gRPC server to {address}")
+    server.start()
+    return server, bound_port
