@@ -33,6 +33,7 @@ from interceptors.grpc_common import (
     parent_from_metadata,
     static_attributes,
 )
+from zoomer_serve.config import ZoomerConfig
 from zoomer_serve.recording import RequestRecorder, RequestSpan, internal_error
 
 _OK = grpc.StatusCode.OK
@@ -205,18 +206,19 @@ class ZoomerServerInterceptor(grpc.ServerInterceptor):
     def __init__(self, recorder: RequestRecorder | None = None, *, server_address: str | None = None,
                  server_port: int | None = None, excluded_methods: tuple[str, ...] | None = None,
                  filter_: Callable[[str], bool] | None = None, semconv_dup: bool | None = None) -> None:
-        config = None
-        if recorder is None or excluded_methods is None or semconv_dup is None:
+        if recorder is None:
             from zoomer_serve.runtime import get_telemetry
 
             telemetry = get_telemetry()
             config = telemetry.config
-            recorder = recorder or telemetry.recorder
+            recorder = telemetry.recorder
+        else:  # defaults from the environment, without configuring (and starting) any exporter
+            config = ZoomerConfig.from_env()
         self.recorder = recorder
         self.server_address = server_address
         self.server_port = server_port
-        self.semconv_dup = semconv_dup if semconv_dup is not None else bool(config and config.semconv_rpc_dup)
-        excluded = excluded_methods if excluded_methods is not None else (config.excluded_methods if config else ())
+        self.semconv_dup = semconv_dup if semconv_dup is not None else config.semconv_rpc_dup
+        excluded = excluded_methods if excluded_methods is not None else config.excluded_methods
         self.traced = method_filter(excluded, filter_)
         self.peers = PeerParser()
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}

@@ -1,0 +1,328 @@
+"""The sync gRPC server interceptor against a real grpc.server, exporting over real OTLP to the embedded
+collector: span counts, names, status codes, parentage, streaming lifetimes, fail-open behaviour."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+import zoomer_serve
+from interceptors import ZoomerServerInterceptor
+from zoomer_serve.recording import format_traceparent, internal_error_counts
+
+sys.path.insert(0, str(Path(__file__).parent))
+import grpc_echo  # noqa: E402
+
+METHOD = "test.Echo/Unary"
+
+
+@pytest.fixture
+def echo(telemetry):
+    server, target = grpc_echo.start_server([ZoomerServerInterceptor(server_address="127.0.0.1")])
+    client = grpc_echo.Client(target)
+    yield client
+    client.close()
+    server.stop(grace=None)
+
+
+def _by_name(spans, name):
+    return [s for s in spans if s["name"] == name]
+
+
+def _code(span):
+    return span["attributes"].get("rpc.response.status_code")
+
+
+def test_n_unary_calls_give_n_server_spans(echo, collector):
+    for i in range(25):
+        assert echo.unary(b"hello-%d" % i) == b"hello-%d" % i
+    spans = collector.spans("SERVER")
+    assert len(spans) == 25
+    for span in spans:
+        attrs = span["attributes"]
+        assert span["name"] == METHOD
+        assert attrs["rpc.method"] == METHOD
+        assert attrs["rpc.system.name"] == "grpc"
+        assert attrs["rpc.response.status_code"] == "OK"
+        assert attrs["server.address"] == "127.0.0.1"
+        assert attrs["network.peer.address"] == "127.0.0.1"
+        assert isinstance(attrs["network.peer.port"], int)
+        assert attrs["zoomer.rpc.request.messages"] == 1 and attrs["zoomer.rpc.response.messages"] == 1
+        assert span["status_code"] == "UNSET"
+        assert span["parent_span_id"] is None
+        assert span["service_name"] == "test-svc"
+        assert span["end_ns"] > span["start_ns"]
+    assert len({s["trace_id"] for s in spans}) == 25
+    sent = sum(len(b"hello-%d" % i) for i in range(25))
+    assert sum(s["attributes"]["zoomer.rpc.request.bytes"] for s in spans) == sent
+    assert sum(s["attributes"]["zoomer.rpc.response.bytes"] for s in spans) == sent
+
+
+def test_client_traceparent_makes_server_span_its_child(echo, collector):
+    trace_id, parent_id = 0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7
+    md = (("traceparent", format_traceparent(trace_id, parent_id, 1)), ("tracestate", "vendor=abc"))
+    assert echo.unary(b"x", metadata=md) == b"x"
+    (span,) = collector.spans("SERVER")
+    assert span["trace_id"] == f"{trace_id:032x}"
+    assert span["parent_span_id"] == f"{parent_id:016x}"
+
+
+@pytest.mark.parametrize("garbage", ["00-zzzz", "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+                                     "00-00000000000000000000000000000000-00f067aa0ba902b7-01", "x" * 600,
+                                     "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra"])
+def test_garbage_traceparent_starts_a_new_trace_and_never_fails_the_call(echo, collector, garbage):
+    assert echo.unary(b"x", metadata=(("traceparent", garbage),)) == b"x"
+    (span,) = collector.spans("SERVER")
+    assert span["parent_span_id"] is None
+    assert _code(span) == "OK"
+
+
+def test_unsampled_parent_exports_no_span_but_counts_the_call(echo, collector):
+    md = (("traceparent", format_traceparent(0xABC, 0xDEF, 0)),)
+    for _ in range(3):
+        echo.unary(b"x", metadata=md)
+    echo.unary(b"y")
+    spans = collector.spans("SERVER")
+    assert len(spans) == 1
+    points = [p for p in collector.metric_points("rpc.server.call.duration")
+              if p["attributes"].get("rpc.method") == METHOD]
+    assert points and max(p["count"] for p in points) == 4
+
+
+@pytest.mark.parametrize(("request_bytes", "code", "span_status", "error_type"), [
+    (b"invalid", grpc.StatusCode.INVALID_ARGUMENT, "UNSET", None),
+    (b"setcode", grpc.StatusCode.NOT_FOUND, "UNSET", None),
+    (b"abortstatus", grpc.StatusCode.FAILED_PRECONDITION, "UNSET", None),
+    (b"internal", grpc.StatusCode.INTERNAL, "ERROR", "INTERNAL"),
+    (b"raise", grpc.StatusCode.UNKNOWN, "ERROR", "ValueError"),
+])
+def test_status_paths(echo, collector, request_bytes, code, span_status, error_type):
+    with pytest.raises(grpc.RpcError) as info:
+        echo.unary(request_bytes)
+    assert info.value.code() == code
+    (span,) = collector.spans("SERVER")
+    assert _code(span) == code.name
+    assert span["status_code"] == span_status
+    assert span["attributes"].get("error.type") == error_type
+    events = [e["name"] for e in span["events"]]
+    assert events == (["exception"] if request_bytes == b"raise" else [])
+
+
+def test_abort_with_status_passes_trailing_metadata_unchanged(echo, collector):
+    with pytest.raises(grpc.RpcError) as info:
+        echo.unary(b"abortstatus")
+    assert info.value.details() == "model not loaded"
+    assert ("retry-after-ms", "250") in tuple(info.value.trailing_metadata())
+    (span,) = collector.spans("SERVER")
+    assert _code(span) == "FAILED_PRECONDITION"
+
+
+def test_exception_is_recorded_then_reraised_unchanged(echo, collector):
+    with pytest.raises(grpc.RpcError) as info:
+        echo.unary(b"raise")
+    assert "handler exploded" in info.value.details()  # grpc's own message, from the original exception
+    (span,) = collector.spans("SERVER")
+    (event,) = span["events"]
+    assert event["attributes"]["exception.type"] == "ValueError"
+    assert event["attributes"]["exception.message"] == "handler exploded"
+    assert "handler exploded" in span["status_message"]
+
+
+def test_deadline_exceeded(echo, collector):
+    with pytest.raises(grpc.RpcError) as info:
+        echo.unary(b"sleep", timeout=0.2)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    time.sleep(0.3)  # let the handler notice and return
+    (span,) = collector.spans("SERVER")
+    assert _code(span) == "DEADLINE_EXCEEDED"
+    assert span["status_code"] == "ERROR"
+
+
+def test_client_cancellation(echo, collector):
+    future = echo.unary.future(b"sleep")
+    time.sleep(0.2)
+    future.cancel()
+    time.sleep(0.3)
+    (span,) = collector.spans("SERVER")
+    assert _code(span) == "CANCELLED"
+    assert span["status_code"] == "UNSET"
+
+
+def test_unknown_method_passes_through_as_unimplemented(echo, collector):
+    """C02: a call to a method that no servicer registered."""
+    before = sum(internal_error_counts().values())
+    with pytest.raises(grpc.RpcError) as info:
+        echo.unknown(b"x")
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    reflection = echo.channel.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo")
+    with pytest.raises(grpc.RpcError) as info2:
+        list(reflection(iter([b""])))
+    assert info2.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert echo.unary(b"after") == b"after"
+    assert sum(internal_error_counts().values()) == before
+    spans = collector.spans("SERVER")
+    assert [s["name"] for s in spans] == [METHOD]  # no span for the unknown methods, none with a wrong code
+
+
+def test_server_stream_span_ends_after_last_message(echo, collector):
+    received_at = []
+    for _ in echo.server_stream(b"slow:4"):
+        received_at.append(time.time_ns())
+    (span,) = collector.spans("SERVER")
+    assert span["name"] == "test.Echo/ServerStream"
+    assert span["attributes"]["zoomer.rpc.response.messages"] == 4
+    assert _code(span) == "OK"
+    assert span["end_ns"] >= received_at[-1] - 50_000_000  # not when the handler first returned
+    assert span["duration_ns"] >= 4 * 50_000_000 * 0.9
+
+
+def test_server_stream_error_after_messages(echo, collector):
+    with pytest.raises(grpc.RpcError) as info:
+        list(echo.server_stream(b"fail:2"))
+    assert info.value.code() == grpc.StatusCode.UNKNOWN
+    (span,) = collector.spans("SERVER")
+    assert span["attributes"]["zoomer.rpc.response.messages"] == 2
+    assert span["attributes"]["error.type"] == "RuntimeError"
+
+
+def test_server_stream_cancelled_mid_stream(echo, collector):
+    call = echo.server_stream(b"slow:40")
+    next(call)
+    call.cancel()
+    time.sleep(0.3)
+    (span,) = collector.spans("SERVER")
+    assert _code(span) == "CANCELLED"
+    assert span["attributes"]["zoomer.rpc.response.messages"] < 40
+
+
+def test_client_and_bidi_streams(echo, collector):
+    assert echo.client_stream(iter([b"a", b"bb", b"ccc"])) == b"a|bb|ccc"
+    assert list(echo.bidi(iter([b"x", b"y"]))) == [b"X", b"Y"]
+    spans = {s["name"]: s for s in collector.spans("SERVER")}
+    cs = spans["test.Echo/ClientStream"]["attributes"]
+    assert (cs["zoomer.rpc.request.messages"], cs["zoomer.rpc.request.bytes"]) == (3, 6)
+    bd = spans["test.Echo/BidiStream"]["attributes"]
+    assert (bd["zoomer.rpc.request.messages"], bd["zoomer.rpc.response.messages"]) == (2, 2)
+    assert {_code(s) for s in spans.values()} == {"OK"}
+
+
+def test_phases_are_child_spans(echo, collector):
+    assert echo.unary(b"phases") == b"ok"
+    spans = collector.spans()
+    (req,) = [s for s in spans if s["kind"] == "SERVER"]
+    phases = {s["name"]: s for s in spans if "zoomer.phase" in s["attributes"]}
+    assert set(phases) == {"preprocess", "forward", "inner"}
+    assert phases["preprocess"]["parent_span_id"] == req["span_id"]
+    assert phases["forward"]["parent_span_id"] == req["span_id"]
+    assert phases["inner"]["parent_span_id"] == phases["forward"]["span_id"]
+    assert all(p["trace_id"] == req["trace_id"] for p in phases.values())
+    assert phases["preprocess"]["duration_ns"] >= 2_000_000
+
+
+def test_user_otel_spans_become_children(echo, collector, telemetry):
+    grpc_echo._TRACER_PROVIDER[0] = telemetry.tracer_provider
+    assert echo.unary(b"user_span") == b"ok"
+    spans = collector.spans()
+    (req,) = [s for s in spans if s["kind"] == "SERVER"]
+    (user,) = [s for s in spans if s["name"] == "user.work"]
+    assert user["trace_id"] == req["trace_id"]
+    assert user["parent_span_id"] == req["span_id"]
+
+
+def test_excluded_methods_are_not_traced(telemetry, collector):
+    interceptor = ZoomerServerInterceptor(excluded_methods=("test.Echo/Server*",))
+    server, target = grpc_echo.start_server([interceptor])
+    client = grpc_echo.Client(target)
+    try:
+        assert list(client.server_stream(b"n:2")) == [b"m0", b"m1"]
+        client.unary(b"x")
+    finally:
+        client.close()
+        server.stop(None)
+    assert [s["name"] for s in collector.spans("SERVER")] == [METHOD]
+
+
+def test_duration_metric_counts_every_call(echo, collector):
+    for _ in range(7):
+        echo.unary(b"x")
+    with pytest.raises(grpc.RpcError):
+        echo.unary(b"invalid")
+    points = collector.metric_points("rpc.server.call.duration")
+    by_code = {}
+    for p in points:
+        if p["attributes"].get("rpc.method") == METHOD:
+            by_code[p["attributes"]["rpc.response.status_code"]] = max(p["count"], by_code.get(
+                p["attributes"]["rpc.response.status_code"], 0))
+    assert by_code == {"OK": 7, "INVALID_ARGUMENT": 1}
+    ok = next(p for p in points if p["attributes"].get("rpc.response.status_code") == "OK")
+    assert ok["unit"] == "s"
+    assert ok["explicit_bounds"][:3] == [0.005, 0.01, 0.025]
+
+
+def test_broken_sink_fails_open():
+    """A recorder whose sink raises must not break a single call."""
+    def boom(record):
+        raise RuntimeError("sink down")
+
+    recorder = zoomer_serve.RequestRecorder(sink=boom)
+    server, target = grpc_echo.start_server([ZoomerServerInterceptor(recorder, excluded_methods=(),
+                                                                     semconv_dup=False)])
+    client = grpc_echo.Client(target)
+    try:
+        before = internal_error_counts().get("sink", 0)
+        assert [client.unary(b"%d" % i) for i in range(5)] == [b"%d" % i for i in range(5)]
+        assert internal_error_counts()["sink"] == before + 5
+    finally:
+        client.close()
+        server.stop(None)
+
+
+def test_collector_down_every_rpc_succeeds_and_shutdown_is_bounded(caplog, tmp_path):
+    """C03: the OTLP exporter points at a closed loopback port while requests flow, then shutdown."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]
+    tel = zoomer_serve.configure(service_name="c03", endpoint=f"http://127.0.0.1:{closed_port}",
+                                 export_mode="process", schedule_delay_ms=100, timeout_ms=1500,
+                                 set_global_providers=False)
+    server, target = grpc_echo.start_server([ZoomerServerInterceptor(server_address="127.0.0.1")])
+    client = grpc_echo.Client(target)
+    try:
+        for i in range(300):
+            assert client.unary(b"%d" % i) == b"%d" % i
+    finally:
+        client.close()
+        server.stop(None)
+    caplog.set_level(logging.WARNING, logger="zoomer_serve")
+    start = time.monotonic()
+    stats = zoomer_serve.shutdown()
+    elapsed = time.monotonic() - start
+    assert elapsed < 1.5 + 1.0 + 0.5  # the export timeout plus one second (and scheduling slack)
+    assert stats is not None and stats.exported == 0
+    assert stats.dropped == 300
+    dropped_logs = [r for r in caplog.records if "could not be exported" in r.getMessage()]
+    assert len(dropped_logs) == 1
+    assert tel.pipeline is not None and tel.pipeline.helper_pid is not None
+
+
+def test_dup_semconv_emits_old_names_too(telemetry, collector):
+    interceptor = ZoomerServerInterceptor(semconv_dup=True)
+    server, target = grpc_echo.start_server([interceptor])
+    client = grpc_echo.Client(target)
+    try:
+        with pytest.raises(grpc.RpcError):
+            client.unary(b"invalid")
+    finally:
+        client.close()
+        server.stop(None)
+    (span,) = collector.spans("SERVER")
+    attrs = span["attributes"]
+    assert attrs["rpc.system"] == "grpc" and attrs["rpc.service"] == "test.Echo"
+    assert attrs["rpc.grpc.status_code"] == 3 and attrs["rpc.response.status_code"] == "INVALID_ARGUMENT"
