@@ -16,7 +16,7 @@ from interceptors import ZoomerServerInterceptor
 from zoomer_serve.recording import format_traceparent, internal_error_counts
 
 sys.path.insert(0, str(Path(__file__).parent))
-import grpc_echo  # noqa: E402
+import grpc_echo
 
 METHOD = "test.Echo/Unary"
 

@@ -179,7 +179,7 @@ def _check_url(url: str, variable: str) -> str:
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise ConfigError(f"{variable} must be an http:// or https:// URL with a host, got {url!r}")
     try:
-        parsed.port
+        _ = parsed.port
     except ValueError:
         raise ConfigError(f"{variable} has an invalid port: {url!r}") from None
     return url.strip()

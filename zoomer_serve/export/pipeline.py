@@ -26,6 +26,7 @@ from typing import Any
 
 from zoomer_serve.config import ExportConfig
 from zoomer_serve.export.worker import ExportStats, ExportWorker
+from zoomer_serve.processes import wait_for_event
 from zoomer_serve.recording import records as r
 
 logger = logging.getLogger("zoomer_serve.export")
@@ -90,11 +91,10 @@ class ExportPipeline:
         self._proc = subprocess.Popen(  # a subprocess (fork+exec), never a bare fork: grpcio is not fork-safe
             [sys.executable, "-m", "zoomer_serve.export.helper"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, env=env, close_fds=True)
-        line = _readline_with_timeout(self._proc, _READY_TIMEOUT_S)
-        if not line or json.loads(line).get("event") != "ready":
+        if wait_for_event(self._proc, "ready", _READY_TIMEOUT_S) is None:
             self._proc.kill()
-            raise RuntimeError("zoomer-serve: the export helper process did not start "
-                               f"(python -m zoomer_serve.export.helper; first output: {line!r})")
+            raise RuntimeError("zoomer-serve: the export helper process did not start within "
+                               f"{_READY_TIMEOUT_S:.0f} s (python -m zoomer_serve.export.helper; see its stderr)")
 
     @property
     def helper_pid(self) -> int | None:
@@ -172,35 +172,16 @@ class ExportPipeline:
                 proc.stdin.close()
         except OSError:
             pass
-        line = _readline_with_timeout(proc, max(0.1, deadline - time.monotonic()), event="stats")
+        data = wait_for_event(proc, "stats", max(0.1, deadline - time.monotonic()))
         try:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        if not line:
-            return ExportStats(dropped_export=self.submitted - self.dropped, last_error="helper did not report")
-        data = json.loads(line)
+        if data is None:
+            return ExportStats(dropped_export=self.submitted, last_error="the export helper did not report")
         data.pop("event", None)
         return ExportStats(**data)
-
-
-def _readline_with_timeout(proc: subprocess.Popen[bytes], timeout_s: float, event: str | None = None) -> str:
-    """Read stdout lines of ``proc`` until one is JSON (with ``event`` when given) or the timeout passes."""
-    result: list[str] = []
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for raw in proc.stdout:
-            line = raw.decode("utf-8", "replace").strip()
-            if line.startswith("{") and (event is None or f'"{event}"' in line):
-                result.append(line)
-                return
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(timeout_s)
-    return result[0] if result else ""
 
 
 def count_spans(record: tuple[Any, ...]) -> int:

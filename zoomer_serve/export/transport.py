@@ -102,7 +102,7 @@ class HttpTraceSender(TraceSender):
         req = urllib.request.Request(self.cfg.traces_endpoint, data=body, headers=headers, method="POST")
         timeout = max(0.05, deadline - time.monotonic())
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - configured URL
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
                 resp.read()
             return True, False
         except urllib.error.HTTPError as err:
@@ -124,15 +124,17 @@ def sdk_metric_exporter(cfg: ExportConfig) -> Any:
     """The OpenTelemetry SDK's OTLP metric exporter for the same endpoint, protocol, headers and timeout."""
     timeout_s = cfg.timeout_ms / 1000
     if cfg.protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import Compression as GrpcCompression
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
 
         url = urllib.parse.urlparse(cfg.metrics_endpoint)
         return OTLPMetricExporter(endpoint=cfg.metrics_endpoint, insecure=url.scheme != "https",
                                   headers=cfg.headers or None, timeout=timeout_s,
                                   compression=GrpcCompression.Gzip if cfg.compression == "gzip" else None)
     from opentelemetry.exporter.otlp.proto.http import Compression as HttpCompression
-    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as HttpMetricExporter
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
+        OTLPMetricExporter as HttpMetricExporter,
+    )
 
     return HttpMetricExporter(endpoint=cfg.metrics_endpoint, headers=cfg.headers or None, timeout=timeout_s,
                               compression=HttpCompression.Gzip if cfg.compression == "gzip"

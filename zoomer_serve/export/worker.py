@@ -239,7 +239,7 @@ def main() -> None:
         payload = _read_exact(stdin, length)
         if payload is None:
             break
-        parent_dropped, batch = pickle.loads(payload)  # noqa: S301 - frames come from our parent over a pipe
+        parent_dropped, batch = pickle.loads(payload)
         worker.parent_dropped = parent_dropped
         worker.put(batch)
     stats = worker.shutdown(spec["export"]["timeout_ms"] / 1000)

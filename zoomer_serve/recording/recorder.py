@@ -272,7 +272,7 @@ def _profiler_enabled() -> bool:
         return False
 
 
-class phase:  # noqa: N801 - used like a function: ``with phase("forward"):`` / ``@phase("forward")``
+class phase:
     """Time a block of request work as a child span named ``name`` with attribute ``zoomer.phase``.
 
     Usable as a context manager or a decorator. While a torch.profiler session runs, the block is also a
