@@ -1,0 +1,186 @@
+"""The embedded OTLP collector: gRPC + HTTP receivers in front of one DuckDB :class:`Store`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from zoomer_serve.collector.grpc_receiver import GrpcReceiver
+from zoomer_serve.collector.http_receiver import HttpReceiver
+from zoomer_serve.collector.ingest import Ingestor
+from zoomer_serve.collector.store import Store, StoreConfig, default_store_path
+
+log = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+DEFAULT_MAX_MESSAGE_BYTES = 16 * MiB
+DEFAULT_GRPC_PORT = 4317
+DEFAULT_HTTP_PORT = 4318
+
+
+@dataclass(frozen=True)
+class CollectorConfig:
+    """Settings of an :class:`EmbeddedCollector`.
+
+    Attributes:
+        store_path: DuckDB file (created with its folder if missing).
+        host: address both receivers bind; loopback by default, since whoever can reach the collector can
+            write into the store.
+        grpc_port / http_port: 0 picks a free port; None disables that receiver.
+        max_message_bytes: largest accepted export request in bytes, after decompression.
+        store: queue and batch sizes of the store writer.
+        grpc_workers: threads serving gRPC calls.
+    """
+
+    store_path: Path
+    host: str = "127.0.0.1"
+    grpc_port: int | None = DEFAULT_GRPC_PORT
+    http_port: int | None = DEFAULT_HTTP_PORT
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    store: StoreConfig = StoreConfig()
+    grpc_workers: int = 8
+
+
+class EmbeddedCollector:
+    """An OTLP collector (traces and metrics stored, logs counted) writing to a DuckDB file.
+
+    Usage::
+
+        with EmbeddedCollector("run.duckdb", grpc_port=0, http_port=0) as c:
+            ...  # export to c.grpc_port / c.http_port
+        # on exit every acknowledged span and point is in run.duckdb
+
+    Raises (from :meth:`start`):
+        zoomer_serve.collector.store.StoreError: the store cannot be opened for writing.
+        OSError: a port cannot be bound (``BindError`` for gRPC).
+        ValueError: a bad setting.
+    """
+
+    def __init__(
+        self,
+        store_path: str | os.PathLike[str] | None = None,
+        host: str = "127.0.0.1",
+        grpc_port: int | None = DEFAULT_GRPC_PORT,
+        http_port: int | None = DEFAULT_HTTP_PORT,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        *,
+        store_config: StoreConfig | None = None,
+        grpc_workers: int = 8,
+    ) -> None:
+        if max_message_bytes <= 0:
+            raise ValueError(f"max_message_bytes must be > 0, got {max_message_bytes}")
+        for name, port in (("grpc_port", grpc_port), ("http_port", http_port)):
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"{name} must be in 0..65535, got {port}")
+        self.config = CollectorConfig(
+            store_path=Path(store_path) if store_path is not None else default_store_path(),
+            host=host,
+            grpc_port=grpc_port,
+            http_port=http_port,
+            max_message_bytes=max_message_bytes,
+            store=store_config or StoreConfig(),
+            grpc_workers=grpc_workers,
+        )
+        self._lock = threading.Lock()
+        self._store: Store | None = None
+        self._ingestor: Ingestor | None = None
+        self._grpc: GrpcReceiver | None = None
+        self._http: HttpReceiver | None = None
+        self._final_stats: dict[str, Any] | None = None
+        self.grpc_port: int | None = None
+        self.http_port: int | None = None
+
+    @property
+    def store_path(self) -> Path:
+        return self.config.store_path
+
+    @property
+    def running(self) -> bool:
+        return self._store is not None
+
+    def start(self) -> EmbeddedCollector:
+        """Open the store, start the receivers; fills :attr:`grpc_port` / :attr:`http_port`. Returns self.
+
+        On failure everything already started is stopped again before the error propagates.
+
+        Raises:
+            RuntimeError: already started.
+        """
+        with self._lock:
+            if self._store is not None:
+                raise RuntimeError("collector already started")
+            cfg = self.config
+            store = Store(cfg.store_path, cfg.store)
+            ingestor = Ingestor(store)
+            self._store, self._ingestor, self._final_stats = store, ingestor, None
+            try:
+                if cfg.grpc_port is not None:
+                    self._grpc = GrpcReceiver(ingestor, cfg.host, cfg.grpc_port, cfg.max_message_bytes,
+                                              cfg.grpc_workers)
+                    self.grpc_port = self._grpc.start()
+                if cfg.http_port is not None:
+                    self._http = HttpReceiver(ingestor, cfg.host, cfg.http_port, cfg.max_message_bytes)
+                    self.http_port = self._http.start()
+            except BaseException:
+                self._stop_locked(timeout_s=1.0)
+                raise
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """Stop both receivers (requests in flight get up to ``timeout_s`` seconds), then write everything
+        accepted to the store and close it. Idempotent. Returns the final :meth:`stats`."""
+        with self._lock:
+            return self._stop_locked(timeout_s)
+
+    def _stop_locked(self, timeout_s: float) -> dict[str, Any]:
+        if self._store is None:
+            return self._final_stats if self._final_stats is not None else self.stats()
+        receivers: list[GrpcReceiver | HttpReceiver] = [r for r in (self._grpc, self._http) if r is not None]
+        stoppers = [threading.Thread(target=r.stop, args=(timeout_s,), daemon=True) for r in receivers]
+        for t in stoppers:
+            t.start()
+        for t in stoppers:
+            t.join(timeout_s + 2.0)
+        self._store.close()
+        self._final_stats = self._stats_of(self._store, self._ingestor)
+        self._store = None
+        self._grpc = self._http = None
+        log.info("collector stopped: %s", self._final_stats)
+        return self._final_stats
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every item acknowledged so far is written to the store; False on timeout."""
+        store = self._store
+        return True if store is None else store.flush(timeout_s)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: ``grpc_requests``, ``http_requests``, ``spans_received``, ``metric_points_received``,
+        ``log_records_received``, ``rejected_*``, ``http_<status>``, and the store's ``store_accepted``,
+        ``store_written``, ``store_failed``, ``store_dropped``, ``store_queued`` (rows)."""
+        if self._store is None:
+            return dict(self._final_stats or {})
+        return self._stats_of(self._store, self._ingestor)
+
+    @staticmethod
+    def _stats_of(store: Store, ingestor: Ingestor | None) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "grpc_requests": 0, "http_requests": 0, "spans_received": 0, "metric_points_received": 0,
+            "log_records_received": 0, "rejected_invalid": 0, "rejected_too_large": 0,
+            "rejected_unavailable": 0,
+        }
+        if ingestor is not None:
+            out.update(ingestor.counters())
+        out.update({f"store_{k}": v for k, v in asdict(store.stats()).items()})
+        return out
+
+    def __enter__(self) -> EmbeddedCollector:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

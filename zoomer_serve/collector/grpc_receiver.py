@@ -1,0 +1,114 @@
+"""OTLP/gRPC receiver: the Trace, Metrics and Logs ``Export`` methods on one ``grpc.server``.
+
+Handlers take the raw request bytes (no grpc-side deserializer) and parse them themselves, so that a
+malformed payload is answered with ``INVALID_ARGUMENT`` as the OTLP spec asks, not with grpc's own
+deserialization failure. Status codes:
+
+- ``INVALID_ARGUMENT``: the payload is not a valid export request (not retryable);
+- ``RESOURCE_EXHAUSTED``: the (decompressed) message is over ``max_message_bytes``; grpc core enforces this
+  before the handler runs, so these are not in the collector's counters;
+- ``UNAVAILABLE``: the store's queue is full or the collector is stopping (retryable: the client retries,
+  nothing acknowledged is lost).
+
+gzip-compressed requests are decompressed by grpc.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+
+from zoomer_serve.collector.ingest import GRPC_SERVICES, Ingestor, Outcome, Signal
+
+log = logging.getLogger(__name__)
+
+_STATUS = {
+    Outcome.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    Outcome.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Outcome.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+class BindError(OSError):
+    """A receiver could not listen on the requested address (port in use, bad host, ...)."""
+
+
+def format_hostport(host: str, port: int) -> str:
+    """``host:port``, with brackets around an IPv6 literal."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def _serialize(message: Any) -> bytes:
+    return message.SerializeToString()
+
+
+class GrpcReceiver:
+    """Serves OTLP/gRPC on ``host:port`` (port 0 picks a free port; see :attr:`port` after :meth:`start`)."""
+
+    def __init__(self, ingestor: Ingestor, host: str, port: int, max_message_bytes: int,
+                 max_workers: int = 8) -> None:
+        self._ingestor = ingestor
+        self._host = host
+        self._requested_port = port
+        self._max_message_bytes = max_message_bytes
+        self._max_workers = max_workers
+        self._server: grpc.Server | None = None
+        self.port: int | None = None
+
+    def _handler(self, signal: Signal) -> Callable[[bytes, grpc.ServicerContext], Any]:
+        ingestor = self._ingestor
+
+        def export(payload: bytes, context: grpc.ServicerContext) -> Any:
+            ingestor.count("grpc_requests")
+            result = ingestor.ingest_bytes(signal, payload)
+            if result.outcome is Outcome.OK:
+                return result.response
+            context.abort(_STATUS[result.outcome], result.message)
+
+        return export
+
+    def _generic_handlers(self) -> list[grpc.GenericRpcHandler]:
+        handlers = []
+        for signal, service in GRPC_SERVICES.items():
+            method = grpc.unary_unary_rpc_method_handler(
+                self._handler(signal), request_deserializer=None, response_serializer=_serialize
+            )
+            handlers.append(grpc.method_handlers_generic_handler(service, {"Export": method}))
+        return handlers
+
+    def start(self) -> int:
+        """Bind and start serving; returns the bound port.
+
+        Raises:
+            BindError: the address cannot be bound.
+        """
+        options = [
+            ("grpc.max_receive_message_length", self._max_message_bytes),
+            ("grpc.so_reuseport", 0),  # fail on a port in use instead of sharing it with another server
+        ]
+        server = grpc.server(ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="otlp-grpc"),
+                             handlers=self._generic_handlers(), options=options)
+        address = format_hostport(self._host, self._requested_port)
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            server.stop(None)
+            raise BindError(f"OTLP/gRPC receiver cannot listen on {address}: {exc}") from exc
+        if not port:
+            server.stop(None)
+            raise BindError(f"OTLP/gRPC receiver cannot listen on {address}")
+        server.start()
+        self._server = server
+        self.port = port
+        log.info("OTLP/gRPC receiver listening on %s", format_hostport(self._host, port))
+        return port
+
+    def stop(self, grace_s: float) -> None:
+        """Stop accepting calls, let running calls finish for up to ``grace_s`` seconds. Idempotent."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.stop(grace_s).wait(grace_s + 1.0)

@@ -1,0 +1,135 @@
+"""Transport-independent handling of one OTLP export: parse, decode, queue into the store, count.
+
+Both receivers (gRPC and HTTP) call :meth:`Ingestor.ingest_bytes` (or :meth:`Ingestor.ingest_message` for
+OTLP/JSON) and map the :class:`Outcome` onto their own status codes.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf.message import DecodeError, Message
+from opentelemetry.proto.collector.logs.v1 import logs_service_pb2 as logs_svc
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2 as metrics_svc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as trace_svc
+
+from zoomer_serve.collector import decode
+from zoomer_serve.collector.store import Store
+
+
+class Signal(enum.Enum):
+    """The three OTLP signals; the value is the signal's name in counters and URLs (``/v1/<value>``)."""
+
+    TRACES = "traces"
+    METRICS = "metrics"
+    LOGS = "logs"
+
+
+REQUEST_TYPES: dict[Signal, type[Message]] = {
+    Signal.TRACES: trace_svc.ExportTraceServiceRequest,
+    Signal.METRICS: metrics_svc.ExportMetricsServiceRequest,
+    Signal.LOGS: logs_svc.ExportLogsServiceRequest,
+}
+RESPONSE_TYPES: dict[Signal, type[Message]] = {
+    Signal.TRACES: trace_svc.ExportTraceServiceResponse,
+    Signal.METRICS: metrics_svc.ExportMetricsServiceResponse,
+    Signal.LOGS: logs_svc.ExportLogsServiceResponse,
+}
+GRPC_SERVICES: dict[Signal, str] = {
+    Signal.TRACES: "opentelemetry.proto.collector.trace.v1.TraceService",
+    Signal.METRICS: "opentelemetry.proto.collector.metrics.v1.MetricsService",
+    Signal.LOGS: "opentelemetry.proto.collector.logs.v1.LogsService",
+}
+
+
+class Outcome(enum.Enum):
+    """How an export ended: OK (maybe with partial rejections), INVALID (bad payload, do not retry),
+    TOO_LARGE (over the size limit, do not retry), UNAVAILABLE (store queue full or closing: retry)."""
+
+    OK = "ok"
+    INVALID = "invalid"
+    TOO_LARGE = "too_large"
+    UNAVAILABLE = "unavailable"
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    """Outcome of one export; ``response`` is set for OK, ``message`` explains the others."""
+
+    outcome: Outcome
+    response: Message | None = None
+    message: str = ""
+
+
+class Ingestor:
+    """Parses and stores exports; thread-safe; counts every request, item and rejection.
+
+    Counter names (see :meth:`counters`): ``<signal>_requests`` (parsed requests),
+    ``spans_received`` / ``metric_points_received`` / ``log_records_received`` (items accepted),
+    ``spans_rejected`` / ``metric_points_rejected`` (invalid items, answered with partial success),
+    ``rejected_invalid``, ``rejected_too_large``, ``rejected_unavailable`` (whole requests), and the receivers' own
+    counters added with :meth:`count` (``grpc_requests``, ``http_requests``, ``http_<status>`` ...).
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._lock = threading.Lock()
+        self._counters: Counter[str] = Counter()
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to counter ``name``."""
+        with self._lock:
+            self._counters[name] += n
+
+    def counters(self) -> dict[str, int]:
+        """A snapshot of all counters."""
+        with self._lock:
+            return dict(self._counters)
+
+    def reject(self, outcome: Outcome, message: str) -> IngestResult:
+        """Count a whole-request rejection and build its result."""
+        self.count(f"rejected_{outcome.value}")
+        return IngestResult(outcome, None, message)
+
+    def ingest_bytes(self, signal: Signal, payload: bytes) -> IngestResult:
+        """Parse a binary protobuf export request of ``signal`` and store it."""
+        request = REQUEST_TYPES[signal]()
+        try:
+            request.ParseFromString(payload)
+        except (DecodeError, ValueError, RuntimeError) as exc:
+            return self.reject(Outcome.INVALID, f"cannot parse {request.DESCRIPTOR.name}: {exc}")
+        return self.ingest_message(signal, request)
+
+    def ingest_message(self, signal: Signal, request: Any) -> IngestResult:
+        """Store an already parsed export request of ``signal``."""
+        self.count(f"{signal.value}_requests")
+        try:
+            if signal is Signal.TRACES:
+                return self._store(signal, "spans", decode.span_rows(request, time.time_ns()))
+            if signal is Signal.METRICS:
+                return self._store(signal, "metric_points", decode.metric_rows(request, time.time_ns()))
+            self.count("log_records_received", decode.count_log_records(request))
+            return IngestResult(Outcome.OK, RESPONSE_TYPES[signal]())
+        except Exception as exc:  # a receiver must answer, never crash, on any input
+            return self.reject(Outcome.INVALID, f"cannot decode {signal.value}: {type(exc).__name__}: {exc}")
+
+    def _store(self, signal: Signal, table: str, decoded: decode.Decoded) -> IngestResult:
+        item = "spans" if signal is Signal.TRACES else "metric_points"
+        if not self.store.submit(table, decoded.rows):
+            return self.reject(Outcome.UNAVAILABLE, "collector store queue is full or closing; retry later")
+        self.count(f"{item}_received", len(decoded.rows))
+        response = RESPONSE_TYPES[signal]()
+        if decoded.rejected:
+            self.count(f"{item}_rejected", decoded.rejected)
+            partial = response.partial_success
+            if signal is Signal.TRACES:
+                partial.rejected_spans = decoded.rejected
+            else:
+                partial.rejected_data_points = decoded.rejected
+            partial.error_message = decoded.error_message
+        return IngestResult(Outcome.OK, response)
