@@ -2,11 +2,18 @@
 
 from zoomer_serve.recording.errors import internal_error, internal_error_counts
 from zoomer_serve.recording.propagation import ParentContext, format_traceparent, parse_traceparent
-from zoomer_serve.recording.recorder import RequestRecorder, RequestSpan, current_request, phase
+from zoomer_serve.recording.recorder import (
+    RequestObserver,
+    RequestRecorder,
+    RequestSpan,
+    current_request,
+    phase,
+)
 from zoomer_serve.recording.sampling import Sampler
 
 __all__ = [
     "ParentContext",
+    "RequestObserver",
     "RequestRecorder",
     "RequestSpan",
     "Sampler",

@@ -19,7 +19,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from zoomer_serve.recording import records as r
 from zoomer_serve.recording.errors import internal_error
@@ -159,11 +159,17 @@ class RequestSpan:
             internal_error("RequestSpan.deactivate", exc)
 
     def end(self, end_ns: int | None = None) -> bool:
-        """End the span and hand its record to the sink. Returns True the first time, False after."""
+        """End the span and hand its record to the sink. Returns True the first time, False after.
+        Observers' ``on_end`` run first (they may still set attributes)."""
         try:
             self._open.pop()
         except IndexError:
             return False
+        for observer in self._recorder.observers:
+            try:
+                observer.on_end(self)
+            except Exception as exc:
+                internal_error(f"observer.on_end:{type(observer).__name__}", exc)
         rec = (self.trace_id, self.span_id, self.parent_id, self.parent_remote, self.trace_flags,
                self.trace_state, self.name, self.kind, self.start_ns, end_ns or _time_ns(), self.status,
                self.status_message, self.attributes, self.events, self.links, self.children, self._flags)
@@ -172,6 +178,17 @@ class RequestSpan:
         except Exception as exc:  # the sink is ours; never let it break the server
             internal_error("sink", exc)
         return True
+
+
+class RequestObserver(Protocol):
+    """Something that adds to every request span: GPU memory, profiler ranges, ... Registered with
+    :meth:`RequestRecorder.add_observer`. ``on_start`` runs right after a request span starts (on the thread
+    or task that received the request), ``on_end`` right before its record is built (it may set attributes
+    and add events). Both must be cheap and must not block; exceptions are counted and logged once."""
+
+    def on_start(self, span: RequestSpan) -> None: ...
+
+    def on_end(self, span: RequestSpan) -> None: ...
 
 
 class RequestRecorder:
@@ -188,6 +205,7 @@ class RequestRecorder:
     def __init__(self, sink: Sink | None = None, sampler: Sampler | None = None, otel_context: bool = True) -> None:
         self.sink: Sink = sink or _drop
         self.sampler = sampler or Sampler()
+        self.observers: tuple[RequestObserver, ...] = ()
         self.otel_attach: Callable[[RequestSpan], Any] | None = None
         self.otel_detach: Callable[[Any], None] = lambda token: None
         if otel_context:
@@ -207,6 +225,13 @@ class RequestRecorder:
         self.otel_attach = bridge_attach
         self.otel_detach = otel_context.detach
 
+    def add_observer(self, observer: RequestObserver) -> None:
+        """Add an observer of request spans (see :class:`RequestObserver`)."""
+        self.observers = (*self.observers, observer)
+
+    def remove_observer(self, observer: RequestObserver) -> None:
+        self.observers = tuple(o for o in self.observers if o is not observer)
+
     def start(self, name: str, kind: int = r.KIND_SERVER, attributes: dict[str, Any] | None = None,
               parent: ParentContext | None = None, start_ns: int | None = None,
               is_request: bool = True) -> RequestSpan:
@@ -225,6 +250,11 @@ class RequestRecorder:
         if not sampled:
             span.trace_flags = 0
             span._flags &= ~r.F_SAMPLED
+        for observer in self.observers:
+            try:
+                observer.on_start(span)
+            except Exception as exc:
+                internal_error(f"observer.on_start:{type(observer).__name__}", exc)
         return span
 
 

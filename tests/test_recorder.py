@@ -1,0 +1,140 @@
+"""The request recorder on its own: records, phases, sampling, observers, exactly-once end."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from zoomer_serve.recording import (
+    ParentContext,
+    RequestRecorder,
+    Sampler,
+    current_request,
+    internal_error_counts,
+    parse_traceparent,
+    phase,
+)
+from zoomer_serve.recording import records as r
+
+
+def test_end_is_exactly_once_even_from_many_threads():
+    got = []
+    span = RequestRecorder(sink=got.append, otel_context=False).start("s/m")
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(span.end())) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results.count(True) == 1 and len(got) == 1
+
+
+def test_phase_outside_a_request_records_nothing_and_inside_makes_children():
+    got = []
+    rec = RequestRecorder(sink=got.append, otel_context=False)
+    with phase("preprocess"):
+        pass
+    assert got == []
+    span = rec.start("s/m")
+    span.activate()
+    assert current_request() is span
+
+    @phase("forward")
+    def forward(x):
+        return x * 2
+
+    assert forward(21) == 42
+    with pytest.raises(KeyError):
+        with phase("postprocess"):
+            raise KeyError("x")
+    span.deactivate()
+    assert current_request() is None
+    span.end()
+    (record,) = got
+    children = record[r.R_CHILDREN]
+    assert [c[r.R_NAME] for c in children] == ["forward", "postprocess"]
+    assert all(c[r.R_PARENT_ID] == span.span_id for c in children)
+    assert children[1][r.R_STATUS] == r.STATUS_ERROR
+    assert children[1][r.R_ATTRS]["error.type"] == "KeyError"
+
+
+def test_phase_after_request_left_is_sent_on_its_own():
+    got = []
+    span = RequestRecorder(sink=got.append, otel_context=False).start("s/m")
+    span.activate()
+    p = phase("late")
+    p.__enter__()
+    span.end()
+    p.__exit__(None, None, None)
+    span.deactivate()
+    assert [g[r.R_NAME] for g in got] == ["s/m", "late"]
+    assert got[1][r.R_PARENT_ID] == span.span_id
+
+
+def test_traceidratio_sampler_matches_the_sdk():
+    from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
+
+    ours, sdk = Sampler("traceidratio", 0.3), TraceIdRatioBased(0.3)
+    for trace_id in range(1, 1 << 64, (1 << 64) // 997):
+        expected = sdk.should_sample(None, trace_id, "x").decision.is_sampled()
+        assert ours.should_sample(trace_id, None) == expected
+
+
+def test_parent_based_follows_the_callers_flag():
+    s = Sampler("parentbased_traceidratio", 0.0)
+    assert s.should_sample(5, ParentContext(5, 6, 1)) is True
+    assert s.should_sample(5, ParentContext(5, 6, 0)) is False
+    assert s.should_sample(5, None) is False
+    with pytest.raises(ValueError, match="unknown sampler"):
+        Sampler("sometimes")
+
+
+def test_unsampled_span_is_still_a_request_record():
+    got = []
+    rec = RequestRecorder(sink=got.append, sampler=Sampler("always_off"), otel_context=False)
+    rec.start("s/m").end()
+    assert got[0][r.R_FLAGS] == r.F_REQUEST
+
+
+@pytest.mark.parametrize("value", [None, "", "00", "00-abc-def-01", b"\xff\xfe", "00-" + "g" * 32 + "-" + "1" * 16 + "-01"])
+def test_parse_traceparent_rejects_garbage(value):
+    assert parse_traceparent(value) is None
+
+
+def test_parse_traceparent_accepts_future_versions_with_extra_fields():
+    parent = parse_traceparent("01-" + "a" * 32 + "-" + "b" * 16 + "-01-future", "k=v")
+    assert parent is not None and parent.sampled and parent.trace_state == "k=v"
+
+
+class _Observer:
+    def __init__(self, fail: bool = False) -> None:
+        self.events = []
+        self.fail = fail
+
+    def on_start(self, span):
+        self.events.append(("start", span.name))
+        if self.fail:
+            raise RuntimeError("observer bug")
+
+    def on_end(self, span):
+        span.set_attribute("observed", True)
+        self.events.append(("end", span.name))
+
+
+def test_observers_see_start_and_end_and_their_failures_are_contained():
+    got = []
+    rec = RequestRecorder(sink=got.append, otel_context=False)
+    good, bad = _Observer(), _Observer(fail=True)
+    rec.add_observer(bad)
+    rec.add_observer(good)
+    before = internal_error_counts().get("observer.on_start:_Observer", 0)
+    span = rec.start("s/m")
+    span.end()
+    assert good.events == [("start", "s/m"), ("end", "s/m")]
+    assert got[0][r.R_ATTRS]["observed"] is True
+    assert internal_error_counts()["observer.on_start:_Observer"] == before + 1
+    rec.remove_observer(good)
+    rec.remove_observer(bad)
+    rec.start("x").end()
+    assert len(good.events) == 2
