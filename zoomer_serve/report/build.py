@@ -1,0 +1,155 @@
+"""Compute a :class:`Report` with SQL over the collector's DuckDB store.
+
+Requests are SERVER-kind spans. A span exported twice (an OTLP client retrying an export the collector had
+already stored) is counted once: rows are de-duplicated on (trace_id, span_id).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from zoomer_serve.collector.store import StoreError, open_readonly
+from zoomer_serve.report.model import MethodStats, PhaseStats, Report, SlowTrace
+
+NS_PER_MS = 1_000_000.0
+NS_PER_S = 1_000_000_000.0
+
+
+class ReportError(RuntimeError):
+    """The store cannot be read as a zoomer store (not a DuckDB file, locked, no ``spans`` table)."""
+
+
+# Unique spans, then request spans with their method / status labels and error flag.
+_REQUESTS_CTE = """
+WITH uspans AS (
+    SELECT * FROM spans
+    QUALIFY row_number() OVER (PARTITION BY trace_id, span_id ORDER BY received_ns) = 1
+),
+req AS (
+    SELECT trace_id, span_id, start_ns, end_ns, duration_ns,
+           coalesce(service_name, 'unknown_service') AS service_name,
+           coalesce(attributes->>'$."rpc.method"', name) AS method,
+           coalesce(attributes->>'$."rpc.response.status_code"', status_code) AS status,
+           (status_code = 'ERROR'
+            OR coalesce(upper(attributes->>'$."rpc.response.status_code"') NOT IN ('OK', '0'), false)
+           ) AS is_error
+    FROM uspans WHERE kind = 'SERVER'
+)
+"""
+
+_METHODS_SQL = _REQUESTS_CTE + """
+SELECT service_name, method, count(*) AS n, min(start_ns), max(end_ns),
+       count(*) FILTER (WHERE is_error) AS errors,
+       quantile_cont(duration_ns, [0.5, 0.9, 0.99]) AS q,
+       max(duration_ns), avg(duration_ns), sum(duration_ns)
+FROM req GROUP BY service_name, method ORDER BY service_name, method
+"""
+
+_STATUS_SQL = _REQUESTS_CTE + """
+SELECT service_name, method, status, count(*) FROM req
+GROUP BY ALL ORDER BY service_name, method, count(*) DESC, status
+"""
+
+_PHASES_SQL = _REQUESTS_CTE + """
+, phase AS (
+    SELECT trace_id, parent_span_id, duration_ns, attributes->>'$."zoomer.phase"' AS phase
+    FROM uspans WHERE attributes->>'$."zoomer.phase"' IS NOT NULL AND parent_span_id IS NOT NULL
+)
+SELECT r.service_name, r.method, p.phase, count(*), sum(p.duration_ns), avg(p.duration_ns)
+FROM req r JOIN phase p ON p.trace_id = r.trace_id AND p.parent_span_id = r.span_id
+GROUP BY ALL
+"""
+
+_SLOWEST_SQL = _REQUESTS_CTE + """
+SELECT trace_id, service_name, method, duration_ns, status FROM req
+QUALIFY row_number() OVER (PARTITION BY trace_id ORDER BY duration_ns DESC, span_id) = 1
+ORDER BY duration_ns DESC, trace_id
+LIMIT ?
+"""
+
+
+def _open(store_path: Path) -> duckdb.DuckDBPyConnection:
+    try:
+        con = open_readonly(store_path)
+    except StoreError as exc:
+        raise ReportError(f"{exc} (is a collector still running on it?)") from exc
+    tables = {row[0] for row in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    if "spans" not in tables:
+        con.close()
+        raise ReportError(f"{store_path} is not a zoomer-serve store (no 'spans' table)")
+    return con
+
+
+def _phases(con: duckdb.DuckDBPyConnection,
+            request_ns: dict[tuple[str, str], float]) -> dict[tuple[str, str], list[PhaseStats]]:
+    out: dict[tuple[str, str], list[PhaseStats]] = defaultdict(list)
+    for service, method, phase, count, total_ns, mean_ns in con.execute(_PHASES_SQL).fetchall():
+        denominator = request_ns.get((service, method)) or 0.0
+        share = float(total_ns) / denominator if denominator > 0 else 0.0
+        out[(service, method)].append(
+            PhaseStats(phase, int(count), float(mean_ns) / NS_PER_MS, float(total_ns) / NS_PER_MS, share))
+    for phases in out.values():
+        phases.sort(key=lambda p: (-p.share, p.phase))
+    return out
+
+
+def _method_stats(row: tuple[Any, ...], statuses: dict[str, int], phases: list[PhaseStats]) -> MethodStats:
+    service, method, n, first_ns, last_ns, errors, q, max_ns, mean_ns, _ = row
+    window_s = (last_ns - first_ns) / NS_PER_S
+    return MethodStats(
+        service_name=service,
+        method=method,
+        count=int(n),
+        rate_per_s=n / window_s if window_s > 0 else None,
+        error_count=int(errors),
+        error_rate=errors / n,
+        status_counts=statuses,
+        p50_ms=q[0] / NS_PER_MS,
+        p90_ms=q[1] / NS_PER_MS,
+        p99_ms=q[2] / NS_PER_MS,
+        max_ms=max_ns / NS_PER_MS,
+        mean_ms=float(mean_ns) / NS_PER_MS,
+        phases=phases,
+        unattributed_share=1.0 - sum(p.share for p in phases) if phases else None,
+    )
+
+
+def build_report(store_path: str | os.PathLike[str], slowest: int = 10) -> Report:
+    """Read the store at ``store_path`` and compute the report; ``slowest`` = how many slow traces to list.
+
+    Raises:
+        FileNotFoundError: the store file does not exist.
+        ReportError: it cannot be opened read-only (locked by a running collector, not DuckDB) or has no
+            ``spans`` table.
+        ValueError: ``slowest`` < 0.
+    """
+    if slowest < 0:
+        raise ValueError(f"slowest must be >= 0, got {slowest}")
+    path = Path(store_path)
+    con = _open(path)
+    try:
+        rows = con.execute(_METHODS_SQL).fetchall()
+        statuses: dict[tuple[str, str], dict[str, int]] = defaultdict(dict)
+        for service, method, status, count in con.execute(_STATUS_SQL).fetchall():
+            statuses[(service, method)][status] = int(count)
+        request_ns = {(r[0], r[1]): float(r[9]) for r in rows}
+        phases = _phases(con, request_ns)
+        slow = [SlowTrace(t, s, m, d / NS_PER_MS, st)
+                for t, s, m, d, st in con.execute(_SLOWEST_SQL, [slowest]).fetchall()]
+    finally:
+        con.close()
+    methods = [_method_stats(r, statuses[(r[0], r[1])], phases.get((r[0], r[1]), [])) for r in rows]
+    return Report(
+        store_path=str(path),
+        total_requests=sum(m.count for m in methods),
+        total_errors=sum(m.error_count for m in methods),
+        window_start_ns=min((r[3] for r in rows), default=None),
+        window_end_ns=max((r[4] for r in rows), default=None),
+        methods=methods,
+        slowest=slow,
+    )

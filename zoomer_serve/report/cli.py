@@ -1,0 +1,63 @@
+"""``zoomer-serve report``: summarize the collector's store (tables, or JSON with ``--json``).
+
+Exit codes: 0 (also for an empty store, which prints "no requests recorded"), 2 when the store is missing
+or unreadable (message on stderr naming the path, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from zoomer_serve.collector.store import default_store_path
+from zoomer_serve.report.build import ReportError, build_report
+from zoomer_serve.report.render import render_report
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``report`` subcommand to an ``argparse`` subparsers object; returns its parser."""
+    p = subparsers.add_parser(
+        "report",
+        help="summarize recorded requests: rates, errors, latency percentiles, phases, slowest traces",
+        description="Read the collector's DuckDB store (stop the collector first: DuckDB allows one writer "
+        "or many readers) and summarize the SERVER spans per service and method.",
+    )
+    p.add_argument("--store", type=Path, default=None,
+                   help="DuckDB file (default: $ZOOMER_STORE or ./zoomer-data/zoomer.duckdb)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of tables")
+    p.add_argument("--slowest", type=_non_negative, default=10, help="how many slowest traces to list (default 10)")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace, console: Console | None = None) -> int:
+    """Build and print the report for the parsed ``args``; returns the exit code (0, or 2 on a bad store)."""
+    store = args.store if args.store is not None else default_store_path()
+    try:
+        report = build_report(store, slowest=args.slowest)
+    except FileNotFoundError:
+        print(f"zoomer-serve report: store not found: {store} "
+              "(run `zoomer-serve collector --store PATH` first, or pass --store / set ZOOMER_STORE)",
+              file=sys.stderr)
+        return 2
+    except ReportError as exc:
+        print(f"zoomer-serve report: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        sys.stdout.write(json.dumps(report.to_dict(), indent=2) + "\n")
+        sys.stdout.flush()
+        return 0
+    render_report(report, console or Console())
+    return 0

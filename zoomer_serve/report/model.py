@@ -1,0 +1,103 @@
+"""The report's data: plain dataclasses, all durations in milliseconds, rates per second."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PhaseStats:
+    """One ``zoomer.phase`` under the request spans of a method.
+
+    Attributes:
+        phase: the phase name (the ``zoomer.phase`` attribute, e.g. "forward").
+        count: phase spans seen.
+        mean_ms: mean phase duration, ms.
+        total_ms: summed phase duration, ms.
+        share: summed phase duration / summed duration of all the method's requests (0..1; phases that
+            overlap or run past their parent can push the sum of shares over 1).
+    """
+
+    phase: str
+    count: int
+    mean_ms: float
+    total_ms: float
+    share: float
+
+
+@dataclass(frozen=True)
+class MethodStats:
+    """Requests (SERVER spans) of one service and method.
+
+    Attributes:
+        service_name: resource ``service.name`` ("unknown_service" when absent).
+        method: span attribute ``rpc.method``, else the span name.
+        count: requests.
+        rate_per_s: requests per second over this method's first-start to last-end window (None if the
+            window is empty).
+        error_count / error_rate: requests whose span status is ERROR or whose ``rpc.response.status_code``
+            is present and not "OK" / "0"; rate = error_count / count.
+        status_counts: requests per status (``rpc.response.status_code``, else the span status code).
+        p50_ms / p90_ms / p99_ms: latency percentiles, ms (linear interpolation between samples).
+        max_ms / mean_ms: ms.
+        phases: phase breakdown, largest share first.
+        unattributed_share: 1 - sum of phase shares (time not covered by any phase); None without phases.
+    """
+
+    service_name: str
+    method: str
+    count: int
+    rate_per_s: float | None
+    error_count: int
+    error_rate: float
+    status_counts: dict[str, int]
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    max_ms: float
+    mean_ms: float
+    phases: list[PhaseStats] = field(default_factory=list)
+    unattributed_share: float | None = None
+
+
+@dataclass(frozen=True)
+class SlowTrace:
+    """One of the slowest traces: its longest SERVER span. ``duration_ms`` in ms."""
+
+    trace_id: str
+    service_name: str
+    method: str
+    duration_ms: float
+    status: str
+
+
+@dataclass(frozen=True)
+class Report:
+    """Everything ``zoomer-serve report`` shows.
+
+    Attributes:
+        store_path: the DuckDB store read.
+        total_requests / total_errors: over all methods.
+        window_start_ns / window_end_ns: first request start and last request end, Unix epoch ns (None
+            when there are no requests).
+        methods: per (service, method), sorted by service then method.
+        slowest: the slowest traces, slowest first.
+    """
+
+    store_path: str
+    total_requests: int
+    total_errors: int
+    window_start_ns: int | None
+    window_end_ns: int | None
+    methods: list[MethodStats]
+    slowest: list[SlowTrace]
+
+    @property
+    def empty(self) -> bool:
+        """True when the store holds no request (SERVER) spans."""
+        return self.total_requests == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict (nested dataclasses become dicts, lists stay lists)."""
+        return asdict(self)
