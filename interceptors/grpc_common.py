@@ -1,4 +1,7 @@
-"""What the gRPC adapters share: method names, status mapping, peer parsing, context extraction, filters.
+"""What the gRPC adapters share: method names, status mapping, peer parsing, context extraction, filters,
+and the server-side core (:class:`ServerCallTracer`, :class:`ServerInterceptorCore`) that the sync
+(:mod:`interceptors.grpc_server`) and the asyncio (:mod:`interceptors.grpc_aio`) server interceptors both
+run, so that both record exactly the same spans (and whatever request observers add to them).
 
 Semantic conventions followed: OpenTelemetry RPC and gRPC conventions as of semconv v1.40.0 (stable
 names): span name and ``rpc.method`` = ``pkg.Service/Method``, ``rpc.system.name`` = ``grpc``,
@@ -9,6 +12,7 @@ the older ``rpc.system``, ``rpc.service`` and ``rpc.grpc.status_code`` (int) are
 
 from __future__ import annotations
 
+import asyncio
 import fnmatch
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -16,7 +20,14 @@ from typing import Any
 
 import grpc
 
-from zoomer_serve.recording import ParentContext, parse_traceparent
+from zoomer_serve.config import ZoomerConfig
+from zoomer_serve.recording import (
+    ParentContext,
+    RequestRecorder,
+    RequestSpan,
+    internal_error,
+    parse_traceparent,
+)
 from zoomer_serve.recording import records as r
 
 # Codes that mean the server failed (span status ERROR); others (client errors, cancellation) are not.
@@ -24,6 +35,8 @@ SERVER_ERROR_CODES = frozenset({
     grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNIMPLEMENTED,
     grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS,
 })
+# On the client side every code but OK means the call failed (span status ERROR).
+CLIENT_ERROR_CODES = frozenset(code for code in grpc.StatusCode if code is not grpc.StatusCode.OK)
 REQUEST_MESSAGES = "zoomer.rpc.request.messages"
 REQUEST_BYTES = "zoomer.rpc.request.bytes"
 RESPONSE_MESSAGES = "zoomer.rpc.response.messages"
@@ -145,13 +158,15 @@ def method_filter(excluded_globs: Iterable[str],
 
 
 def apply_status(span: Any, code: grpc.StatusCode, details: str | None, dup: bool,
-                 error_type: str | None = None) -> None:
-    """Set ``rpc.response.status_code`` (and ``error.type`` / ERROR status for server errors)."""
+                 error_type: str | None = None, error_codes: frozenset[grpc.StatusCode] = SERVER_ERROR_CODES
+                 ) -> None:
+    """Set ``rpc.response.status_code`` (and ``error.type`` / ERROR status for the codes in ``error_codes``:
+    :data:`SERVER_ERROR_CODES` for server spans, :data:`CLIENT_ERROR_CODES` for client spans)."""
     attrs = span.attributes
     attrs["rpc.response.status_code"] = code.name
     if dup:
         attrs["rpc.grpc.status_code"] = code.value[0]
-    if code in SERVER_ERROR_CODES:
+    if code in error_codes:
         attrs["error.type"] = error_type or code.name
         span.set_status(r.STATUS_ERROR, details or code.name)
     elif code is not grpc.StatusCode.OK and error_type:
@@ -164,3 +179,176 @@ def message_size(message: Any) -> int:
         return message.ByteSize()
     except AttributeError:
         return len(message) if isinstance(message, (bytes, bytearray)) else 0
+
+
+def is_quiet_exception(exc: BaseException) -> bool:
+    """Exceptions that are how a call ends, not handler failures (no ``exception`` event): ``abort()``
+    (the sync API raises a bare ``Exception()``, grpc.aio an ``AbortError``), generator close, task
+    cancellation."""
+    return (isinstance(exc, (GeneratorExit, asyncio.CancelledError, grpc.aio.AbortError))
+            or (type(exc) is Exception and not exc.args))
+
+
+def final_status(context: Any, exc: BaseException | None, call_over: bool
+                 ) -> tuple[grpc.StatusCode, str | None, str | None]:
+    """The status the client sees, as ``(code, details, error_type)``: the code the handler set
+    (``set_code``, ``abort``), else CANCELLED / DEADLINE_EXCEEDED when the call ended under the handler
+    (``call_over``; DEADLINE_EXCEEDED when no time remains), else UNKNOWN for an exception (``error_type`` =
+    its type), else OK. ``context`` is a sync or an aio ``ServicerContext``."""
+    code = context.code()
+    raw = context.details()
+    details = (raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw) or None
+    if code is not None and code is not grpc.StatusCode.OK:
+        return code, details, None
+    if call_over:
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            return grpc.StatusCode.DEADLINE_EXCEEDED, details, None
+        return grpc.StatusCode.CANCELLED, details, None
+    if exc is not None and not isinstance(exc, GeneratorExit):
+        return grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}", type(exc).__qualname__
+    return code or grpc.StatusCode.OK, details, None
+
+
+CallOver = Callable[[Any, "BaseException | None"], bool]
+
+
+class ServerCallTracer:
+    """Starts and finishes the SERVER spans of one method's calls; the one piece of per-call span logic
+    that the sync and the aio interceptors share (they differ only in how a handler is driven).
+
+    ``call_over(context, exc)`` tells whether the call ended under the handler (client cancel, deadline):
+    the sync API asks ``context.is_active()``, grpc.aio sees ``asyncio.CancelledError``.
+    """
+
+    __slots__ = ("recorder", "dup", "peers", "static", "name", "call_over", "place")
+
+    def __init__(self, core: ServerInterceptorCore, names: MethodNames, call_over: CallOver) -> None:
+        self.recorder = core.recorder
+        self.dup = core.semconv_dup
+        self.peers = core.peers
+        self.static = static_attributes(names, core.server_address, core.server_port, self.dup)
+        self.name = names.rpc_method
+        self.call_over = call_over
+        self.place = core.place
+
+    def start(self, context: Any) -> RequestSpan | None:
+        """Open the span of a call that just arrived (caller's W3C context and baggage, peer); None if that
+        failed (counted; the call goes on untraced)."""
+        try:
+            parent, baggage = parent_from_metadata(context.invocation_metadata())
+            attrs = dict(self.static)
+            attrs.update(self.peers(context.peer()))
+            span = self.recorder.start(self.name, attributes=attrs, parent=parent)
+            if baggage:
+                span.otel_parent_context = baggage_context(baggage)
+            return span
+        except Exception as exc:
+            internal_error(self.place + ".start", exc)
+            return None
+
+    def finish(self, span: RequestSpan | None, context: Any, exc: BaseException | None, counts: list[int],
+               call_over: bool | None = None) -> None:
+        """End ``span`` (once; later calls do nothing) with the call's final status, the exception (unless
+        quiet, see :func:`is_quiet_exception`) and ``counts`` = [request messages, request bytes, response
+        messages, response bytes]. ``call_over`` overrides the flavour's own test."""
+        if span is None or not span.is_open:
+            return
+        try:
+            over = self.call_over(context, exc) if call_over is None else call_over
+            code, details, error_type = final_status(context, exc, over)
+            if exc is not None and not is_quiet_exception(exc):
+                span.record_exception(exc)
+            attrs = span.attributes
+            attrs[REQUEST_MESSAGES], attrs[REQUEST_BYTES] = counts[0], counts[1]
+            attrs[RESPONSE_MESSAGES], attrs[RESPONSE_BYTES] = counts[2], counts[3]
+            apply_status(span, code, details, self.dup, error_type)
+            span.end()
+        except Exception as err:
+            internal_error(self.place + ".finish", err)
+
+
+_HANDLER_FACTORIES = {
+    (False, False): (grpc.unary_unary_rpc_method_handler, "unary_unary"),
+    (True, False): (grpc.stream_unary_rpc_method_handler, "stream_unary"),
+    (False, True): (grpc.unary_stream_rpc_method_handler, "unary_stream"),
+    (True, True): (grpc.stream_stream_rpc_method_handler, "stream_stream"),
+}
+_MAX_CACHED_METHODS = 10_000
+
+
+class ServerInterceptorCore:
+    """Settings, the per-method cache of wrapped handlers and the RPC-kind dispatch of a server interceptor.
+
+    A flavour (sync, aio) subclasses it together with grpc's interceptor base and implements
+    :meth:`_wrap_behavior` (wrap one handler function) and :meth:`_call_over`. Each method's handler is
+    wrapped once and reused while grpc hands over the same handler object, so a call costs a dict lookup.
+
+    Args:
+        recorder: the request recorder; default: the process's (configured from the environment on first use).
+        server_address / server_port: recorded as ``server.address`` / ``server.port`` (grpc does not tell a
+            handler which address it was reached on).
+        excluded_methods: globs over ``pkg.Service/Method`` not to trace; default from the config
+            (``ZOOMER_EXCLUDED_METHODS``; health and reflection services).
+        filter_: an extra predicate; methods for which it returns False are not traced.
+        semconv_dup: also emit the older RPC attribute names; default from ``OTEL_SEMCONV_STABILITY_OPT_IN``.
+    """
+
+    place = "grpc_server"  # where internal errors are counted
+
+    def __init__(self, recorder: RequestRecorder | None = None, *, server_address: str | None = None,
+                 server_port: int | None = None, excluded_methods: tuple[str, ...] | None = None,
+                 filter_: Callable[[str], bool] | None = None, semconv_dup: bool | None = None) -> None:
+        if recorder is None:
+            from zoomer_serve.runtime import get_telemetry
+
+            telemetry = get_telemetry()
+            config = telemetry.config
+            recorder = telemetry.recorder
+        else:  # defaults from the environment, without configuring (and starting) any exporter
+            config = ZoomerConfig.from_env()
+        self.recorder = recorder
+        self.server_address = server_address
+        self.server_port = server_port
+        self.semconv_dup = semconv_dup if semconv_dup is not None else config.semconv_rpc_dup
+        excluded = excluded_methods if excluded_methods is not None else config.excluded_methods
+        self.traced = method_filter(excluded, filter_)
+        self.peers = PeerParser()
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    def _call_over(self, context: Any, exc: BaseException | None) -> bool:
+        raise NotImplementedError
+
+    def _wrap_behavior(self, tracer: ServerCallTracer, behavior: Callable[..., Any], request_streaming: bool,
+                       response_streaming: bool) -> Callable[..., Any] | None:
+        """The traced version of one handler function, or None to leave the method untraced."""
+        raise NotImplementedError
+
+    def _handler_for(self, handler: grpc.RpcMethodHandler | None, method: str) -> grpc.RpcMethodHandler | None:
+        """The traced handler for ``handler`` (cached per method); None stays None (unknown method: grpc
+        answers UNIMPLEMENTED itself, C02); on any internal error, the handler unchanged."""
+        if handler is None:
+            return None
+        try:
+            cached = self._wrapped.get(method)
+            if cached is not None and cached[0] is handler:
+                return cached[1]
+            wrapped = self._wrap(handler, method)
+            if len(self._wrapped) < _MAX_CACHED_METHODS:
+                self._wrapped[method] = (handler, wrapped)
+            return wrapped
+        except Exception as exc:
+            internal_error(self.place + ".intercept_service", exc)
+            return handler
+
+    def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        names = MethodNames.parse(method)
+        if not self.traced(names.rpc_method):
+            return handler
+        kind = (bool(handler.request_streaming), bool(handler.response_streaming))
+        factory, field = _HANDLER_FACTORIES[kind]
+        tracer = ServerCallTracer(self, names, self._call_over)
+        behavior = self._wrap_behavior(tracer, getattr(handler, field), *kind)
+        if behavior is None:
+            return handler
+        return factory(behavior, handler.request_deserializer, handler.response_serializer)
