@@ -29,8 +29,13 @@ from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GrpcMetricExporter
 from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as HttpMetricExporter
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+    ExportMetricsServiceResponse,
+)
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValueList
+from opentelemetry.proto.metrics.v1.metrics_pb2 import AGGREGATION_TEMPORALITY_DELTA
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
@@ -146,6 +151,44 @@ def test_sdk_metrics_histogram_sum_gauge(tmp_path: Path, transport: str) -> None
     assert sums == [("Predict", 3.0, True, "CUMULATIVE"), ("Rank", 2.0, True, "CUMULATIVE")]
     assert query(store, "SELECT value, is_monotonic, count FROM metric_points WHERE metric_type = 'gauge'") == [
         (1234.5, None, None)]
+
+
+def test_raw_metric_types_and_partial_success(tmp_path: Path) -> None:
+    req = ExportMetricsServiceRequest()
+    rm = req.resource_metrics.add()
+    rm.resource.attributes.append(kv("service.name", AnyValue(string_value="raw")))
+    sm = rm.scope_metrics.add()
+    summary = sm.metrics.add(name="latency.summary", unit="s")
+    point = summary.summary.data_points.add(time_unix_nano=T0, count=4, sum=2.5)
+    point.quantile_values.add(quantile=0.5, value=0.4)
+    point.quantile_values.add(quantile=1.0, value=1.5)
+    exp = sm.metrics.add(name="latency.exp")
+    exp.exponential_histogram.aggregation_temporality = AGGREGATION_TEMPORALITY_DELTA
+    ep = exp.exponential_histogram.data_points.add(time_unix_nano=T0, count=3, sum=7.0, scale=2, zero_count=1)
+    ep.positive.offset = 5
+    ep.positive.bucket_counts.extend([1, 1])
+    bad = sm.metrics.add(name="latency.bad")
+    bad.histogram.data_points.add(time_unix_nano=T0, count=1, bucket_counts=[1, 0, 0], explicit_bounds=[1.0])
+    gauge = sm.metrics.add(name="queue.depth")
+    gauge.gauge.data_points.add(time_unix_nano=T0, as_int=7)
+    with running_collector(tmp_path) as collector:
+        status, _, body = http_post(collector.http_port, "/v1/metrics", req.SerializeToString())
+        stats = collector.stop()
+    assert status == 200
+    reply = ExportMetricsServiceResponse.FromString(body)
+    assert reply.partial_success.rejected_data_points == 1 and "latency.bad" in reply.partial_success.error_message
+    assert stats["metric_points_received"] == 3 and stats["metric_points_rejected"] == 1
+    rows = query(collector.store_path, "SELECT metric_name, metric_type, count, sum, value, quantile_values, "
+                                       "exponential_buckets, aggregation_temporality, start_ns, time_ns "
+                                       "FROM metric_points ORDER BY metric_name")
+    assert [r[:5] for r in rows] == [("latency.exp", "exponential_histogram", 3, 7.0, None),
+                                     ("latency.summary", "summary", 4, 2.5, None),
+                                     ("queue.depth", "gauge", None, None, 7.0)]
+    assert json.loads(rows[1][5]) == [{"quantile": 0.5, "value": 0.4}, {"quantile": 1.0, "value": 1.5}]
+    assert json.loads(rows[0][6]) == {"scale": 2, "zero_count": 1, "zero_threshold": 0.0,
+                                      "positive": {"offset": 5, "bucket_counts": [1, 1]},
+                                      "negative": {"offset": 0, "bucket_counts": []}}
+    assert rows[0][7] == "DELTA" and rows[2][8:] == (None, T0)
 
 
 def _raw_call(port: int, method: str, payload: bytes, compression: grpc.Compression | None = None) -> bytes:

@@ -244,3 +244,15 @@ def test_cli_empty_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert args.func(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["total_requests"] == 0 and out["methods"] == [] and out["slowest"] == []
+
+
+def test_span_names_are_not_rich_markup(tmp_path: Path) -> None:
+    req = raw_trace_request(1, service="[bold]svc")
+    req.resource_spans[0].scope_spans[0].spans[0].name = "[/]odd[red]"
+    with running_collector(tmp_path) as collector:
+        with grpc.insecure_channel(f"127.0.0.1:{collector.grpc_port}") as channel:
+            channel.unary_unary(TRACE_EXPORT, request_serializer=None, response_deserializer=None)(
+                req.SerializeToString(), timeout=10)
+    buffer = io.StringIO()
+    render_report(build_report(collector.store_path), Console(file=buffer, width=200, color_system=None))
+    assert "[/]odd[red]" in buffer.getvalue() and "[bold]svc" in buffer.getvalue()

@@ -15,6 +15,7 @@ status when
 413    ``Content-Length`` or the gzip-decompressed size over ``max_message_bytes`` (checked before
        reading / while decompressing, so a gzip bomb never expands past the limit)
 415    other content types or encodings
+500    an unexpected error in the receiver (logged)
 503    the store's queue is full or the collector is stopping (``Retry-After: 1``; retryable)
 ====== ==========================================================================================
 """
@@ -43,6 +44,7 @@ JSON = "application/json"
 PATHS = {f"/v1/{s.value}": s for s in Signal}
 DRAIN_LIMIT_BYTES = 64 * 1024 * 1024  # an over-large body up to this size is read and discarded
 IDLE_TIMEOUT_S = 30.0  # a connection silent this long is closed
+MAX_CONCURRENT_BODIES = 8  # requests reading/decoding a body at once; bounds memory to ~2x this x max size
 _HEX_ID_KEYS = frozenset({"traceId", "spanId", "parentSpanId", "trace_id", "span_id", "parent_span_id"})
 
 _HTTP_STATUS = {Outcome.INVALID: 400, Outcome.TOO_LARGE: 413, Outcome.UNAVAILABLE: 503}
@@ -53,6 +55,7 @@ _RPC_CODE = {
     411: code_pb2.INVALID_ARGUMENT,
     413: code_pb2.RESOURCE_EXHAUSTED,
     415: code_pb2.INVALID_ARGUMENT,
+    500: code_pb2.INTERNAL,
     503: code_pb2.UNAVAILABLE,
 }
 
@@ -157,6 +160,7 @@ class _Server(ThreadingHTTPServer):
         self.ingestor = ingestor
         self.max_message_bytes = max_message_bytes
         self.in_flight = _InFlight()
+        self.body_slots = threading.BoundedSemaphore(MAX_CONCURRENT_BODIES)
         super().__init__(address, _Handler)
 
 
@@ -178,11 +182,17 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.ingestor.count("http_requests")
             try:
                 signal = self._signal()
-                body = self._read_body()
-                content_type = self._content_type()
-                self._respond_result(self._ingest(signal, content_type, body), content_type)
+                with self.server.body_slots:
+                    body = self._read_body()
+                    content_type = self._content_type()
+                    result = self._ingest(signal, content_type, body)
+                    del body
+                self._respond_result(result, content_type)
             except HttpError as exc:
                 self._fail(exc)
+            except Exception as exc:  # never let a request kill the connection thread silently
+                log.exception("OTLP/HTTP request failed")
+                self._fail(HttpError(500, f"internal error: {type(exc).__name__}", close=True))
 
     def _other_method(self) -> None:
         self._body_read = False
