@@ -156,6 +156,7 @@ def test_per_method_counts_rates_errors_and_percentiles(filled_store: tuple[Path
     predict = next(m for m in report.methods if m.method == "Predict" and m.service_name == "ranker")
     assert predict.status_counts == {"OK": 36, "INVALID_ARGUMENT": 3, "INTERNAL": 1}
     assert predict.error_rate == pytest.approx(0.1)
+    assert predict.server_error_count == 1  # only INTERNAL set the span status to ERROR
     rank = next(m for m in report.methods if m.method == "Rank")
     assert rank.status_counts == {"UNSET": 14, "ERROR": 1} and rank.phases == []
     assert rank.unattributed_share is None

@@ -35,6 +35,7 @@ req AS (
            coalesce(service_name, 'unknown_service') AS service_name,
            coalesce(attributes->>'$."rpc.method"', name) AS method,
            coalesce(attributes->>'$."rpc.response.status_code"', status_code) AS status,
+           status_code = 'ERROR' AS is_server_error,
            (status_code = 'ERROR'
             OR coalesce(upper(attributes->>'$."rpc.response.status_code"') NOT IN ('OK', '0'), false)
            ) AS is_error
@@ -46,7 +47,8 @@ _METHODS_SQL = _REQUESTS_CTE + """
 SELECT service_name, method, count(*) AS n, min(start_ns), max(end_ns),
        count(*) FILTER (WHERE is_error) AS errors,
        quantile_cont(duration_ns, [0.5, 0.9, 0.99]) AS q,
-       max(duration_ns), avg(duration_ns), sum(duration_ns)
+       max(duration_ns), avg(duration_ns), sum(duration_ns),
+       count(*) FILTER (WHERE is_server_error) AS server_errors
 FROM req GROUP BY service_name, method ORDER BY service_name, method
 """
 
@@ -99,7 +101,7 @@ def _phases(con: duckdb.DuckDBPyConnection,
 
 
 def _method_stats(row: tuple[Any, ...], statuses: dict[str, int], phases: list[PhaseStats]) -> MethodStats:
-    service, method, n, first_ns, last_ns, errors, q, max_ns, mean_ns, _ = row
+    service, method, n, first_ns, last_ns, errors, q, max_ns, mean_ns, _, server_errors = row
     window_s = (last_ns - first_ns) / NS_PER_S
     return MethodStats(
         service_name=service,
@@ -108,6 +110,7 @@ def _method_stats(row: tuple[Any, ...], statuses: dict[str, int], phases: list[P
         rate_per_s=n / window_s if window_s > 0 else None,
         error_count=int(errors),
         error_rate=errors / n,
+        server_error_count=int(server_errors),
         status_counts=statuses,
         p50_ms=q[0] / NS_PER_MS,
         p90_ms=q[1] / NS_PER_MS,

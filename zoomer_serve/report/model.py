@@ -36,8 +36,11 @@ class MethodStats:
         count: requests.
         rate_per_s: requests per second over this method's first-start to last-end window (None if the
             window is empty).
-        error_count / error_rate: requests whose span status is ERROR or whose ``rpc.response.status_code``
-            is present and not "OK" / "0"; rate = error_count / count.
+        error_count / error_rate: requests that did not succeed: span status ERROR, or an
+            ``rpc.response.status_code`` that is present and not "OK" / "0" (client errors such as
+            INVALID_ARGUMENT count); rate = error_count / count.
+        server_error_count: the subset with span status ERROR (by the RPC semantic conventions, server-side
+            failures only: UNKNOWN, INTERNAL, UNAVAILABLE, ...).
         status_counts: requests per status (``rpc.response.status_code``, else the span status code).
         p50_ms / p90_ms / p99_ms: latency percentiles, ms (linear interpolation between samples).
         max_ms / mean_ms: ms.
@@ -51,6 +54,7 @@ class MethodStats:
     rate_per_s: float | None
     error_count: int
     error_rate: float
+    server_error_count: int
     status_counts: dict[str, int]
     p50_ms: float
     p90_ms: float
