@@ -1,0 +1,38 @@
+"""The ``zoomer-serve`` command line. Each subcommand lives with its concern and registers itself here."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from zoomer_serve import __version__
+    from zoomer_serve.collector import cli as collector_cli
+    from zoomer_serve.demo import cli as demo_cli
+    from zoomer_serve.report import cli as report_cli
+
+    parser = argparse.ArgumentParser(prog="zoomer-serve", description="Profiling middleware for PyTorch "
+                                     "inference servers: demo, embedded collector, reports.")
+    parser.add_argument("--version", action="version", version=f"zoomer-serve {__version__}")
+    parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in (demo_cli, collector_cli, report_cli):
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level), format="%(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""``zoomer-serve serve-demo`` (the demo model server alone) and ``zoomer-serve demo`` (the whole flow:
+embedded collector + instrumented model server + load + report, on one machine, nothing else to start)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+READY_TIMEOUT_S = 120.0
+
+
+def register(subparsers: Any) -> None:
+    serve = subparsers.add_parser(
+        "serve-demo", help="serve the demo DLRM ranking model over gRPC with the zoomer interceptor",
+        description="Serve the demo Ranker until SIGINT/SIGTERM, exporting wherever the OTEL_* variables "
+        "say; then drain in-flight calls and flush telemetry.")
+    serve.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=50051, help="listen port, 0 = any free port (default 50051)")
+    serve.add_argument("--grace-s", type=float, default=5.0, help="drain time for in-flight calls on stop")
+    serve.add_argument("--torch-threads", type=int, default=1,
+                       help="torch intra-op threads (default 1: the gRPC worker threads already run in parallel)")
+    serve.set_defaults(func=run_serve_demo)
+
+    demo = subparsers.add_parser(
+        "demo", help="run the whole flow on the demo model: collector, server, load, report",
+        description="Start the embedded collector and the instrumented demo model server, drive real load "
+        "(unary and streaming, a few invalid requests) for a bounded time, shut down cleanly, print the report.")
+    demo.add_argument("--store", type=Path, default=None,
+                      help="DuckDB store to write (default: a new zoomer-data/demo-<time>.duckdb)")
+    demo.add_argument("--duration-s", type=float, default=20.0, help="how long to send load (default 20 s)")
+    demo.add_argument("--clients", type=int, default=4, help="concurrent client threads (default 4)")
+    demo.add_argument("--max-requests", type=int, default=None, help="stop after this many calls")
+    demo.set_defaults(func=run_demo)
+
+
+# -- serve-demo -------------------------------------------------------------------------------------------
+def run_serve_demo(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    import zoomer_serve
+    from interceptors import ZoomerServerInterceptor
+    from zoomer_serve.demo.model import build_model, pick_device
+    from zoomer_serve.demo.service import ServerBindError, build_server
+
+    torch.set_num_threads(max(1, args.torch_threads))
+    stop = _stop_on_signals()
+    zoomer_serve.get_telemetry()  # configure from OTEL_* / ZOOMER_* before the first request
+    device = pick_device()
+    model = build_model(device=device)
+    interceptor = ZoomerServerInterceptor(server_address=args.host, server_port=args.port or None)
+    try:
+        server, port = build_server(model, args.host, args.port, interceptors=[interceptor])
+    except ServerBindError as exc:
+        print(f"zoomer-serve serve-demo: {exc}", file=sys.stderr)
+        return 1
+    interceptor.server_port = port
+    print(json.dumps({"event": "ready", "host": args.host, "port": port, "device": str(device)}), flush=True)
+    stop.wait()
+    server.stop(grace=args.grace_s).wait(args.grace_s + 1)
+    stats = zoomer_serve.shutdown()
+    print(json.dumps({"event": "stopped", "spans_exported": stats.exported if stats else 0,
+                      "spans_dropped": stats.dropped if stats else 0}), flush=True)
+    return 0
+
+
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+
+    def handle(signum: int, frame: Any) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGINT, handle)
+    signal.signal(signal.SIGTERM, handle)
+    return stop
+
+
+# -- demo -------------------------------------------------------------------------------------------------
+def _default_store() -> Path:
+    return Path("zoomer-data") / time.strftime("demo-%Y%m%d-%H%M%S.duckdb")
+
+
+def _start(args: list[str], env: dict[str, str], what: str) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    from zoomer_serve.processes import wait_for_event
+
+    proc = subprocess.Popen([sys.executable, "-m", "zoomer_serve", *args], stdout=subprocess.PIPE, env=env)
+    ready = wait_for_event(proc, "ready", READY_TIMEOUT_S)
+    if ready is None:
+        proc.kill()
+        raise RuntimeError(f"the {what} did not start (exit code {proc.poll()}); see its messages above")
+    return proc, ready
+
+
+def _stop(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    console = Console()
+    store = (args.store or _default_store()).resolve()
+    store.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        console.print(f"[bold]zoomer-serve demo[/]: store [cyan]{store}[/]")
+        collector, col = _start(["collector", "--store", str(store), "--grpc-port", "0", "--http-port", "0"],
+                                env, "embedded collector")
+        procs.append(collector)
+        console.print(f"  embedded OTLP collector on 127.0.0.1:{col['grpc_port']} (gRPC), "
+                      f":{col['http_port']} (HTTP)")
+        server_env = dict(env, OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{col['grpc_port']}",
+                          OTEL_EXPORTER_OTLP_PROTOCOL="grpc", OTEL_SERVICE_NAME="zoomer-demo-ranker",
+                          OTEL_BSP_SCHEDULE_DELAY="500", OTEL_METRIC_EXPORT_INTERVAL="5000")
+        server, srv = _start(["serve-demo", "--port", "0"], server_env, "demo model server")
+        procs.append(server)
+        target = f"127.0.0.1:{srv['port']}"
+        console.print(f"  demo Ranker (DLRM on {srv['device']}) with the zoomer interceptor on {target}")
+        result = _drive(console, target, args)
+        console.print("  stopping the server (drain, flush telemetry) and the collector (flush store)")
+        server_rc = _stop(server, 30)
+        collector_rc = _stop(collector, 30)
+        procs.clear()
+    finally:
+        for proc in procs:
+            proc.kill()
+    return _finish(console, store, result, server_rc, collector_rc)
+
+
+def _drive(console: Any, target: str, args: argparse.Namespace) -> Any:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from zoomer_serve.demo.load import drive_load
+
+    with Progress(TextColumn("  load"), BarColumn(), TextColumn("{task.fields[calls]} calls, "
+                  "{task.fields[ok]} ok"), TimeElapsedColumn(), console=console, transient=False) as bar:
+        task = bar.add_task("load", total=args.duration_s, calls=0, ok=0)
+
+        def progress(p: Any) -> None:
+            bar.update(task, completed=min(p.elapsed_s, args.duration_s), calls=p.calls, ok=p.ok)
+
+        result = drive_load(target, args.duration_s, clients=args.clients, max_requests=args.max_requests,
+                            progress=progress)
+        bar.update(task, completed=args.duration_s, calls=result.total_calls)
+    return result
+
+
+def _finish(console: Any, store: Path, result: Any, server_rc: int, collector_rc: int) -> int:
+    from zoomer_serve.report import build_report, render_report
+
+    report = build_report(store)
+    render_report(report, console)
+    spans = sum(m.count for m in report.methods)
+    console.print(f"\n  sent {result.total_calls} calls "
+                  f"({', '.join(f'{m} {c}: {n}' for (m, c), n in sorted(result.counts.items()))}); "
+                  f"the store holds {spans} server spans")
+    console.print(f"  store: [cyan]{store}[/]  (again: zoomer-serve report --store {store})")
+    ok = server_rc == 0 and collector_rc == 0 and result.unexpected == 0 and spans == result.total_calls
+    if not ok:
+        console.print(f"[red]demo problem[/]: server exit {server_rc}, collector exit {collector_rc}, "
+                      f"{result.unexpected} unexpected statuses, {spans} spans for {result.total_calls} calls")
+    return 0 if ok else 1
