@@ -112,6 +112,8 @@ def run_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console()
+    if not console.is_terminal:  # piped or in CI: keep the report's tables readable
+        console.width = max(console.width, 140)
     store = (args.store or _default_store()).resolve()
     store.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)

@@ -1,0 +1,60 @@
+"""The main job end to end, as a user runs it: ``zoomer-serve demo`` and ``zoomer-serve serve-demo``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import duckdb
+
+from zoomer_serve.processes import wait_for_event
+
+
+def test_demo_runs_the_whole_flow_and_every_call_becomes_a_span(tmp_path):
+    store = tmp_path / "demo.duckdb"
+    proc = subprocess.run([sys.executable, "-m", "zoomer_serve", "demo", "--store", str(store),
+                           "--duration-s", "3", "--clients", "2"],
+                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert str(store) in proc.stdout.replace("\n", "")
+    con = duckdb.connect(str(store), read_only=True)
+    try:
+        server_spans = con.execute("SELECT count(*) FROM spans WHERE kind = 'SERVER'").fetchone()[0]
+        phases = con.execute("SELECT DISTINCT json_extract_string(attributes, '$.\"zoomer.phase\"') "
+                             "FROM spans WHERE kind = 'INTERNAL'").fetchall()
+        codes = con.execute("SELECT DISTINCT json_extract_string(attributes, '$.\"rpc.response.status_code\"') "
+                            "FROM spans WHERE kind = 'SERVER'").fetchall()
+        duration_points = con.execute("SELECT count(*) FROM metric_points "
+                                      "WHERE metric_name = 'rpc.server.call.duration'").fetchone()[0]
+    finally:
+        con.close()
+    assert server_spans > 20
+    assert f"the store holds {server_spans} server spans" in " ".join(proc.stdout.split())
+    assert {p[0] for p in phases} >= {"preprocess", "forward", "postprocess"}
+    assert "OK" in {c[0] for c in codes}
+    assert duration_points > 0
+
+
+def test_serve_demo_drains_and_flushes_on_sigterm(collector, tmp_path):
+    env = dict(os.environ, OTEL_EXPORTER_OTLP_ENDPOINT=collector.grpc_endpoint, OTEL_SERVICE_NAME="ranker-t",
+               OTEL_BSP_SCHEDULE_DELAY="60000")  # nothing is sent before shutdown: the flush must do it
+    proc = subprocess.Popen([sys.executable, "-m", "zoomer_serve", "serve-demo", "--port", "0"],
+                            stdout=subprocess.PIPE, env=env)
+    try:
+        ready = wait_for_event(proc, "ready", 120)
+        assert ready is not None
+        from zoomer_serve.demo.load import drive_load
+
+        result = drive_load(f"127.0.0.1:{ready['port']}", 1.5, clients=2, invalid_share=0.0)
+        proc.send_signal(signal.SIGTERM)
+        stopped = wait_for_event(proc, "stopped", 60)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert stopped is not None and stopped["spans_dropped"] == 0
+    spans = collector.spans("SERVER")
+    assert len(spans) == result.total_calls > 0
+    assert {s["service_name"] for s in spans} == {"ranker-t"}
