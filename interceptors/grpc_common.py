@@ -181,6 +181,18 @@ def message_size(message: Any) -> int:
         return len(message) if isinstance(message, (bytes, bytearray)) else 0
 
 
+def recorder_and_config(recorder: RequestRecorder | None) -> tuple[RequestRecorder, ZoomerConfig]:
+    """The recorder an adapter uses (the process's when None: configured from the environment on first use)
+    and the config its defaults come from (the environment's when a recorder is given, without configuring,
+    and so starting, any exporter)."""
+    if recorder is None:
+        from zoomer_serve.runtime import get_telemetry
+
+        telemetry = get_telemetry()
+        return telemetry.recorder, telemetry.config
+    return recorder, ZoomerConfig.from_env()
+
+
 def is_quiet_exception(exc: BaseException) -> bool:
     """Exceptions that are how a call ends, not handler failures (no ``exception`` event): ``abort()``
     (the sync API raises a bare ``Exception()``, grpc.aio an ``AbortError``), generator close, task
@@ -248,15 +260,20 @@ class ServerCallTracer:
             return None
 
     def finish(self, span: RequestSpan | None, context: Any, exc: BaseException | None, counts: list[int],
-               call_over: bool | None = None) -> None:
+               call_over: bool | None = None,
+               status: tuple[grpc.StatusCode, str | None, str | None] | None = None) -> None:
         """End ``span`` (once; later calls do nothing) with the call's final status, the exception (unless
         quiet, see :func:`is_quiet_exception`) and ``counts`` = [request messages, request bytes, response
-        messages, response bytes]. ``call_over`` overrides the flavour's own test."""
+        messages, response bytes]. ``call_over`` overrides the flavour's own test; ``status`` =
+        ``(code, details, error_type)`` is used instead of reading it from the context (an aio ``abort()``
+        that is about to send it)."""
         if span is None or not span.is_open:
             return
         try:
-            over = self.call_over(context, exc) if call_over is None else call_over
-            code, details, error_type = final_status(context, exc, over)
+            if status is None:
+                over = self.call_over(context, exc) if call_over is None else call_over
+                status = final_status(context, exc, over)
+            code, details, error_type = status
             if exc is not None and not is_quiet_exception(exc):
                 span.record_exception(exc)
             attrs = span.attributes
@@ -299,14 +316,7 @@ class ServerInterceptorCore:
     def __init__(self, recorder: RequestRecorder | None = None, *, server_address: str | None = None,
                  server_port: int | None = None, excluded_methods: tuple[str, ...] | None = None,
                  filter_: Callable[[str], bool] | None = None, semconv_dup: bool | None = None) -> None:
-        if recorder is None:
-            from zoomer_serve.runtime import get_telemetry
-
-            telemetry = get_telemetry()
-            config = telemetry.config
-            recorder = telemetry.recorder
-        else:  # defaults from the environment, without configuring (and starting) any exporter
-            config = ZoomerConfig.from_env()
+        recorder, config = recorder_and_config(recorder)
         self.recorder = recorder
         self.server_address = server_address
         self.server_port = server_port

@@ -1,5 +1,9 @@
-"""The sync gRPC server interceptor against a real grpc.server, exporting over real OTLP to the embedded
-collector: span counts, names, status codes, parentage, streaming lifetimes, fail-open behaviour."""
+"""The gRPC server interceptors against real servers, exporting over real OTLP to the embedded collector:
+span counts, names, status codes, parentage, streaming lifetimes, fail-open behaviour.
+
+Every test runs twice, on the sync ``grpc.server`` (``ZoomerServerInterceptor``) and on the asyncio
+``grpc.aio.server`` (``ZoomerAioServerInterceptor``) serving the same ``test.Echo`` service with async
+handlers (``grpc_echo_aio``): one test body, both servers."""
 
 from __future__ import annotations
 
@@ -12,18 +16,39 @@ import grpc
 import pytest
 
 import zoomer_serve
-from interceptors import ZoomerServerInterceptor
+from interceptors import ZoomerAioServerInterceptor, ZoomerServerInterceptor
 from zoomer_serve.recording import format_traceparent, internal_error_counts
 
 sys.path.insert(0, str(Path(__file__).parent))
 import grpc_echo
+import grpc_echo_aio
 
 METHOD = "test.Echo/Unary"
 
 
+@pytest.fixture(params=["sync", "aio"])
+def start_echo(request):
+    """Starts ``test.Echo`` behind the zoomer interceptor built with the given arguments, on the sync or the
+    aio server (the test runs once with each); returns ``(server, target)`` like ``grpc_echo.start_server``.
+    Servers still running at the end are stopped."""
+    servers = []
+
+    def start(*args, **kwargs):
+        if request.param == "sync":
+            server, target = grpc_echo.start_server([ZoomerServerInterceptor(*args, **kwargs)])
+        else:
+            server, target = grpc_echo_aio.start_server([ZoomerAioServerInterceptor(*args, **kwargs)])
+        servers.append(server)
+        return server, target
+
+    yield start
+    for server in servers:
+        server.stop(None)
+
+
 @pytest.fixture
-def echo(telemetry):
-    server, target = grpc_echo.start_server([ZoomerServerInterceptor(server_address="127.0.0.1")])
+def echo(telemetry, start_echo):
+    server, target = start_echo(server_address="127.0.0.1")
     client = grpc_echo.Client(target)
     yield client
     client.close()
@@ -234,9 +259,8 @@ def test_user_otel_spans_become_children(echo, collector, telemetry):
     assert user["parent_span_id"] == req["span_id"]
 
 
-def test_excluded_methods_are_not_traced(telemetry, collector):
-    interceptor = ZoomerServerInterceptor(excluded_methods=("test.Echo/Server*",))
-    server, target = grpc_echo.start_server([interceptor])
+def test_excluded_methods_are_not_traced(telemetry, collector, start_echo):
+    server, target = start_echo(excluded_methods=("test.Echo/Server*",))
     client = grpc_echo.Client(target)
     try:
         assert list(client.server_stream(b"n:2")) == [b"m0", b"m1"]
@@ -264,14 +288,13 @@ def test_duration_metric_counts_every_call(echo, collector):
     assert ok["explicit_bounds"][:3] == [0.005, 0.01, 0.025]
 
 
-def test_broken_sink_fails_open():
+def test_broken_sink_fails_open(start_echo):
     """A recorder whose sink raises must not break a single call."""
     def boom(record):
         raise RuntimeError("sink down")
 
     recorder = zoomer_serve.RequestRecorder(sink=boom)
-    server, target = grpc_echo.start_server([ZoomerServerInterceptor(recorder, excluded_methods=(),
-                                                                     semconv_dup=False)])
+    server, target = start_echo(recorder, excluded_methods=(), semconv_dup=False)
     client = grpc_echo.Client(target)
     try:
         before = internal_error_counts().get("sink", 0)
@@ -282,7 +305,7 @@ def test_broken_sink_fails_open():
         server.stop(None)
 
 
-def test_collector_down_every_rpc_succeeds_and_shutdown_is_bounded(caplog, tmp_path):
+def test_collector_down_every_rpc_succeeds_and_shutdown_is_bounded(caplog, tmp_path, start_echo):
     """C03: the OTLP exporter points at a closed loopback port while requests flow, then shutdown."""
     import socket
 
@@ -292,7 +315,7 @@ def test_collector_down_every_rpc_succeeds_and_shutdown_is_bounded(caplog, tmp_p
     tel = zoomer_serve.configure(service_name="c03", endpoint=f"http://127.0.0.1:{closed_port}",
                                  export_mode="process", schedule_delay_ms=100, timeout_ms=1500,
                                  set_global_providers=False)
-    server, target = grpc_echo.start_server([ZoomerServerInterceptor(server_address="127.0.0.1")])
+    server, target = start_echo(server_address="127.0.0.1")
     client = grpc_echo.Client(target)
     try:
         for i in range(300):
@@ -312,9 +335,8 @@ def test_collector_down_every_rpc_succeeds_and_shutdown_is_bounded(caplog, tmp_p
     assert tel.pipeline is not None and tel.pipeline.helper_pid is not None
 
 
-def test_dup_semconv_emits_old_names_too(telemetry, collector):
-    interceptor = ZoomerServerInterceptor(semconv_dup=True)
-    server, target = grpc_echo.start_server([interceptor])
+def test_dup_semconv_emits_old_names_too(telemetry, collector, start_echo):
+    server, target = start_echo(semconv_dup=True)
     client = grpc_echo.Client(target)
     try:
         with pytest.raises(grpc.RpcError):
