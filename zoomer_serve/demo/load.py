@@ -368,7 +368,7 @@ def drive_load(
     def run(index: int) -> None:
         try:
             _client(index, seed, plan, tally, stop)
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread below
+        except BaseException as exc:
             errors.append(exc)
             stop.set()
 

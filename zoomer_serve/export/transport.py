@@ -122,39 +122,33 @@ def make_sender(cfg: ExportConfig, stop: threading.Event) -> TraceSender:
 
 def sdk_metric_exporter(cfg: ExportConfig) -> Any:
     """The OpenTelemetry SDK's OTLP metric exporter for the same endpoint, protocol, headers and timeout."""
-    timeout_s = cfg.timeout_ms / 1000
     if cfg.protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import Compression as GrpcCompression
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-
-        url = urllib.parse.urlparse(cfg.metrics_endpoint)
-        return OTLPMetricExporter(endpoint=cfg.metrics_endpoint, insecure=url.scheme != "https",
-                                  headers=cfg.headers or None, timeout=timeout_s,
-                                  compression=GrpcCompression.Gzip if cfg.compression == "gzip" else None)
-    from opentelemetry.exporter.otlp.proto.http import Compression as HttpCompression
-    from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
-        OTLPMetricExporter as HttpMetricExporter,
-    )
-
-    return HttpMetricExporter(endpoint=cfg.metrics_endpoint, headers=cfg.headers or None, timeout=timeout_s,
-                              compression=HttpCompression.Gzip if cfg.compression == "gzip"
-                              else HttpCompression.NoCompression)
+    else:
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    return OTLPMetricExporter(**_sdk_exporter_kwargs(cfg, cfg.metrics_endpoint))
 
 
 def sdk_span_exporter(cfg: ExportConfig) -> Any:
     """The OpenTelemetry SDK's OTLP span exporter (for spans that user code starts with the API)."""
-    timeout_s = cfg.timeout_ms / 1000
     if cfg.protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import Compression as GrpcCompression
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    return OTLPSpanExporter(**_sdk_exporter_kwargs(cfg, cfg.traces_endpoint))
 
-        url = urllib.parse.urlparse(cfg.traces_endpoint)
-        return OTLPSpanExporter(endpoint=cfg.traces_endpoint, insecure=url.scheme != "https",
-                                headers=cfg.headers or None, timeout=timeout_s,
-                                compression=GrpcCompression.Gzip if cfg.compression == "gzip" else None)
-    from opentelemetry.exporter.otlp.proto.http import Compression as HttpCompression
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpanExporter
 
-    return HttpSpanExporter(endpoint=cfg.traces_endpoint, headers=cfg.headers or None, timeout=timeout_s,
-                            compression=HttpCompression.Gzip if cfg.compression == "gzip"
-                            else HttpCompression.NoCompression)
+def _sdk_exporter_kwargs(cfg: ExportConfig, endpoint: str) -> dict[str, Any]:
+    """Constructor arguments shared by the SDK's OTLP exporters of both protocols."""
+    kwargs: dict[str, Any] = {"endpoint": endpoint, "headers": cfg.headers or None, "timeout": cfg.timeout_ms / 1000}
+    gzip_on = cfg.compression == "gzip"
+    if cfg.protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.exporter import Compression as GrpcCompression
+
+        kwargs["insecure"] = urllib.parse.urlparse(endpoint).scheme != "https"
+        kwargs["compression"] = GrpcCompression.Gzip if gzip_on else None
+    else:
+        from opentelemetry.exporter.otlp.proto.http import Compression as HttpCompression
+
+        kwargs["compression"] = HttpCompression.Gzip if gzip_on else HttpCompression.NoCompression
+    return kwargs

@@ -50,14 +50,9 @@ def parse_traceparent(value: str | bytes | None, tracestate: str | bytes | None 
     Trace Context spec); a future version with extra fields is accepted. ``tracestate`` is kept verbatim
     when at most 512 characters, else dropped.
     """
+    value = _ascii(value)
     if not value:
         return None
-    if isinstance(value, bytes):
-        try:
-            value = value.decode("ascii")
-        except UnicodeDecodeError:
-            return None
-    value = value.strip()
     parts = value.split("-")
     if len(parts) < 4:
         return None
@@ -76,7 +71,8 @@ def parse_traceparent(value: str | bytes | None, tracestate: str | bytes | None 
     return ParentContext(trace_id, span_id, int(flags_hex, 16), state, True)
 
 
-def _clean_tracestate(value: str | bytes | None) -> str | None:
+def _ascii(value: str | bytes | None) -> str | None:
+    """A header value as stripped text, or None when absent or not ASCII."""
     if not value:
         return None
     if isinstance(value, bytes):
@@ -84,7 +80,11 @@ def _clean_tracestate(value: str | bytes | None) -> str | None:
             value = value.decode("ascii")
         except UnicodeDecodeError:
             return None
-    value = value.strip()
+    return value.strip()
+
+
+def _clean_tracestate(value: str | bytes | None) -> str | None:
+    value = _ascii(value)
     if not value or len(value) > _MAX_TRACESTATE_LEN or not value.isprintable():
         return None
     return value
