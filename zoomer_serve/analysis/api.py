@@ -1,0 +1,105 @@
+"""Entry points: analyse trace files and/or a store, returning tables and findings."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from zoomer_serve.analysis.findings import Finding, sort_findings
+from zoomer_serve.analysis.kernels import kernel_breakdown, kind_breakdown
+from zoomer_serve.analysis.kineto import KinetoTrace, load_trace
+from zoomer_serve.analysis.store import StoreData, detect_store, load_store, request_percentiles
+from zoomer_serve.analysis.table import Table
+from zoomer_serve.analysis.timeline import (
+    annotation_gpu_time,
+    gpu_utilization,
+    launch_stats,
+    memcpy_bandwidth,
+    request_gpu_time,
+)
+from zoomer_serve.analysis.trace_detectors import detect_trace
+
+
+@dataclass
+class TraceReport:
+    """Everything computed for one trace: the analyzer tables and the findings."""
+
+    trace: KinetoTrace
+    tables: dict[str, Table]
+    findings: list[Finding]
+
+
+@dataclass
+class AnalysisResult:
+    """The outcome of :func:`analyze`: per-trace reports, the store's data and tables, all findings
+    (most severe first)."""
+
+    traces: list[TraceReport] = field(default_factory=list)
+    store: StoreData | None = None
+    store_tables: dict[str, Table] = field(default_factory=dict)
+    findings: list[Finding] = field(default_factory=list)
+
+    def to_dict(self, rows: int = 50) -> dict[str, Any]:
+        """JSON-ready: findings, and each table with at most ``rows`` rows."""
+        return {
+            "findings": [f.to_dict() for f in self.findings],
+            "traces": [{"summary": r.trace.summary(), "tables": {k: t.to_dict(rows) for k, t in r.tables.items()}}
+                       for r in self.traces],
+            "store": None if self.store is None else {
+                "path": str(self.store.path), "requests": len(self.store.requests),
+                "tables": {k: t.to_dict(rows) for k, t in self.store_tables.items()}},
+        }
+
+
+def trace_tables(trace: KinetoTrace) -> dict[str, Table]:
+    """Every trace analyzer's table, by name."""
+    return {
+        "gpu_utilization": gpu_utilization(trace),
+        "kind_breakdown": kind_breakdown(trace),
+        "kernel_breakdown": kernel_breakdown(trace),
+        "launch_stats": launch_stats(trace),
+        "memcpy_bandwidth": memcpy_bandwidth(trace),
+        "annotation_gpu_time": annotation_gpu_time(trace),
+        "request_gpu_time": request_gpu_time(trace),
+    }
+
+
+def analyze_trace(trace: KinetoTrace | str | os.PathLike[str]) -> TraceReport:
+    """Load (when given a path) and analyse one Kineto trace.
+
+    Raises:
+        FileNotFoundError / TraceFormatError: see :func:`~zoomer_serve.analysis.kineto.load_trace`.
+    """
+    t = trace if isinstance(trace, KinetoTrace) else load_trace(trace)
+    return TraceReport(t, trace_tables(t), sort_findings(detect_trace(t)))
+
+
+def analyze_store(store_path: str | os.PathLike[str]) -> list[Finding]:
+    """Request-level findings from a zoomer-serve store (tail latency, slow replicas, CPU-bound phases, GPU
+    memory), most severe first. Run it after the collector has stopped (DuckDB allows one writer).
+
+    Raises:
+        FileNotFoundError: no such file.
+        StoreAnalysisError: the store cannot be read.
+    """
+    return sort_findings(detect_store(load_store(store_path)))
+
+
+def analyze(traces: list[str | os.PathLike[str]] | None = None,
+            store_path: str | os.PathLike[str] | None = None) -> AnalysisResult:
+    """Analyse any number of trace files and, optionally, a store."""
+    result = AnalysisResult()
+    findings: list[Finding] = []
+    for path in traces or []:
+        report = analyze_trace(Path(path))
+        result.traces.append(report)
+        findings.extend(report.findings)
+    if store_path is not None:
+        data = load_store(store_path)
+        result.store = data
+        result.store_tables = {"request_percentiles": request_percentiles(data)}
+        findings.extend(detect_store(data))
+    result.findings = sort_findings(findings)
+    return result

@@ -1,0 +1,97 @@
+"""The names the analysis reads: request labels in profiler traces and span attributes in the store.
+
+One place for each: the code that writes them (the request recorder, the GPU memory sampler) should import
+these constants rather than repeat the strings.
+
+Request labels
+--------------
+While a request runs under ``torch.profiler``, zoomer-serve opens a ``record_function`` range named
+``zoomer.request/<trace_id>/<span_id>`` around it: ``<trace_id>`` is the request span's W3C trace id (32
+lowercase hex digits) and ``<span_id>`` its span id (16 lowercase hex digits), the ids under which the span
+is stored. The analysis finds these ranges in a Kineto trace (``user_annotation`` events) to give GPU time
+per request and to put requests and kernels on one timeline.
+
+GPU memory span attributes and GPU metrics
+------------------------------------------
+The analysis reads these from the store; they are written by the GPU telemetry
+(``zoomer_serve.telemetry``), whose ``names`` module documents them; the strings below must stay equal to
+those (a test checks it when that module is present). Per request span (sums over the watched devices):
+
+==========================================  ===============================================================
+attribute                                   meaning
+==========================================  ===============================================================
+``zoomer.gpu.memory.allocated.end``         ``allocated_bytes.all.current`` at request end: bytes held by
+                                            tensors
+``zoomer.gpu.memory.reserved.end``          ``reserved_bytes.all.current`` at request end: bytes the caching
+                                            allocator holds from CUDA (allocated + cached free blocks)
+``zoomer.gpu.memory.peak``                  ``allocated_bytes.all.peak`` over the request's window, bytes
+``zoomer.gpu.memory.alloc_retries``         ``num_alloc_retries`` during the request (cudaMalloc failed, the
+                                            cache was flushed and the allocation retried)
+``zoomer.gpu.memory.ooms``                  ``num_ooms`` during the request
+==========================================  ===============================================================
+
+A request that failed with CUDA out-of-memory is also recognised from its ``error.type`` attribute (or an
+``exception`` / ``zoomer.gpu.oom`` span event) containing ``OutOfMemoryError``. Metrics (``metric_points``):
+``hw.gpu.utilization`` (ratio) and ``hw.gpu.memory.usage`` (bytes), per ``hw.id``, for the timelines.
+"""
+
+from __future__ import annotations
+
+import re
+
+REQUEST_LABEL_PREFIX = "zoomer.request/"
+"""Start of the ``record_function`` name of a request range: ``zoomer.request/<trace_id>/<span_id>``."""
+
+_REQUEST_LABEL = re.compile(r"^zoomer\.request/([0-9a-f]{32})/([0-9a-f]{16})$")
+
+GPU_MEMORY_ALLOCATED = "zoomer.gpu.memory.allocated.end"
+GPU_MEMORY_RESERVED = "zoomer.gpu.memory.reserved.end"
+GPU_MEMORY_PEAK = "zoomer.gpu.memory.peak"
+GPU_MEMORY_ALLOC_RETRIES = "zoomer.gpu.memory.alloc_retries"
+GPU_MEMORY_OOMS = "zoomer.gpu.memory.ooms"
+GPU_MEMORY_ATTRIBUTES = (GPU_MEMORY_ALLOCATED, GPU_MEMORY_RESERVED, GPU_MEMORY_PEAK, GPU_MEMORY_ALLOC_RETRIES,
+                         GPU_MEMORY_OOMS)
+GPU_OOM_EVENT = "zoomer.gpu.oom"
+OOM_ERROR_MARKER = "OutOfMemoryError"
+METRIC_GPU_UTILIZATION = "hw.gpu.utilization"
+METRIC_GPU_MEMORY_USAGE = "hw.gpu.memory.usage"
+METRIC_HW_ID = "hw.id"
+
+PHASE_ATTRIBUTE = "zoomer.phase"
+"""Span attribute naming a request phase (set by :func:`zoomer_serve.phase`)."""
+PHASE_PREPROCESS = "preprocess"
+PHASE_FORWARD = "forward"
+PHASE_POSTPROCESS = "postprocess"
+
+SERVICE_INSTANCE_ID = "service.instance.id"
+RPC_METHOD = "rpc.method"
+RPC_STATUS = "rpc.response.status_code"
+ERROR_TYPE = "error.type"
+
+
+def _hex(value: int | str, digits: int, what: str) -> str:
+    if isinstance(value, int):
+        if value < 0 or value >= 1 << (4 * digits):
+            raise ValueError(f"{what} out of range: {value}")
+        return f"{value:0{digits}x}"
+    text = value.lower()
+    if not re.fullmatch(f"[0-9a-f]{{{digits}}}", text):
+        raise ValueError(f"{what} must be {digits} hex digits, got {value!r}")
+    return text
+
+
+def request_label(trace_id: int | str, span_id: int | str) -> str:
+    """The ``record_function`` name for a request: ``zoomer.request/<32 hex>/<16 hex>``.
+
+    Raises:
+        ValueError: an id out of range or not hex of the right length.
+    """
+    return f"{REQUEST_LABEL_PREFIX}{_hex(trace_id, 32, 'trace_id')}/{_hex(span_id, 16, 'span_id')}"
+
+
+def parse_request_label(name: str) -> tuple[str, str] | None:
+    """``(trace_id, span_id)`` as lowercase hex from a request label, or None for any other name."""
+    if not name.startswith(REQUEST_LABEL_PREFIX):
+        return None
+    m = _REQUEST_LABEL.match(name)
+    return (m.group(1), m.group(2)) if m else None
