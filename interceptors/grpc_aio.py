@@ -85,10 +85,10 @@ class _HandlerContext(grpc.aio.ServicerContext):
         return message
 
     async def write(self, message: Any) -> None:
-        await self._context.write(message)
-        counts = self._counts
+        counts = self._counts  # counted when handed to grpc, like a yielded message
         counts[2] += 1
         counts[3] += message_size(message)
+        await self._context.write(message)
 
     async def abort(self, code: grpc.StatusCode, details: str = "", *args: Any, **kwargs: Any) -> NoReturn:
         self._end_for_abort(code, details)

@@ -89,7 +89,9 @@ async def _stream_unary_rw(requests: AsyncIterator[bytes], context: grpc.aio.Ser
 
 async def _stream_stream(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
                          ) -> AsyncIterator[bytes]:
+    """Async-generator bidi: one upper-cased reply per message, 10 ms after it arrived."""
     async for req in requests:
+        await asyncio.sleep(0.01)
         yield req.upper()
 
 
