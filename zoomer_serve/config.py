@@ -23,6 +23,7 @@ environment. A bad value raises :class:`ConfigError` naming the variable and the
 | export mode | ``ZOOMER_EXPORT_MODE``: ``process`` (a helper process encodes and sends), ``thread``, ``none`` | ``process`` |
 | excluded methods | ``ZOOMER_EXCLUDED_METHODS`` (comma-separated globs over ``pkg.Service/Method``) | health and reflection |
 | store | ``ZOOMER_STORE`` | ``./zoomer-data/zoomer.duckdb`` |
+| GPU telemetry | ``ZOOMER_GPU`` and ``ZOOMER_GPU_*`` (see :mod:`zoomer_serve.telemetry.config`) | ``auto`` |
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ import os
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zoomer_serve.telemetry.config import GpuTelemetryConfig
 
 DEFAULT_EXCLUDED_METHODS = ("grpc.health.v1.Health/*", "grpc.reflection.*")
 PROTOCOLS = ("grpc", "http/protobuf")
@@ -89,6 +94,7 @@ class ZoomerConfig:
     semconv_rpc_dup: bool = False
     excluded_methods: tuple[str, ...] = DEFAULT_EXCLUDED_METHODS
     sdk_disabled: bool = False
+    gpu: GpuTelemetryConfig = field(default_factory=lambda: _gpu_config({}))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ZoomerConfig:
@@ -107,7 +113,18 @@ class ZoomerConfig:
             semconv_rpc_dup="rpc/dup" in _csv(env.get("OTEL_SEMCONV_STABILITY_OPT_IN", "")),
             excluded_methods=tuple(_csv(excluded)) if excluded is not None else DEFAULT_EXCLUDED_METHODS,
             sdk_disabled=env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true",
+            gpu=_gpu_config(env),
         )
+
+
+def _gpu_config(env: Mapping[str, str]) -> GpuTelemetryConfig:
+    """The ``ZOOMER_GPU*`` settings (see :mod:`zoomer_serve.telemetry.config`)."""
+    from zoomer_serve.telemetry.config import GpuConfigError, GpuTelemetryConfig
+
+    try:
+        return GpuTelemetryConfig.from_env(env)
+    except GpuConfigError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _csv(value: str) -> list[str]:

@@ -41,6 +41,7 @@ class Telemetry:
     tracer_provider: Any
     meter_provider: Any
     _stats: ExportStats | None = None
+    gpu: Any = None  # zoomer_serve.telemetry.GpuTelemetry, or None (no GPU, or ZOOMER_GPU=off)
 
     def shutdown(self, timeout_s: float | None = None) -> ExportStats:
         """Flush and stop everything within about ``timeout_s`` (default: the OTLP export timeout) + 1 s.
@@ -48,6 +49,8 @@ class Telemetry:
         if self._stats is not None:
             return self._stats
         budget = self.config.export.timeout_ms / 1000 if timeout_s is None else timeout_s
+        if self.gpu is not None:  # first: it sends its last allocation totals through the pipeline
+            self.gpu.shutdown()
         threads = [threading.Thread(target=_shutdown_provider, args=(p, budget), daemon=True)
                    for p in (self.tracer_provider, self.meter_provider) if p is not None]
         for t in threads:
@@ -144,7 +147,22 @@ def _build(cfg: ZoomerConfig, set_global: bool) -> Telemetry:
         pipeline.start()
     recorder = RequestRecorder(pipeline.submit if pipeline else None, sampler)
     tracer_provider, meter_provider = _sdk_providers(cfg, resource, set_global)
-    return Telemetry(cfg, resource, recorder, pipeline, tracer_provider, meter_provider)
+    telemetry = Telemetry(cfg, resource, recorder, pipeline, tracer_provider, meter_provider)
+    telemetry.gpu = _gpu_telemetry(cfg, recorder, meter_provider)
+    return telemetry
+
+
+def _gpu_telemetry(cfg: ZoomerConfig, recorder: RequestRecorder, meter_provider: Any) -> Any:
+    """GPU telemetry per ``cfg.gpu`` (None when off or when there is no GPU); never raises."""
+    if cfg.gpu.mode == "off":
+        return None
+    try:
+        from zoomer_serve.telemetry import install_gpu_telemetry
+
+        return install_gpu_telemetry(cfg.gpu, recorder, meter_provider)
+    except Exception as exc:
+        logger.warning("zoomer-serve: GPU telemetry could not start, continuing without it: %r", exc)
+        return None
 
 
 def _sdk_providers(cfg: ZoomerConfig, resource: dict[str, Any], set_global: bool) -> tuple[Any, Any]:

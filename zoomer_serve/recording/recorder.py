@@ -124,11 +124,13 @@ class RequestSpan:
 
     def add_child(self, name: str, start_ns: int, end_ns: int, attributes: dict[str, Any],
                   status: int = r.STATUS_UNSET, parent_id: int | None = None,
-                  span_id: int | None = None) -> int:
-        """Record a finished child span (a phase) of this span; returns its span id."""
+                  span_id: int | None = None,
+                  events: list[tuple[int, str, dict[str, Any] | None]] | None = None) -> int:
+        """Record a finished child span (a phase) of this span, with optional ``events`` (``(time_ns, name,
+        attrs)``); returns its span id."""
         span_id = span_id or new_span_id()
         rec = (self.trace_id, span_id, parent_id or self.span_id, False, self.trace_flags, self.trace_state,
-               name, r.KIND_INTERNAL, start_ns, end_ns, status, None, attributes, None, None, None,
+               name, r.KIND_INTERNAL, start_ns, end_ns, status, None, attributes, events or None, None, None,
                self._flags & r.F_SAMPLED)
         if self._open:
             if self.children is None:
