@@ -6,7 +6,8 @@ run, so that both record exactly the same spans (and whatever request observers 
 Semantic conventions followed: OpenTelemetry RPC and gRPC conventions as of semconv v1.40.0 (stable
 names): span name and ``rpc.method`` = ``pkg.Service/Method``, ``rpc.system.name`` = ``grpc``,
 ``rpc.response.status_code`` = the status code name (``OK``, ``INVALID_ARGUMENT``), ``error.type`` = the
-status code name for server errors (or the exception type). With ``OTEL_SEMCONV_STABILITY_OPT_IN=rpc/dup``
+status code name for errors (or the exception type): on SERVER spans the codes in
+:data:`SERVER_ERROR_CODES`, on CLIENT spans every code but OK (:data:`CLIENT_ERROR_CODES`). With ``OTEL_SEMCONV_STABILITY_OPT_IN=rpc/dup``
 the older ``rpc.system``, ``rpc.service`` and ``rpc.grpc.status_code`` (int) are emitted too.
 """
 
