@@ -1,0 +1,92 @@
+"""CPU time of a process tree from ``/proc`` (Linux), for the overhead benchmark.
+
+Figures come from ``/proc/<pid>/stat``: ``utime`` + ``stime`` (fields 14, 15: CPU the process's threads used)
+plus ``cutime`` + ``cstime`` (fields 16, 17: CPU of children it has waited for), in clock ticks
+(``SC_CLK_TCK``, usually 100 per second, so a reading is exact to 10 ms). Descendants are found through
+``/proc/<pid>/task/<tid>/children``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name, or None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            raw = f.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return raw[raw.rfind(")") + 2:].split()  # the command name may hold spaces and parentheses
+
+
+def cpu_ticks(pid: int, with_reaped_children: bool) -> int:
+    """CPU of ``pid`` in clock ticks: utime + stime (+ cutime + cstime); 0 when the process is gone."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        return 0
+    # after the name: state(3) ppid(4) ... utime(14) stime(15) cutime(16) cstime(17); index = field - 3
+    ticks = int(fields[11]) + int(fields[12])
+    if with_reaped_children:
+        ticks += int(fields[13]) + int(fields[14])
+    return ticks
+
+
+def children(pid: int) -> list[int]:
+    """Pids of the live children of ``pid`` (all its threads'), [] when it is gone."""
+    out: list[int] = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", encoding="ascii") as f:
+                out.extend(int(p) for p in f.read().split())
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Pids of all live descendants of ``pid`` (bounded to 256)."""
+    found: list[int] = []
+    todo = [pid]
+    while todo and len(found) < 256:
+        for child in children(todo.pop()):
+            if child not in found:
+                found.append(child)
+                todo.append(child)
+    return found
+
+
+@dataclass(frozen=True)
+class TreeCpu:
+    """CPU seconds of a process tree at one instant: ``main_s`` (the process itself, including children it
+    has reaped) and ``helpers_s`` (its live descendants, e.g. the export helper process)."""
+
+    main_s: float
+    helpers_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.main_s + self.helpers_s
+
+
+def tree_cpu(pid: int) -> TreeCpu:
+    """A :class:`TreeCpu` reading of ``pid`` and its live descendants.
+
+    A helper that exits and is reaped between two readings moves from ``helpers_s`` into ``main_s``
+    (cutime/cstime), so differences of two readings stay right.
+    """
+    helpers = sum(cpu_ticks(p, with_reaped_children=True) for p in descendants(pid))
+    return TreeCpu(cpu_ticks(pid, with_reaped_children=True) * _TICK_S, helpers * _TICK_S)
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds of ``pid`` alone (utime + stime)."""
+    return cpu_ticks(pid, with_reaped_children=False) * _TICK_S

@@ -1,0 +1,514 @@
+"""Overhead benchmark: what zoomer-serve's gRPC interceptor costs a server, against a bare server and against
+the OpenTelemetry contrib gRPC interceptor, both exporting over real OTLP to the same embedded collector.
+
+Usage::
+
+    python benchmarks/overhead.py            # full run (about 8 minutes on 2 cores)
+    python benchmarks/overhead.py --quick    # under 2 minutes
+    python benchmarks/overhead.py --quick --json   # one JSON object on stdout, progress on stderr
+
+Method (see benchmarks/RESULTS.md for figures):
+
+- Three kinds of process, all started as subprocesses (fork+exec, never a bare fork): the embedded OTLP
+  collector (``_bench_collector.py``), one server process per configuration per round (``_bench_server.py``),
+  and one closed-loop client process (``_bench_client.py``) that runs 1 and 8 client threads.
+- Rounds interleave the configurations (their order rotates each round, and the thread counts alternate) so
+  drift and neighbours' load hit all of them alike.
+- CPU per request = CPU (``/proc/<pid>/stat`` utime + stime) of the server process and of every helper
+  process it started (zoomer-serve's export helper) over the measured window, divided by the requests
+  completed in it. The collector's CPU counts for no configuration (shown for information).
+  Overhead (µs) = CPU per request of a configuration − that of the bare server, from the totals of all
+  rounds. Latency percentiles are client-side, over every request of every round's window.
+- After the run, the collector's store is read: for each server process, SERVER spans stored versus
+  requests it answered (``spans_lost``).
+
+The configurations and server kinds are declared in ``_bench_configs.py``; new rows are a few lines there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _bench_configs import BARE, CONFIGURATIONS, CONTRIB, SERVER_KINDS, ZOOMER, configuration  # noqa: E402
+
+TARGET_OVERHEAD_RATIO_VS_CONTRIB = 0.5
+TARGET_P99_RATIO_VS_BARE = 1.3
+TARGET_P99_THREADS = 8
+SCHEMA = "zoomer-serve/benchmarks/overhead/v1"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How long and how often to measure. Times in seconds."""
+
+    mode: str
+    rounds: int
+    warmup_s: float
+    window_s: float
+    threads: tuple[int, ...]
+    kinds: tuple[str, ...]
+    configs: tuple[str, ...]
+
+
+MODES = {  # mode -> (rounds, warmup_s, window_s)
+    "full": (4, 1.5, 6.0),
+    "quick": (2, 0.75, 1.5),
+    "smoke": (1, 0.2, 0.3),
+}
+
+
+# -- child processes ---------------------------------------------------------------------------------------
+class Child:
+    """A subprocess that talks JSON lines: commands on stdin, answers on stdout; stderr is passed through."""
+
+    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None, name: str = "") -> None:
+        self.name = name or Path(args[1]).stem
+        self.proc = subprocess.Popen(list(args), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     bufsize=1, env=env, cwd=str(HERE), close_fds=True)
+        self._lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                self._lines.put(json.loads(line))
+            else:
+                sys.stderr.write(f"[{self.name}] {line}")
+        self._lines.put(None)
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def expect(self, timeout_s: float, event: str | None = None) -> dict[str, Any]:
+        """The next JSON line (with ``"event": event`` when given); RuntimeError on exit or timeout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                msg = self._lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(f"{self.name}: no answer within {timeout_s:.0f} s") from None
+            if msg is None:
+                raise RuntimeError(f"{self.name}: exited with code {self.proc.wait()} before answering")
+            if event is None or msg.get("event") == event:
+                return msg
+
+    def close(self, timeout_s: float = 15.0) -> None:
+        """Close stdin, wait up to ``timeout_s``, then kill."""
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _python(script: str) -> list[str]:
+    return [sys.executable, str(HERE / script)]
+
+
+def _server_env(service_name: str, grpc_port: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "ZOOMER_"))}
+    env.update(OTEL_SERVICE_NAME=service_name, OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{grpc_port}",
+               OTEL_EXPORTER_OTLP_PROTOCOL="grpc", PYTHONUNBUFFERED="1")
+    return env
+
+
+# -- measurements --------------------------------------------------------------------------------------------
+@dataclass
+class Cell:
+    """Everything measured for one (kind, configuration, threads) over all rounds."""
+
+    requests: int = 0
+    window_s: float = 0.0
+    server_cpu_s: float = 0.0
+    helpers_cpu_s: float = 0.0
+    collector_cpu_s: float = 0.0
+    client_cpu_s: float = 0.0
+    latency_us: list[int] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+    rounds: list[dict[str, float]] = field(default_factory=list)  # per round: cpu_us_per_request, requests_per_s, p99_us
+
+    def add(self, run: dict[str, Any]) -> None:
+        self.requests += run["requests"]
+        self.window_s += run["window_s"]
+        for key in ("server_cpu_s", "helpers_cpu_s", "collector_cpu_s", "client_cpu_s"):
+            setattr(self, key, getattr(self, key) + run[key])
+        self.latency_us.extend(run["latency_us"])
+        for code, count in run["errors"].items():
+            self.errors[code] = self.errors.get(code, 0) + count
+        n = max(1, run["requests"])
+        self.rounds.append({"cpu_us_per_request": (run["server_cpu_s"] + run["helpers_cpu_s"]) / n * 1e6,
+                            "requests_per_s": run["requests"] / run["window_s"],
+                            "p99_us": percentile(run["latency_us"], 99)})
+
+    def per_request_us(self, seconds: float) -> float:
+        return seconds / max(1, self.requests) * 1e6
+
+    @property
+    def cpu_us_per_request(self) -> float:
+        return self.per_request_us(self.server_cpu_s + self.helpers_cpu_s)
+
+
+def percentile(values: list[int], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]) of ``values``; NaN when empty."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), int(-(-q * len(ordered) // 100))))
+    return float(ordered[rank - 1])
+
+
+@dataclass
+class Results:
+    plan: Plan
+    cells: dict[tuple[str, str, int], Cell] = field(default_factory=dict)
+    answered: dict[str, int] = field(default_factory=dict)  # service name -> successful calls
+    services: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # (kind, config) -> service names
+    stored_server_spans: dict[str, int] = field(default_factory=dict)
+    instrumentation: dict[str, dict[str, Any]] = field(default_factory=dict)
+    collector_stats: dict[str, Any] = field(default_factory=dict)
+    started: str = ""
+    load_before: tuple[float, ...] = ()
+    load_after: tuple[float, ...] = ()
+    elapsed_s: float = 0.0
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def measure(plan: Plan) -> Results:
+    """Run every round; returns the raw results (see :func:`summarise`)."""
+    res = Results(plan, started=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                  load_before=os.getloadavg())
+    t_start = time.monotonic()
+    children: list[Child] = []
+    with tempfile.TemporaryDirectory(prefix="zoomer-bench-") as tmp:
+        store = Path(tmp) / "bench.duckdb"
+        try:
+            collector = Child(_python("_bench_collector.py") + [str(store)], name="collector")
+            children.append(collector)
+            col = collector.expect(60, "ready")
+            client = Child(_python("_bench_client.py"), name="client")
+            children.append(client)
+            client.expect(60, "ready")
+            for rnd in range(plan.rounds):
+                order = plan.configs[rnd % len(plan.configs):] + plan.configs[:rnd % len(plan.configs)]
+                threads = plan.threads if rnd % 2 == 0 else tuple(reversed(plan.threads))
+                for kind in plan.kinds:
+                    for config in order:
+                        _one_server(res, kind, config, rnd, threads, col, client, children)
+            collector.send("stop")
+            res.collector_stats = collector.expect(60, "stopped")
+        finally:
+            for child in reversed(children):
+                child.close()
+        res.stored_server_spans = _stored_server_spans(store)
+    res.load_after = os.getloadavg()
+    res.elapsed_s = time.monotonic() - t_start
+    return res
+
+
+def _one_server(res: Results, kind: str, config: str, rnd: int, threads: Sequence[int], col: dict[str, Any],
+                client: Child, children: list[Child]) -> None:
+    plan = res.plan
+    service = f"bench-{kind}-{config}-r{rnd}"
+    res.services.setdefault((kind, config), []).append(service)
+    server = Child(_python("_bench_server.py") + [kind, config], env=_server_env(service, col["grpc_port"]),
+                   name=f"server {kind}/{config}")
+    children.append(server)
+    try:
+        ready = server.expect(180, "ready")
+        answered = 0
+        for n in threads:
+            _log(f"round {rnd + 1}/{plan.rounds}  {kind:<6} {config:<8} {n} client thread(s) ...")
+            client.send(json.dumps({"kind": kind, "target": f"127.0.0.1:{ready['port']}", "threads": n,
+                                    "warmup_s": plan.warmup_s, "window_s": plan.window_s,
+                                    "server_pid": ready["pid"], "collector_pid": col["pid"]}))
+            run = client.expect(plan.warmup_s + plan.window_s + 60)
+            answered += run["total_ok"]
+            res.cells.setdefault((kind, config, n), Cell()).add(run)
+            cell_round = res.cells[(kind, config, n)].rounds[-1]
+            _log(f"    {run['requests']} requests, {cell_round['requests_per_s']:.0f}/s, "
+                 f"{cell_round['cpu_us_per_request']:.0f} µs CPU/request (server {run['server_cpu_s']:.2f} s, "
+                 f"helpers {run['helpers_cpu_s']:.2f} s), errors {run['errors'] or 0}")
+        server.send("stop")
+        stopped = server.expect(60, "stopped")
+        res.answered[service] = answered
+        res.instrumentation[service] = stopped.get("instrumentation", {})
+    finally:
+        server.close()
+        children.remove(server)
+
+
+def _stored_server_spans(store: Path) -> dict[str, int]:
+    """SERVER spans per service name in the collector's store."""
+    from zoomer_serve.collector import open_readonly
+
+    con = open_readonly(store)
+    try:
+        rows = con.execute("SELECT service_name, count(*) FROM spans WHERE kind = 'SERVER' "
+                           "GROUP BY service_name").fetchall()
+    finally:
+        con.close()
+    return {str(name): int(count) for name, count in rows}
+
+
+# -- summary ---------------------------------------------------------------------------------------------------
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return round(a / b, 3)
+
+
+def summarise(res: Results) -> dict[str, Any]:
+    """The JSON object that ``--json`` prints (see RESULTS.md for the field meanings)."""
+    plan = res.plan
+    out: dict[str, Any] = {}
+    for kind in plan.kinds:
+        configs: dict[str, Any] = {}
+        for config in plan.configs:
+            threads: dict[str, Any] = {}
+            for n in plan.threads:
+                threads[str(n)] = _cell_summary(res, kind, config, n)
+            services = res.services.get((kind, config), [])
+            answered = sum(res.answered.get(s, 0) for s in services)
+            stored = sum(res.stored_server_spans.get(s, 0) for s in services)
+            configs[config] = {
+                "threads": threads,
+                "requests_answered": answered,
+                "server_spans_stored": stored,
+                "spans_lost": answered - stored if configuration(config).exports else None,
+            }
+        kind_out: dict[str, Any] = {"configs": configs}
+        if ZOOMER in configs:
+            zt = configs[ZOOMER]["threads"]
+            kind_out["overhead_ratio_vs_contrib"] = {n: zt[n]["overhead_ratio_vs_contrib"] for n in zt}
+            kind_out["p99_ratio_vs_bare"] = {n: zt[n]["p99_ratio_vs_bare"] for n in zt}
+            kind_out["targets"] = _targets(kind_out)
+        out[kind] = kind_out
+    out["meta"] = _meta(res)
+    return out
+
+
+def _cell_summary(res: Results, kind: str, config: str, n: int) -> dict[str, Any]:
+    cell = res.cells[(kind, config, n)]
+    bare = res.cells.get((kind, BARE, n))
+    contrib = res.cells.get((kind, CONTRIB, n))
+    rps = cell.requests / cell.window_s if cell.window_s else 0.0
+    p99 = percentile(cell.latency_us, 99)
+    summary: dict[str, Any] = {
+        "requests": cell.requests,
+        "requests_per_s": round(rps, 1),
+        "p50_us": percentile(cell.latency_us, 50),
+        "p90_us": percentile(cell.latency_us, 90),
+        "p99_us": p99,
+        "cpu_us_per_request": round(cell.cpu_us_per_request, 1),
+        "server_cpu_us_per_request": round(cell.per_request_us(cell.server_cpu_s), 1),
+        "helpers_cpu_us_per_request": round(cell.per_request_us(cell.helpers_cpu_s), 1),
+        "collector_cpu_us_per_request": round(cell.per_request_us(cell.collector_cpu_s), 1),
+        "client_cpu_us_per_request": round(cell.per_request_us(cell.client_cpu_s), 1),
+        "errors": cell.errors,
+    }
+    overhead: float | None = None
+    summary.update(overhead_us=None, overhead_us_rounds=[], throughput_ratio_vs_bare=None,
+                   p99_ratio_vs_bare=None, p99_ratio_vs_bare_rounds=[], overhead_ratio_vs_contrib=None)
+    if bare is not None:
+        overhead = cell.cpu_us_per_request - bare.cpu_us_per_request
+        bare_rps = bare.requests / bare.window_s if bare.window_s else 0.0
+        summary["overhead_us"] = round(overhead, 1)
+        summary["overhead_us_rounds"] = [round(a["cpu_us_per_request"] - b["cpu_us_per_request"], 1)
+                                         for a, b in zip(cell.rounds, bare.rounds)]
+        summary["throughput_ratio_vs_bare"] = _ratio(rps, bare_rps)
+        summary["p99_ratio_vs_bare"] = _ratio(p99, percentile(bare.latency_us, 99))
+        summary["p99_ratio_vs_bare_rounds"] = [_ratio(a["p99_us"], b["p99_us"])
+                                               for a, b in zip(cell.rounds, bare.rounds)]
+    if overhead is not None and contrib is not None and bare is not None and config != BARE:
+        summary["overhead_ratio_vs_contrib"] = _ratio(overhead, contrib.cpu_us_per_request - bare.cpu_us_per_request)
+    return summary
+
+
+def _targets(kind_out: dict[str, Any]) -> dict[str, Any]:
+    ratios = [v for v in kind_out["overhead_ratio_vs_contrib"].values() if v is not None]
+    p99 = kind_out["p99_ratio_vs_bare"].get(str(TARGET_P99_THREADS))
+    overhead_ok = bool(ratios) and max(ratios) <= TARGET_OVERHEAD_RATIO_VS_CONTRIB
+    p99_ok = p99 is not None and p99 <= TARGET_P99_RATIO_VS_BARE
+    return {"overhead_ratio_vs_contrib_max": TARGET_OVERHEAD_RATIO_VS_CONTRIB,
+            "p99_ratio_vs_bare_max": TARGET_P99_RATIO_VS_BARE, "p99_threads": TARGET_P99_THREADS,
+            "overhead_met": overhead_ok, "p99_met": p99_ok}
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("grpcio", "torch", "opentelemetry-sdk", "opentelemetry-instrumentation-grpc", "zoomer-serve"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "absent"
+    return out
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _meta(res: Results) -> dict[str, Any]:
+    plan = res.plan
+    return {
+        "schema": SCHEMA,
+        "date": res.started,
+        "mode": plan.mode,
+        "rounds": plan.rounds,
+        "warmup_s": plan.warmup_s,
+        "window_s": plan.window_s,
+        "threads": list(plan.threads),
+        "configs": {c.name: c.label for c in CONFIGURATIONS if c.name in plan.configs},
+        "kinds": {k.name: k.label for k in SERVER_KINDS if k.name in plan.kinds},
+        "machine": {"cpus": os.cpu_count(), "cpu_model": _cpu_model(), "kernel": platform.release(),
+                    "loadavg_before": [round(x, 2) for x in res.load_before],
+                    "loadavg_after": [round(x, 2) for x in res.load_after]},
+        "versions": _versions(),
+        "elapsed_s": round(res.elapsed_s, 1),
+        "collector": {k: res.collector_stats.get(k) for k in ("grpc_requests", "spans_received",
+                                                               "metric_points_received", "store_dropped")},
+        "instrumentation_counters": res.instrumentation,
+        "command": " ".join([Path(sys.executable).name, "benchmarks/overhead.py", *sys.argv[1:]]),
+    }
+
+
+def _fmt(value: Any, spec: str = ".0f") -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float) and value != value:
+        return "nan"
+    return format(value, spec)
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    """The tables RESULTS.md shows, one per server kind."""
+    lines: list[str] = []
+    meta = summary["meta"]
+    for kind, label in meta["kinds"].items():
+        k = summary[kind]
+        lines += [f"### {kind}: {label}", "",
+                  "| configuration | client threads | req/s | × bare | p50 µs | p99 µs | p99 × bare "
+                  "| CPU µs/req (server + helpers) | overhead µs (per round) | overhead × contrib | spans lost |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for config, c in k["configs"].items():
+            for n, t in c["threads"].items():
+                cpu = f"{_fmt(t['cpu_us_per_request'])} ({_fmt(t['server_cpu_us_per_request'])} + " \
+                      f"{_fmt(t['helpers_cpu_us_per_request'])})"
+                rounds = ", ".join(_fmt(x) for x in t.get("overhead_us_rounds", []))
+                overhead = "–" if config == BARE else f"{_fmt(t.get('overhead_us'), '+.0f')} ({rounds})"
+                lines.append(
+                    f"| {config} | {n} | {_fmt(t['requests_per_s'])} | {_fmt(t.get('throughput_ratio_vs_bare'), '.2f')}"
+                    f" | {_fmt(t['p50_us'])} | {_fmt(t['p99_us'])} | {_fmt(t.get('p99_ratio_vs_bare'), '.2f')}"
+                    f" | {cpu} | {overhead} | {_fmt(t.get('overhead_ratio_vs_contrib'), '.2f')}"
+                    f" | {_fmt(c['spans_lost'], 'd')} |")
+        if "targets" in k:
+            tg = k["targets"]
+            ratios = ", ".join(f"{n} thr: {_fmt(v, '.2f')}" for n, v in k["overhead_ratio_vs_contrib"].items())
+            p99s = ", ".join(f"{n} thr: {_fmt(v, '.2f')}" for n, v in k["p99_ratio_vs_bare"].items())
+            lines += ["", f"- zoomer overhead ÷ contrib overhead: {ratios} (target ≤ "
+                          f"{tg['overhead_ratio_vs_contrib_max']}: {'met' if tg['overhead_met'] else 'MISSED'})",
+                      f"- zoomer p99 ÷ bare p99: {p99s} (target ≤ {tg['p99_ratio_vs_bare_max']} at "
+                      f"{tg['p99_threads']} threads: {'met' if tg['p99_met'] else 'MISSED'})"]
+        lines.append("")
+    m = meta["machine"]
+    lines.append(f"{meta['date']}, mode {meta['mode']} ({meta['rounds']} rounds, {meta['warmup_s']} s warm-up + "
+                 f"{meta['window_s']} s window per thread count), {m['cpus']} CPUs ({m['cpu_model']}), load "
+                 f"{m['loadavg_before'][0]} before / {m['loadavg_after'][0]} after, {meta['elapsed_s']} s, "
+                 f"`{meta['command']}`")
+    return "\n".join(lines)
+
+
+def _csv(value: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Plan:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="2 rounds of short windows (under 2 minutes)")
+    mode.add_argument("--smoke", action="store_true", help="1 round of tiny windows: checks that it runs")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout (progress on stderr)")
+    p.add_argument("--rounds", type=int, help="rounds (each runs every configuration once)")
+    p.add_argument("--warmup", type=float, help="seconds of load before each measured window")
+    p.add_argument("--window", type=float, help="seconds of each measured window")
+    p.add_argument("--threads", default="1,8", help="client thread counts (default 1,8)")
+    p.add_argument("--kinds", default=",".join(k.name for k in SERVER_KINDS),
+                   help="server kinds (default: all)")
+    p.add_argument("--configs", default=",".join(c.name for c in CONFIGURATIONS if c.default),
+                   help="configurations (default: %(default)s; also: "
+                   + ", ".join(c.name for c in CONFIGURATIONS if not c.default)
+                   + "; overheads need 'bare', ratios 'contrib')")
+    args = p.parse_args(argv)
+    name = "quick" if args.quick else "smoke" if args.smoke else "full"
+    rounds, warmup, window = MODES[name]
+    known_kinds, known_configs = {k.name for k in SERVER_KINDS}, {c.name for c in CONFIGURATIONS}
+    kinds, configs = _csv(args.kinds), _csv(args.configs)
+    for given, known, what in ((kinds, known_kinds, "server kind"), (configs, known_configs, "configuration")):
+        unknown = [x for x in given if x not in known]
+        if unknown or not given:
+            p.error(f"unknown {what} {unknown or given}; known: {', '.join(sorted(known))}")
+    try:
+        threads = tuple(int(t) for t in _csv(args.threads))
+    except ValueError:
+        p.error(f"--threads must be comma-separated integers, got {args.threads!r}")
+    if not threads or min(threads) < 1 or max(threads) > 64:
+        p.error(f"--threads must be between 1 and 64, got {args.threads!r}")
+    plan = Plan(name, args.rounds or rounds, args.warmup if args.warmup is not None else warmup,
+                args.window or window, threads, kinds, configs)
+    if plan.rounds < 1 or plan.rounds > 20 or not 0 <= plan.warmup_s <= 60 or not 0 < plan.window_s <= 120:
+        p.error("need 1 <= --rounds <= 20, 0 <= --warmup <= 60, 0 < --window <= 120")
+    return plan
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    as_json = "--json" in (sys.argv[1:] if argv is None else argv)
+    plan = parse_args(argv)
+    summary = summarise(measure(plan))
+    if as_json:
+        print(json.dumps(summary))
+    else:
+        print(markdown(summary))
+    _log(markdown(summary) if as_json else "")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Smoke tests of benchmarks/overhead.py: it runs end to end (real servers, real OTLP export into the real
+embedded collector) and prints one JSON object of the documented shape. No timing assertions."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import _bench_proc  # noqa: E402
+import overhead  # noqa: E402
+
+CELL_KEYS = {"requests", "requests_per_s", "p50_us", "p90_us", "p99_us", "cpu_us_per_request",
+             "server_cpu_us_per_request", "helpers_cpu_us_per_request", "collector_cpu_us_per_request",
+             "client_cpu_us_per_request", "errors", "overhead_us", "overhead_us_rounds", "throughput_ratio_vs_bare",
+             "p99_ratio_vs_bare", "p99_ratio_vs_bare_rounds", "overhead_ratio_vs_contrib"}
+
+
+def _run(*args: str, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(BENCH / "overhead.py"), *args], capture_output=True, text=True,
+                          timeout=timeout_s, cwd=str(BENCH.parent))
+
+
+@pytest.fixture(scope="module")
+def smoke() -> dict:
+    proc = _run("--smoke", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1, f"stdout must hold only the JSON line, got {len(lines)} lines"
+    return json.loads(lines[0])
+
+
+def test_smoke_json_has_every_kind_config_and_thread_count(smoke: dict) -> None:
+    assert set(smoke) == {"echo", "model", "meta"}
+    for kind in ("echo", "model"):
+        configs = smoke[kind]["configs"]
+        assert set(configs) == {"bare", "zoomer", "contrib"}
+        for name, config in configs.items():
+            assert set(config["threads"]) == {"1", "8"}
+            for n, cell in config["threads"].items():
+                assert set(cell) == CELL_KEYS, (kind, name, n)
+                assert cell["requests"] > 0 and cell["errors"] == {}, (kind, name, n, cell["errors"])
+                assert cell["p50_us"] <= cell["p99_us"]
+                assert cell["cpu_us_per_request"] >= 0
+            assert config["requests_answered"] > 0
+        bare = configs["bare"]["threads"]["8"]
+        assert bare["overhead_us"] == 0 and bare["overhead_ratio_vs_contrib"] is None
+        assert configs["contrib"]["threads"]["8"]["overhead_ratio_vs_contrib"] in (1.0, None)  # None: 0 overhead
+        assert set(smoke[kind]["overhead_ratio_vs_contrib"]) == {"1", "8"}
+        assert set(smoke[kind]["p99_ratio_vs_bare"]) == {"1", "8"}
+        assert smoke[kind]["targets"]["p99_threads"] == 8
+
+
+def test_smoke_every_request_reaches_the_collector_as_one_server_span(smoke: dict) -> None:
+    for kind in ("echo", "model"):
+        for name in ("zoomer", "contrib"):
+            config = smoke[kind]["configs"][name]
+            assert config["spans_lost"] == 0, (kind, name, config)
+            assert config["server_spans_stored"] == config["requests_answered"]
+        assert smoke[kind]["configs"]["bare"]["spans_lost"] is None
+
+
+def test_zoomer_export_helper_cpu_is_counted(smoke: dict) -> None:
+    meta = smoke["meta"]
+    assert meta["machine"]["cpus"] >= 1 and meta["mode"] == "smoke"
+    counters = meta["instrumentation_counters"]
+    zoomer = [v for k, v in counters.items() if "-zoomer-" in k]
+    assert zoomer and all(c["dropped"] == 0 and c["exported"] > 0 for c in zoomer)
+    # the helper process is a child of the server: its CPU shows up apart from the server's
+    assert smoke["echo"]["configs"]["zoomer"]["threads"]["8"]["helpers_cpu_us_per_request"] >= 0
+    assert smoke["echo"]["configs"]["bare"]["threads"]["8"]["helpers_cpu_us_per_request"] == 0
+
+
+def test_unknown_configuration_is_named_in_the_error() -> None:
+    proc = _run("--smoke", "--configs", "bare,nosuch", timeout_s=60)
+    assert proc.returncode == 2
+    assert "nosuch" in proc.stderr and "zoomer" in proc.stderr
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = list(range(1, 101))
+    assert overhead.percentile(values, 50) == 50
+    assert overhead.percentile(values, 99) == 99
+    assert overhead.percentile([7], 99) == 7
+    assert overhead.percentile([], 50) != overhead.percentile([], 50)  # NaN
+
+
+def test_tree_cpu_counts_a_live_child_and_then_its_reaped_time() -> None:
+    burn = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass\n" \
+           "import sys; sys.stdin.read()"
+    child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 20
+        while _bench_proc.tree_cpu(os.getpid()).helpers_s < 0.25 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        live = _bench_proc.tree_cpu(os.getpid())
+        assert child.pid in _bench_proc.descendants(os.getpid())
+        assert live.helpers_s >= 0.25
+    finally:
+        child.communicate(b"", timeout=20)
+    reaped = _bench_proc.tree_cpu(os.getpid())
+    assert reaped.main_s - live.main_s >= 0.25  # moved into cutime/cstime once waited for
