@@ -41,9 +41,14 @@ class _Flight:
 
     def __init__(self, start: list[MemoryCounters]) -> None:
         self.start = start
-        self.peak = [c[0] for c in start]  # right after the reset, the peak is the current allocation
+        self.peak = [0] * len(start)  # interval peaks seen since the start (see peak_bytes)
         self.shared = False
         self.tag: Any = None
+
+    def peak_bytes(self, i: int) -> int:
+        """The peak on the i-th device over the window: the interval peaks, or the allocation at the start
+        (right after the start's reset the device peak is the current allocation)."""
+        return max(self.peak[i], self.start[i][0])
 
 
 class GpuMemoryObserver:
@@ -151,7 +156,7 @@ class GpuMemoryObserver:
             attrs[n.MEM_OOMS] = e[4] - s[4]
             attrs[n.MEM_DEVICE_ALLOCS] = e[5] - s[5]
             if self.peak:
-                attrs[n.MEM_PEAK] = flight.peak[0]
+                attrs[n.MEM_PEAK] = flight.peak_bytes(0)
                 attrs[n.MEM_PEAK_SHARED] = flight.shared
             util = self.utilization.get(self.devices[0])
             if util is not None:
@@ -171,7 +176,7 @@ class GpuMemoryObserver:
             n.MEM_DEVICE_ALLOCS: [e.device_allocs - s.device_allocs for s, e in zip(start, end)],
         }
         if self.peak:
-            per_device[n.MEM_PEAK] = list(flight.peak)
+            per_device[n.MEM_PEAK] = [flight.peak_bytes(i) for i in range(len(start))]
             attrs[n.MEM_PEAK_SHARED] = flight.shared
         attrs[n.GPU_DEVICES] = self._devices_attr
         for key, values in per_device.items():

@@ -1,0 +1,387 @@
+"""GPU check: the demo model server on a real GPU under load, with every GPU telemetry feature on, then a table.
+
+Usage::
+
+    python benchmarks/gpu_check.py              # about 2 minutes; exits 0 when every check passes
+    python benchmarks/gpu_check.py --seconds 10 --out /tmp/gpu-check
+
+On a machine without CUDA it prints why and exits 2 without checking anything.
+
+What runs, in order (each step adds rows ``(step, what, value, ok)`` to the table; a step that raises is an
+error row and the next step still runs):
+
+1. ``load``: the demo DLRM Ranker on ``cuda`` behind ``ZoomerServerInterceptor``, exporting over OTLP to an
+   embedded collector, with GPU telemetry on (per-request memory, peak, OOM observer, allocation history with
+   Python stacks, NVML sampler every 500 ms), under ``drive_load`` for ``--seconds``. C07: while the load
+   runs, a memory snapshot (the pickle pytorch.org/memory_viz opens) is asked for with a time budget.
+2. ``oom``: a call whose handler allocates more than the device holds on a side CUDA stream; the handler
+   catches ``torch.OutOfMemoryError``; the next Predict must succeed (the server keeps serving).
+3. ``overhead``: the observer's ``on_start`` + ``on_end`` with the real source (timeit), the cost of one
+   ``torch._C._cuda_memoryStats`` read against ``torch.cuda.memory_stats``, and the client-side latency of
+   Predict with GPU telemetry on against off (observer removed), same server, back to back.
+4. ``C06``: an allocate/free loop over sizes from 1 B to 8 MiB with history off, then 20 history windows
+   on/off, then off again: allocations per second must come back to the baseline (within 15 %) and must not
+   degrade with the number of windows.
+5. ``store``: after a flush, the collector's store: requests, spans with memory attributes, allocation-event
+   child spans attributed to a request (share), the OOM span (event, status, error.type) and OOM metric,
+   NVML metrics seen.
+
+Other engineers add steps to :data:`STEPS` (a function ``step(ctx) -> None`` that calls ``ctx.row``); a step
+that needs the running server (``ctx.target``) goes before ``check_store``, which stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+import timeit
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+OOM_SERVICE = "zoomer.gpucheck.v1.Check"
+OOM_METHOD = "ForceOom"
+DEADLINE_S = 230  # the whole check must end within 4 minutes
+C06_SIZES = (1, 256, 4096, 64 << 10, 1 << 20, 8 << 20)
+C06_WINDOWS = 20
+C06_TOLERANCE = 0.15
+
+
+@dataclass
+class Context:
+    """What the steps share: arguments, the collector, telemetry, the server, results, and the table."""
+
+    args: argparse.Namespace
+    out: Path
+    store: Path
+    collector: Any = None
+    telemetry: Any = None
+    server: Any = None
+    target: str = ""
+    rows: list[tuple[str, str, str, bool | None]] = field(default_factory=list)
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    def row(self, step: str, what: str, value: Any, ok: bool | None = None) -> None:
+        """Add a table row; ``ok`` None is information only."""
+        self.rows.append((step, what, str(value), ok))
+
+
+# -- steps -------------------------------------------------------------------------------------------------
+def check_load(ctx: Context) -> None:
+    """Step 1: server, load, and a C07 snapshot while the load runs."""
+    from zoomer_serve.demo.load import drive_load
+
+    _start_server(ctx)
+    snapshot: dict[str, Any] = {}
+    taker = threading.Thread(target=_snapshot_during_load, args=(ctx, snapshot), daemon=True)
+    taker.start()
+    result = drive_load(ctx.target, duration_s=ctx.args.seconds, clients=4, batch_size=64)
+    taker.join(60)
+    ctx.facts["requests_sent"] = result.total_calls
+    ctx.row("load", "calls (all methods, all codes)", result.total_calls, result.total_calls > 0)
+    ctx.row("load", "Predict p50 / p99 ms", f"{result.p50_ms:.2f} / {result.p99_ms:.2f}")
+    ctx.row("load", "unexpected status", result.unexpected, result.unexpected == 0)
+    if "error" in snapshot:
+        ctx.row("C07", "snapshot during load", snapshot["error"], False)
+    elif "result" in snapshot:
+        res = snapshot["result"]
+        ok = res.bytes > 0 and res.trace_entries > 0 and res.seconds < ctx.args.snapshot_budget
+        ctx.row("C07", "snapshot during load (memory_viz pickle)",
+                f"{res.path.name}: {res.bytes} B, {res.trace_entries} entries, {res.seconds:.2f} s", ok)
+    else:
+        ctx.row("C07", "snapshot during load", "did not return", False)
+
+
+def check_oom(ctx: Context) -> None:
+    """Step 2: a forced OOM on a side stream is caught in the handler; the server keeps serving."""
+    import grpc
+    import numpy as np
+
+    from zoomer_serve.demo import ranker_pb2_grpc
+    from zoomer_serve.demo.load import make_request
+
+    with grpc.insecure_channel(ctx.target) as channel:
+        reply = channel.unary_unary(f"/{OOM_SERVICE}/{OOM_METHOD}")(b"", timeout=60)
+        ctx.row("oom", "handler caught torch.OutOfMemoryError on a side stream", reply.decode(), reply == b"caught")
+        stub = ranker_pb2_grpc.RankerStub(channel)
+        resp = stub.Predict(make_request(np.random.default_rng(7), 16), timeout=30)
+        ctx.row("oom", "next Predict after the OOM", f"{len(resp.scores)} scores", len(resp.scores) == 16)
+    observer = ctx.telemetry.gpu.observer
+    ctx.row("oom", "OOMs seen by the observer (marked / outside requests)",
+            f"{observer.oom_count - observer.oom_unattributed} / {observer.oom_unattributed}",
+            observer.oom_count >= 1 and observer.oom_unattributed == 0)
+
+
+def check_overhead(ctx: Context) -> None:
+    """Step 3: per-request cost of GPU telemetry, direct and end to end."""
+    import torch
+
+    from zoomer_serve.demo.load import drive_load
+    from zoomer_serve.recording import RequestRecorder
+
+    gpu = ctx.telemetry.gpu
+    observer = gpu.observer
+    dev = observer.devices[0]
+    n = 20_000
+    stats_us = min(timeit.repeat(lambda: torch._C._cuda_memoryStats(dev), number=n, repeat=5)) / n * 1e6
+    flat_us = min(timeit.repeat(lambda: torch.cuda.memory_stats(dev), number=2000, repeat=5)) / 2000 * 1e6
+    ctx.row("overhead", "torch._C._cuda_memoryStats (nested, 1 read) µs", f"{stats_us:.2f}")
+    ctx.row("overhead", "torch.cuda.memory_stats (flattened) µs", f"{flat_us:.2f}")
+    span = RequestRecorder(otel_context=False).start("gpu_check/Observer")
+
+    def both() -> None:
+        observer.on_start(span)
+        observer.on_end(span)
+
+    obs_us = min(timeit.repeat(both, number=n, repeat=5)) / n * 1e6
+    ctx.row("overhead", "observer on_start+on_end, real source, history on, µs/request", f"{obs_us:.2f}")
+    recorder = ctx.telemetry.recorder
+
+    def p50_ms() -> float:
+        return drive_load(ctx.target, duration_s=ctx.args.overhead_seconds, clients=4, batch_size=64,
+                          stream_share=0.0, invalid_share=0.0).p50_ms
+
+    on_first = p50_ms()
+    recorder.remove_observer(observer)
+    try:
+        off = p50_ms()
+    finally:
+        recorder.add_observer(observer)
+    on = min(on_first, p50_ms())
+    ctx.row("overhead", "Predict p50 ms, GPU telemetry on / off", f"{on:.3f} / {off:.3f} ({(on - off) * 1000:+.0f} µs)")
+
+
+def check_c06(ctx: Context) -> None:
+    """Step 4 (C06): history windows on/off around a tight allocate/free loop leave allocation speed as it was."""
+    import torch
+
+    gpu = ctx.telemetry.gpu
+    gpu.disable_history()  # drains what the load recorded; the loop below runs outside any request
+    ctx.facts["unattributed"] = gpu.history.stats.unattributed
+    torch.cuda.synchronize()
+
+    def rate(iterations: int = 2000) -> float:
+        start = time.perf_counter()
+        for _ in range(iterations):
+            for size in C06_SIZES:
+                torch.empty(size, dtype=torch.uint8, device="cuda")  # freed at once: back to the cache
+        return iterations * len(C06_SIZES) / (time.perf_counter() - start)
+
+    rate()  # warm the cache
+    baseline = max(rate() for _ in range(3))
+    on_rates, off_rates = [], []
+    for _ in range(C06_WINDOWS):
+        with gpu.history.window():
+            on_rates.append(rate(500))
+        off_rates.append(rate(500))
+    after = max(rate() for _ in range(3))
+    first, last = off_rates[0], off_rates[-1]
+    ctx.row("C06", "allocs/s history off (baseline)", f"{baseline:,.0f}")
+    ctx.row("C06", "allocs/s history on (median of windows)", f"{sorted(on_rates)[len(on_rates) // 2]:,.0f}")
+    ctx.row("C06", f"allocs/s history off again after {C06_WINDOWS} windows", f"{after:,.0f} "
+            f"({after / baseline:.2f}x baseline)", after >= (1 - C06_TOLERANCE) * baseline)
+    ctx.row("C06", "off-window speed, window 1 vs last", f"{first:,.0f} vs {last:,.0f}",
+            last >= (1 - C06_TOLERANCE) * first)
+
+
+def check_store(ctx: Context) -> None:
+    """Step 5: flush everything, stop the collector, read the store."""
+    import zoomer_serve
+    from zoomer_serve.collector.store import open_readonly
+    from zoomer_serve.telemetry import names as n
+
+    _stop_server(ctx)
+    history = ctx.telemetry.gpu.history
+    unattributed = ctx.facts.get("unattributed", history.stats.unattributed if history else 0)
+    zoomer_serve.shutdown(timeout_s=10)
+    ctx.collector.stop()
+    con = open_readonly(ctx.store)
+    try:
+        spans = _rows(con, "SELECT span_id, parent_span_id, name, kind, status_code, attributes, events FROM spans")
+        metrics = [r[0] for r in con.execute("SELECT DISTINCT metric_name FROM metric_points").fetchall()]
+        oom_points = con.execute("SELECT max(value) FROM metric_points WHERE metric_name = ?",
+                                 [n.GPU_OOM_COUNT]).fetchone()[0]
+    finally:
+        con.close()
+    requests = [s for s in spans if s["kind"] in ("SERVER", "SPAN_KIND_SERVER", "2")]
+    with_memory = [s for s in requests if n.MEM_PEAK in s["attributes"]]
+    with_util = [s for s in requests if n.GPU_UTILIZATION in s["attributes"]]
+    ctx.row("store", "request spans", len(requests), len(requests) > 0)
+    ctx.row("store", "request spans with zoomer.gpu.memory.* (and peak shared)",
+            f"{len(with_memory)} ({sum(bool(s['attributes'].get(n.MEM_PEAK_SHARED)) for s in with_memory)} shared)",
+            len(with_memory) == len(requests))
+    ctx.row("store", "request spans with zoomer.gpu.utilization", len(with_util), len(with_util) > 0)
+    request_ids = {s["span_id"] for s in requests}
+    children = [s for s in spans if s["name"] == n.EVENTS_SPAN]
+    linked = [c for c in children if c["parent_span_id"] in request_ids]
+    attributed = sum(sum(c["attributes"].get(n.action_count(a), 0) for a in n.ACTIONS) for c in linked)
+    share = attributed / (attributed + unattributed) if attributed + unattributed else 0.0
+    ctx.row("store", "allocation-event child spans linked to a request", f"{len(linked)} of {len(children)}",
+            len(children) > 0 and len(linked) == len(children))
+    ctx.row("store", "allocator entries attributed to a request id", f"{attributed} ({share:.0%}; "
+            f"{unattributed} unattributed)", share >= 0.5)
+    oom_spans = [s for s in requests if s["name"].endswith(f"/{OOM_METHOD}")]
+    oom_ok = bool(oom_spans) and all(
+        s["status_code"] in ("ERROR", "STATUS_CODE_ERROR") and s["attributes"].get("error.type")
+        and any(e["name"] == n.OOM_EVENT for e in s["events"] or ()) for s in oom_spans)
+    ctx.row("store", "OOM span: zoomer.gpu.oom event, status ERROR, error.type", len(oom_spans), oom_ok)
+    ctx.row("store", f"{n.GPU_OOM_COUNT} metric", oom_points, bool(oom_points and oom_points >= 1))
+    nvml = sorted(m for m in metrics if m.startswith("hw.") or (m.startswith("zoomer.gpu.") and m not in (
+        n.GPU_OOM_COUNT, n.EVENTS_UNATTRIBUTED, n.HISTORY_OVERRUNS)))
+    needed = {n.HW_GPU_UTILIZATION, n.HW_GPU_MEMORY_USAGE, n.HW_GPU_MEMORY_LIMIT, n.HW_POWER, n.HW_ENERGY}
+    ctx.row("store", "NVML metrics seen", ", ".join(nvml) or "none", needed <= set(nvml))
+
+
+STEPS: list[Callable[[Context], None]] = [check_load, check_oom, check_overhead, check_c06, check_store]
+
+
+# -- helpers -----------------------------------------------------------------------------------------------
+def _start_server(ctx: Context) -> None:
+    import grpc
+
+    from interceptors import ZoomerServerInterceptor
+    from zoomer_serve.demo.model import build_model
+    from zoomer_serve.demo.service import build_server
+
+    def add_oom_service(server: grpc.Server) -> None:
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            OOM_SERVICE, {OOM_METHOD: grpc.unary_unary_rpc_method_handler(_force_oom)}),))
+
+    model = build_model(device="cuda")
+    ctx.server, port = build_server(model, "127.0.0.1", 0, interceptors=[ZoomerServerInterceptor()],
+                                    extra_servicers=[add_oom_service])
+    ctx.target = f"127.0.0.1:{port}"
+
+
+def _force_oom(request: bytes, context: Any) -> bytes:
+    """Allocate 1.5x the device's memory on a side stream; catch the OOM like a careful handler would."""
+    import torch
+
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    side = torch.cuda.Stream()
+    try:
+        with torch.cuda.stream(side):
+            torch.empty(int(total * 1.5), dtype=torch.uint8, device="cuda")
+    except torch.OutOfMemoryError:
+        return b"caught"
+    return b"no OOM"
+
+
+def _stop_server(ctx: Context) -> None:
+    if ctx.server is not None:
+        ctx.server.stop(2.0).wait(10)
+        ctx.server = None
+
+
+def _snapshot_during_load(ctx: Context, out: dict[str, Any]) -> None:
+    time.sleep(min(5.0, ctx.args.seconds / 2))
+    try:
+        out["result"] = ctx.telemetry.gpu.dump_snapshot(str(ctx.out / "memory_snapshot.pickle"),
+                                                        timeout_s=ctx.args.snapshot_budget)
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+
+
+def _rows(con: Any, sql: str) -> list[dict[str, Any]]:
+    cur = con.execute(sql)
+    cols = [d[0] for d in cur.description]
+    rows = [dict(zip(cols, row)) for row in cur.fetchall()]
+    for row in rows:
+        for key in ("attributes", "events"):
+            if isinstance(row.get(key), str):
+                row[key] = json.loads(row[key])
+        row["attributes"] = row.get("attributes") or {}
+    return rows
+
+
+def _configure(ctx: Context) -> None:
+    import zoomer_serve
+    from zoomer_serve.collector import EmbeddedCollector
+
+    ctx.collector = EmbeddedCollector(ctx.store, host="127.0.0.1", grpc_port=0, http_port=0)
+    ctx.collector.start()
+    env = dict(os.environ)
+    env.update({"ZOOMER_GPU": "on", "ZOOMER_GPU_MEMORY_HISTORY": "true", "ZOOMER_GPU_MEMORY_HISTORY_STACKS": "python",
+                "ZOOMER_GPU_MEMORY_HISTORY_DRAIN_MS": "250", "ZOOMER_GPU_NVML_PERIOD_MS": "500"})
+    cfg = zoomer_serve.ZoomerConfig.from_env(env)
+    ctx.telemetry = zoomer_serve.configure(service_name="gpu-check", endpoint=f"http://127.0.0.1:{ctx.collector.grpc_port}",
+                                           protocol="grpc", export_mode="process", schedule_delay_ms=200,
+                                           metric_export_interval_ms=2000, config=cfg)
+    gpu = ctx.telemetry.gpu
+    if gpu is None or gpu.observer is None or gpu.sampler is None:
+        raise RuntimeError(f"GPU telemetry did not start fully: {gpu!r} (see the warning above)")
+
+
+def _print_table(rows: list[tuple[str, str, str, bool | None]], value_width: int = 72) -> None:
+    """Print the rows as a table; long values wrap within their column."""
+    import textwrap
+
+    wrapped = [(step, what, textwrap.wrap(value, value_width) or [""], ok) for step, what, value, ok in rows]
+    w_step = max([len("step")] + [len(r[0]) for r in rows])
+    w_what = max([len("check")] + [len(r[1]) for r in rows])
+    w_value = max([len("value")] + [len(line) for r in wrapped for line in r[2]])
+    print(f"{'step':<{w_step}}  {'check':<{w_what}}  {'value':<{w_value}}  result")
+    for step, what, lines, ok in wrapped:
+        mark = "" if ok is None else ("PASS" if ok else "FAIL")
+        print(f"{step:<{w_step}}  {what:<{w_what}}  {lines[0]:<{w_value}}  {mark}")
+        for line in lines[1:]:
+            print(f"{'':<{w_step}}  {'':<{w_what}}  {line}")
+
+
+def _watchdog(ctx: Context) -> None:
+    """Ends the process when the check runs past its deadline: a hang is a failure, not a wait."""
+    time.sleep(DEADLINE_S)
+    ctx.row("deadline", f"the check ran past {DEADLINE_S} s", "aborted", False)
+    _print_table(ctx.rows)
+    os._exit(3)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=20.0, help="load duration (s)")
+    parser.add_argument("--overhead-seconds", type=float, default=8.0, help="each on/off latency run (s)")
+    parser.add_argument("--snapshot-budget", type=float, default=20.0, help="C07 snapshot time budget (s)")
+    parser.add_argument("--out", type=Path, default=None, help="where to keep the store and the snapshot")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"gpu_check: no CUDA device here (torch {torch.__version__}, torch.cuda.is_available() is False); "
+              "nothing checked. Run it on a machine with an NVIDIA GPU and a CUDA build of torch.")
+        return 2
+    out = args.out or Path(tempfile.mkdtemp(prefix="zoomer-gpu-check-"))
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = Context(args, out, out / "gpu-check.duckdb")
+    threading.Thread(target=_watchdog, args=(ctx,), daemon=True).start()
+    print(f"gpu_check: {torch.cuda.get_device_name()} (torch {torch.__version__}); output in {out}", flush=True)
+    started = time.monotonic()
+    try:
+        _configure(ctx)
+    except Exception as exc:
+        ctx.row("setup", "collector and GPU telemetry", f"{type(exc).__name__}: {exc}", False)
+        _print_table(ctx.rows)
+        return 1
+    for step in STEPS:
+        t0 = time.monotonic()
+        try:
+            step(ctx)
+        except Exception as exc:
+            ctx.row(step.__name__, "raised", f"{type(exc).__name__}: {exc}", False)
+        print(f"gpu_check: {step.__name__} done in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+    _stop_server(ctx)
+    ctx.row("total", "wall time", f"{time.monotonic() - started:.0f} s", time.monotonic() - started < DEADLINE_S)
+    _print_table(ctx.rows)
+    return 0 if all(ok is not False for *_, ok in ctx.rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
