@@ -10,6 +10,9 @@ middleware can attribute time within a request:
 
 Invalid requests end the call with ``INVALID_ARGUMENT`` and a message naming the candidate,
 the feature and the offending value; see ``InvalidRequestError``.
+
+``RankerCore`` is the transport-neutral part (validation, phases, model call); the gRPC
+``RankerServicer`` here and the Thrift handler in ``thrift_server`` both call it.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -29,6 +32,8 @@ from .model import DLRM, DLRMConfig, build_model
 
 DEFAULT_MAX_BATCH_SIZE = 1024
 DEFAULT_MAX_IDS_PER_FEATURE = 64
+
+R = TypeVar("R")
 
 # build_server(extra_servicers=...) accepts either a callable that registers something on the
 # server, or an (add_XServicer_to_server, servicer) pair as produced by protoc.
@@ -94,9 +99,11 @@ class Batch:
         )
 
 
-def _check_shape(request: ranker_pb2.PredictRequest, model_config: DLRMConfig, config: ServiceConfig) -> None:
-    """Check counts (batch, dense and sparse features, ids per feature); raise InvalidRequestError."""
-    n = len(request.candidates)
+def _check_shape(request: Any, model_config: DLRMConfig, config: ServiceConfig) -> None:
+    """Check counts (batch, dense and sparse features, ids per feature); raise InvalidRequestError.
+    An absent list (None, as a Thrift struct holds an unset field) counts as empty."""
+    candidates = request.candidates or ()
+    n = len(candidates)
     if n == 0:
         raise InvalidRequestError(
             f"empty batch: PredictRequest.candidates has 0 entries, need 1 to {config.max_batch_size}"
@@ -106,19 +113,21 @@ def _check_shape(request: ranker_pb2.PredictRequest, model_config: DLRMConfig, c
             f"batch too large: {n} candidates, max_batch_size is {config.max_batch_size}"
         )
     num_dense, num_sparse = model_config.num_dense, model_config.num_sparse
-    for i, candidate in enumerate(request.candidates):
-        if len(candidate.dense) != num_dense:
+    for i, candidate in enumerate(candidates):
+        dense, sparse = candidate.dense or (), candidate.sparse or ()
+        if len(dense) != num_dense:
             raise InvalidRequestError(
-                f"candidate {i}: expected {num_dense} dense features, got {len(candidate.dense)}"
+                f"candidate {i}: expected {num_dense} dense features, got {len(dense)}"
             )
-        if len(candidate.sparse) != num_sparse:
+        if len(sparse) != num_sparse:
             raise InvalidRequestError(
-                f"candidate {i}: expected {num_sparse} sparse features, got {len(candidate.sparse)}"
+                f"candidate {i}: expected {num_sparse} sparse features, got {len(sparse)}"
             )
-        for f, feature in enumerate(candidate.sparse):
-            if not 1 <= len(feature.ids) <= config.max_ids_per_feature:
+        for f, feature in enumerate(sparse):
+            ids = feature.ids or ()
+            if not 1 <= len(ids) <= config.max_ids_per_feature:
                 raise InvalidRequestError(
-                    f"candidate {i}, sparse feature {f}: {len(feature.ids)} ids, "
+                    f"candidate {i}, sparse feature {f}: {len(ids)} ids, "
                     f"need 1 to {config.max_ids_per_feature}"
                 )
 
@@ -146,11 +155,15 @@ def _check_id_range(f: int, ids: torch.Tensor, offsets: torch.Tensor, table_size
 
 
 def request_to_batch(
-    request: ranker_pb2.PredictRequest,
+    request: Any,
     model_config: DLRMConfig,
     config: ServiceConfig | None = None,
 ) -> Batch:
     """Validate ``request`` and convert it to CPU tensors.
+
+    ``request`` is a ``PredictRequest``: the protobuf message, or anything of the same shape
+    (``.candidates``, each with ``.dense`` floats and ``.sparse`` features with ``.ids``), such as
+    the Thrift struct of ``ranker.thrift``.
 
     Raises InvalidRequestError (first problem found) for: an empty batch, more than
     ``config.max_batch_size`` candidates, a wrong number of dense or sparse features, a sparse
@@ -178,8 +191,8 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-class RankerServicer(ranker_pb2_grpc.RankerServicer):
-    """Serves ``Ranker.Predict`` and ``Ranker.PredictStream`` with a DLRM model.
+class RankerCore:
+    """The transport-neutral Ranker: validation, the three phases and the model call.
 
     Args:
         model: the model, in eval mode; shared by all worker threads (read-only).
@@ -197,18 +210,48 @@ class RankerServicer(ranker_pb2_grpc.RankerServicer):
         self.device = torch.device(device) if device is not None else _model_device(model)
         self.config = config or ServiceConfig()
 
-    def score(self, request: ranker_pb2.PredictRequest) -> ranker_pb2.PredictResponse:
-        """Score one request, transport-independent; raises InvalidRequestError."""
+    def score(self, request: Any, respond: Callable[[list[float]], R]) -> R:
+        """Score one ``PredictRequest`` (protobuf or same-shaped, see ``request_to_batch``) and
+        return ``respond(scores)``, the transport's response built in the postprocess phase from
+        the click probabilities (floats in (0, 1), one per candidate, in request order).
+
+        Raises:
+            InvalidRequestError: the request cannot be scored (the message says why).
+        """
         with phase("preprocess"):
             batch = request_to_batch(request, self.model.config, self.config).to(self.device)
         with phase("forward"), torch.inference_mode():
             scores = self.model(batch.dense, batch.ids, batch.offsets).float().cpu()
         with phase("postprocess"):
-            return ranker_pb2.PredictResponse(
-                request_id=request.request_id,
-                scores=scores.tolist(),
-                model_version=self.config.model_version,
-            )
+            return respond(scores.tolist())
+
+
+class RankerServicer(ranker_pb2_grpc.RankerServicer):
+    """Serves ``Ranker.Predict`` and ``Ranker.PredictStream`` with a DLRM model (a ``RankerCore``).
+
+    Args:
+        model: the model, in eval mode; shared by all worker threads (read-only).
+        device: where inputs are placed; None means the device of the model's parameters.
+        config: serving limits; None means ``ServiceConfig()``.
+    """
+
+    def __init__(
+        self,
+        model: DLRM,
+        device: torch.device | str | None = None,
+        config: ServiceConfig | None = None,
+    ) -> None:
+        self.core = RankerCore(model, device, config)
+        self.model, self.device, self.config = self.core.model, self.core.device, self.core.config
+
+    def score(self, request: ranker_pb2.PredictRequest) -> ranker_pb2.PredictResponse:
+        """Score one request, transport-independent; raises InvalidRequestError."""
+        return self.core.score(
+            request,
+            lambda scores: ranker_pb2.PredictResponse(
+                request_id=request.request_id, scores=scores, model_version=self.config.model_version
+            ),
+        )
 
     def _score_or_abort(
         self, request: ranker_pb2.PredictRequest, context: grpc.ServicerContext
