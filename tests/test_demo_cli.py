@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import duckdb
+import pytest
 
 from zoomer_serve.processes import wait_for_event
 
@@ -37,10 +38,11 @@ def test_demo_runs_the_whole_flow_and_every_call_becomes_a_span(tmp_path):
     assert duration_points > 0
 
 
-def test_serve_demo_drains_and_flushes_on_sigterm(collector, tmp_path):
+@pytest.mark.parametrize("server", ["sync", "aio"])
+def test_serve_demo_drains_and_flushes_on_sigterm(collector, tmp_path, server):
     env = dict(os.environ, OTEL_EXPORTER_OTLP_ENDPOINT=collector.grpc_endpoint, OTEL_SERVICE_NAME="ranker-t",
                OTEL_BSP_SCHEDULE_DELAY="60000")  # nothing is sent before shutdown: the flush must do it
-    proc = subprocess.Popen([sys.executable, "-m", "zoomer_serve", "serve-demo", "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "zoomer_serve", "serve-demo", "--port", "0", "--server", server],
                             stdout=subprocess.PIPE, env=env)
     try:
         ready = wait_for_event(proc, "ready", 120)

@@ -23,6 +23,8 @@ def register(subparsers: Any) -> None:
         "say; then drain in-flight calls and flush telemetry.")
     serve.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=50051, help="listen port, 0 = any free port (default 50051)")
+    serve.add_argument("--server", choices=("sync", "aio"), default="sync",
+                       help="grpc.server with a thread pool (sync) or grpc.aio (default sync)")
     serve.add_argument("--grace-s", type=float, default=5.0, help="drain time for in-flight calls on stop")
     serve.add_argument("--torch-threads", type=int, default=1,
                        help="torch intra-op threads (default 1: the gRPC worker threads already run in parallel)")
@@ -37,6 +39,7 @@ def register(subparsers: Any) -> None:
     demo.add_argument("--duration-s", type=float, default=20.0, help="how long to send load (default 20 s)")
     demo.add_argument("--clients", type=int, default=4, help="concurrent client threads (default 4)")
     demo.add_argument("--max-requests", type=int, default=None, help="stop after this many calls")
+    demo.add_argument("--server", choices=("sync", "aio"), default="sync", help="gRPC server flavour (default sync)")
     demo.set_defaults(func=run_demo)
 
 
@@ -47,29 +50,44 @@ def run_serve_demo(args: argparse.Namespace) -> int:
     import torch
 
     import zoomer_serve
-    from interceptors import ZoomerServerInterceptor
     from zoomer_serve.demo.model import build_model, pick_device
-    from zoomer_serve.demo.service import ServerBindError, build_server
+    from zoomer_serve.demo.service import ServerBindError
 
     torch.set_num_threads(max(1, args.torch_threads))
     stop = _stop_on_signals()
     zoomer_serve.get_telemetry()  # configure from OTEL_* / ZOOMER_* before the first request
     device = pick_device()
     model = build_model(device=device)
-    interceptor = ZoomerServerInterceptor(server_address=args.host, server_port=args.port or None)
+
+    def ready(port: int) -> None:
+        print(json.dumps({"event": "ready", "host": args.host, "port": port, "device": str(device)}), flush=True)
+
     try:
-        server, port = build_server(model, args.host, args.port, interceptors=[interceptor])
+        if args.server == "aio":
+            from zoomer_serve.demo.aio_server import serve_aio_forever
+
+            serve_aio_forever(args.host, args.port, stop, model=model, grace_s=args.grace_s, on_ready=ready)
+        else:
+            _serve_sync(args, model, stop, ready)
     except ServerBindError as exc:
         print(f"zoomer-serve serve-demo: {exc}", file=sys.stderr)
         return 1
-    interceptor.server_port = port
-    print(json.dumps({"event": "ready", "host": args.host, "port": port, "device": str(device)}), flush=True)
-    stop.wait()
-    server.stop(grace=args.grace_s).wait(args.grace_s + 1)
     stats = zoomer_serve.shutdown()
     print(json.dumps({"event": "stopped", "spans_exported": stats.exported if stats else 0,
                       "spans_dropped": stats.dropped if stats else 0}), flush=True)
     return 0
+
+
+def _serve_sync(args: argparse.Namespace, model: Any, stop: threading.Event, ready: Any) -> None:
+    from interceptors import ZoomerServerInterceptor
+    from zoomer_serve.demo.service import build_server
+
+    interceptor = ZoomerServerInterceptor(server_address=args.host, server_port=args.port or None)
+    server, port = build_server(model, args.host, args.port, interceptors=[interceptor])
+    interceptor.server_port = port
+    ready(port)
+    stop.wait()
+    server.stop(grace=args.grace_s).wait(args.grace_s + 1)
 
 
 def _stop_on_signals() -> threading.Event:
@@ -128,7 +146,7 @@ def run_demo(args: argparse.Namespace) -> int:
         server_env = dict(env, OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{col['grpc_port']}",
                           OTEL_EXPORTER_OTLP_PROTOCOL="grpc", OTEL_SERVICE_NAME="zoomer-demo-ranker",
                           OTEL_BSP_SCHEDULE_DELAY="500", OTEL_METRIC_EXPORT_INTERVAL="5000")
-        server, srv = _start(["serve-demo", "--port", "0"], server_env, "demo model server")
+        server, srv = _start(["serve-demo", "--port", "0", "--server", args.server], server_env, "demo model server")
         procs.append(server)
         target = f"127.0.0.1:{srv['port']}"
         console.print(f"  demo Ranker (DLRM on {srv['device']}) with the zoomer interceptor on {target}")

@@ -171,16 +171,18 @@ class ExportWorker:
             self._queue.put(None, timeout=max(0.01, timeout_s / 2))
         except queue.Full:
             self._stop.set()
-        metrics_done = threading.Thread(target=self._shutdown_metrics, args=(timeout_s,), daemon=True)
-        metrics_done.start()
         self._thread.join(max(0.0, deadline - time.monotonic()))
         self._stop.set()
-        if not self._thread.is_alive():
-            self._drain_queue()
+        alive = self._thread.is_alive()
+        if not alive:
+            self._drain_queue()  # every record is now counted in the metrics ...
+        metrics_done = threading.Thread(target=self._shutdown_metrics,  # ... before their final collection
+                                        args=(max(0.0, deadline - time.monotonic()),), daemon=True)
+        metrics_done.start()
+        if not alive:
             self._flush(deadline)
-        self._thread.join(max(0.0, deadline - time.monotonic()))
         metrics_done.join(max(0.0, deadline - time.monotonic()))
-        if self._thread.is_alive():
+        if alive:
             self.stats.dropped_export += len(self._pending)
         self._sender.close()
         return self.stats
