@@ -63,6 +63,7 @@ class FakeCudaMemory:
         self.snapshot_calls = 0
         self.snapshot_delay_s = 0.0
         self.snapshot_error: BaseException | None = None
+        self.clear_on_disable = True  # whether stopping the recording empties the ring (as torch may or not)
         self.reset_calls = 0
         self._oom_callbacks: list[Any] = []
         self._meta = threading.local()
@@ -190,7 +191,7 @@ class FakeCudaMemory:
             if enabled:
                 for d in self.devices:
                     d.trace = collections.deque(d.trace, maxlen=max_entries)
-            else:
+            elif self.clear_on_disable:
                 for d in self.devices:
                     d.trace.clear()
 

@@ -188,10 +188,31 @@ def test_history_windows_on_and_off_leave_the_allocator_as_it_was():
         loop()  # recording off: no entries, no tag
         assert len(fake.devices[0].trace) == 0 and fake.current_metadata() == ""
     assert fake.history_calls == [(True, "python", 1000), (False, "python", 1000)] * 50
-    assert history._tags == {} and history._watermarks == {}
+    assert history._tags == {} and len(history._watermarks) == 1  # nothing accumulates across windows
     windows = [c for c in got if c[r.R_NAME] == n.EVENTS_SPAN]
     assert len(windows) == 50  # one per window's request, none for the requests outside windows
     assert all(c[r.R_ATTRS][n.action_count("alloc")] == len(sizes) for c in windows)
+
+
+@pytest.mark.parametrize("clear_on_disable", [True, False])
+def test_entries_of_an_earlier_window_are_not_read_again(clear_on_disable):
+    fake = FakeCudaMemory()
+    fake.clear_on_disable = clear_on_disable
+    rec, history, got = _setup(fake)
+    first = rec.start("svc/First")
+    fake.free(fake.allocate(100))
+    first.end()
+    history.disable()
+    history.enable()
+    second = rec.start("svc/Second")
+    fake.free(fake.allocate(200))
+    second.end()
+    history.drain()
+    for span, size in ((first, 100), (second, 200)):
+        (child,) = _children(got, span)
+        assert child[r.R_ATTRS][n.action_bytes("alloc")] == size
+        assert child[r.R_ATTRS][n.action_count("alloc")] == 1
+    assert history.stats.unattributed == 0
 
 
 def test_history_defaults_are_python_stacks_and_a_bounded_ring():

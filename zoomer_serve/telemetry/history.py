@@ -171,9 +171,10 @@ class AllocationHistory:
             if not self.recording:
                 return
             self.recording = False  # new requests stop tagging first
-            self.drain(force=True)
+            self.drain(force=True)  # entries recorded between this drain and the switch-off are lost
             self.source.record_memory_history(False, stacks=self.stacks, max_entries=self.max_entries)
-            self._watermarks.clear()
+            # the watermarks stay: whether torch empties its ring when recording stops or not, the next
+            # window's drains then take only entries newer than what was read
 
     @contextmanager
     def window(self) -> Iterator[AllocationHistory]:

@@ -71,7 +71,6 @@ class GpuMemoryObserver:
                  device_attributes: dict[int, dict[str, Any]] | None = None) -> None:
         if not devices:
             raise ValueError("GpuMemoryObserver needs at least one CUDA device index")
-        self.source = source
         self.devices = tuple(devices)
         self.peak = peak
         self.history = history

@@ -52,7 +52,6 @@ OOM_ERROR_TYPE: Final = "torch.OutOfMemoryError"
 EVENTS_SPAN: Final = "zoomer.gpu.memory.events"
 EVENTS_PREFIX: Final = "zoomer.gpu.memory.events."
 ACTIONS: Final = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "oom")
-EVENTS_DROPPED_TOP: Final = "zoomer.gpu.memory.events.top_dropped"
 EVENT_NAME: Final = "zoomer.gpu.memory.event"
 EVENT_ACTION: Final = "zoomer.gpu.memory.event.action"
 EVENT_SIZE: Final = "zoomer.gpu.memory.event.size"
