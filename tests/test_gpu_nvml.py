@@ -92,6 +92,28 @@ def test_request_spans_carry_the_latest_utilization_sample_without_calling_nvml(
     assert [rec_[r.R_ATTRS][n.GPU_UTILIZATION] for rec_ in got] == [0.81, 0.81, 0.81, 0.20]
 
 
+def test_a_cuda_device_is_matched_to_its_nvml_device_by_uuid_bytes():
+    """torch reports a MIG instance's UUID without NVML's ``MIG-`` prefix: the request spans of a server on
+    that instance still get its utilization and its OOMs its NVML hw.id."""
+
+    class OnMig(FakeCudaMemory):
+        def device_uuid(self, device):
+            return "GPU-0A1B2C3D-aaaa"
+
+    got: list = []
+    rec = RequestRecorder(sink=got.append, otel_context=False)
+    mig = FakeGpu(uuid="MIG-0a1b2c3d-AAAA", util_gpu=64, gpm=False)
+    nvml = FakeNvml([FakeGpu(uuid="GPU-other", util_gpu=5, mig=[mig], gpm=False)])
+    gpu = install_gpu_telemetry(GpuTelemetryConfig(mode="on"), rec, None, memory_source=OnMig(), nvml=nvml)
+    try:
+        gpu.sample_now()
+        rec.start("svc/M").end()
+    finally:
+        gpu.shutdown()
+    assert got[0][r.R_ATTRS][n.GPU_UTILIZATION] == pytest.approx(0.64)
+    assert gpu.observer.device_attributes[0][n.HW_ID] == "MIG-0a1b2c3d-AAAA"
+
+
 def test_unsupported_fields_are_reported_once_and_everything_else_keeps_flowing(caplog):
     """C08: one GPU answers NotSupported for utilization, power and BAR1 memory, and its MIG instance for
     utilization (as MIG instances do). Those fields are logged once and reported by

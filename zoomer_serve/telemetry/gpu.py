@@ -140,11 +140,18 @@ class GpuTelemetry:
         if self._want_history and self.history is not None:
             self.history.enable()
         if self.observer is not None:
-            for dev in self.observer.devices:
-                uuid = source.device_uuid(dev)
-                if uuid:
-                    self._cuda_to_uuid[dev] = uuid
-                    self.observer.device_attributes[dev] = {n.HW_TYPE: "gpu", n.HW_ID: uuid}
+            self._map_devices(source, self.observer)
+
+    def _map_devices(self, source: CudaMemorySource, observer: GpuMemoryObserver) -> None:
+        """CUDA index -> ``hw.id``: NVML's UUID of the same device where NVML lists it (the bytes match; the
+        ``GPU-`` / ``MIG-`` prefixes may not), else the UUID torch reports."""
+        nvml_ids = {_uuid_key(d.uuid): d.uuid for d in self.sampler.devices} if self.sampler is not None else {}
+        for dev in observer.devices:
+            uuid = source.device_uuid(dev)
+            if uuid:
+                hw_id = nvml_ids.get(_uuid_key(uuid), uuid)
+                self._cuda_to_uuid[dev] = hw_id
+                observer.device_attributes[dev] = {n.HW_TYPE: "gpu", n.HW_ID: hw_id}
 
     def sample_now(self) -> None:
         """One NVML sample; refreshes the per-request utilization the observer reads."""
@@ -155,6 +162,12 @@ class GpuTelemetry:
             by_uuid = self.sampler.utilization_by_uuid()
             self.observer.utilization = {dev: by_uuid[uuid] for dev, uuid in self._cuda_to_uuid.items()
                                          if uuid in by_uuid}
+
+
+def _uuid_key(uuid: str) -> str:
+    """A device UUID without its ``GPU-`` / ``MIG-`` prefix, lower case."""
+    head, sep, rest = uuid.partition("-")
+    return (rest if sep and head in ("GPU", "MIG") else uuid).lower()
 
 
 def install_gpu_telemetry(config: GpuTelemetryConfig, recorder: RequestRecorder, meter_provider: Any = None, *,
