@@ -72,7 +72,7 @@ import orjson
 
 from zoomer_serve.analysis.table import Table
 
-DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_CHUNK_BYTES = 1 << 20
 NAN = math.nan
 
 _OPEN_EVENTS = re.compile(rb'"traceEvents"\s*:\s*\[')

@@ -23,6 +23,56 @@ def _short(text: str, width: int = _NAME_WIDTH) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+def _split_top(text: str) -> tuple[str, str, str]:
+    """(name before the first top-level '<', its template arguments, the rest after the matching '>')."""
+    i = text.find("<")
+    if i < 0:
+        return text, "", ""
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] == "<":
+            depth += 1
+        elif text[j] == ">":
+            depth -= 1
+            if depth == 0:
+                return text[:i], text[i + 1:j], text[j + 1:]
+    return text[:i], text[i + 1:], ""
+
+
+def _first_type_argument(args: str) -> str:
+    depth = 0
+    start = 0
+    for j, ch in enumerate(args + ","):
+        if ch in "<(":
+            depth += 1
+        elif ch in ">)":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            arg = args[start:j].strip()
+            start = j + 1
+            base = _split_top(arg)[0].split("(")[0].strip()
+            if base and not base.replace(".", "").isdigit() and base not in ("true", "false"):
+                return base.split("::")[-1]
+    return ""
+
+
+def short_kernel_name(name: str, width: int = 60) -> str:
+    """A readable kernel name: no ``void``, namespaces or parameters; the first type argument of a template
+    is kept (``vectorized_elementwise_kernel<CUDAFunctor_add>``). Used for labels; tables keep full names."""
+    if name.startswith(("Memcpy", "Memset")):
+        return name
+    s = name[5:] if name.startswith("void ") else name
+    s = s.replace("(anonymous namespace)::", "")
+    base, args, rest = _split_top(s)
+    base = base.split("(")[0].strip().split("::")[-1] or s
+    if not args and not rest:
+        text = s.split("(")[0].strip() or name
+    else:
+        arg = _first_type_argument(args) if args else ""
+        text = f"{base}<{arg}>" if arg else base
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
 def fmt_value(value: Any, unit: str = "") -> str:
     """A number for humans: us / ms / bytes / ratio get their unit; NaN and None print as '-'."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
@@ -32,6 +82,8 @@ def fmt_value(value: Any, unit: str = "") -> str:
     if isinstance(value, float):
         if unit == "ratio":
             return f"{value:.1%}"
+        if unit == "x":
+            return f"{value:,.1f}x"
         if unit == "us":
             if abs(value) >= 1e6:
                 return f"{value / 1e6:,.2f} s"
@@ -56,14 +108,32 @@ def _bytes(n: float) -> str:
     return str(n)
 
 
+def unit_of(key: str) -> str:
+    """The unit a finding's evidence / item key implies by its suffix (see :class:`Finding`)."""
+    if key.endswith("_us"):
+        return "us"
+    if key.endswith("_ms"):
+        return "ms"
+    if key.endswith("_share"):
+        return "ratio"
+    if key.endswith("_bytes") or key == "bytes":
+        return "bytes"
+    return ""
+
+
+def fmt_item(key: str, value: Any) -> str:
+    """One evidence or item value for display (kernel names shortened)."""
+    if key in ("kernel", "next_op", "name") and isinstance(value, str):
+        return short_kernel_name(value)
+    return fmt_value(value, unit_of(key))
+
+
 def _evidence_text(evidence: dict[str, Any], limit: int = 8) -> str:
     parts = []
     for key, value in evidence.items():
         if isinstance(value, (dict, list)):
             continue
-        unit = "us" if key.endswith("_us") else "ms" if key.endswith("_ms") else "ratio" if key.endswith("_share") \
-            else "bytes" if key.endswith("_bytes") or key == "bytes" else ""
-        parts.append(f"{key}={fmt_value(value, unit)}")
+        parts.append(f"{key}={fmt_item(key, value)}")
         if len(parts) >= limit:
             break
     return ", ".join(parts)
@@ -76,7 +146,7 @@ def finding_panel(finding: Finding, items: int = 3) -> Panel:
     if ev:
         body.append(Text("evidence: " + ev, style="dim"))
     for item in finding.items[:items]:
-        body.append(Text("  • " + ", ".join(f"{k}={fmt_value(v)}" for k, v in item.items()), style="dim"))
+        body.append(Text("  • " + ", ".join(f"{k}={fmt_item(k, v)}" for k, v in item.items()), style="dim"))
     if len(finding.items) > items:
         body.append(Text(f"  … {len(finding.items) - items} more (see --json)", style="dim"))
     body.append(Text("→ " + finding.recommendation, style="green"))
@@ -104,12 +174,11 @@ def rich_table(table: Table, columns: Sequence[str] | None = None, limit: int = 
     cols = list(columns or table.column_names)
     out = RichTable(title=Text(title or table.name, style="bold"), title_justify="left")
     for c in cols:
-        unit = table.units.get(c, "")
         numeric = table[c].dtype.kind in "iuf"
         out.add_column(Text(c), justify="right" if numeric else "left", overflow="fold")
-        del unit
     for row in table.rows(limit):
-        out.add_row(*[Text(fmt_value(row[c], table.units.get(c, ""))) for c in cols])
+        out.add_row(*[Text(short_kernel_name(row[c]) if c in ("name", "next_op") and isinstance(row[c], str)
+                           else fmt_value(row[c], table.units.get(c, ""))) for c in cols])
     if len(table) > limit:
         out.caption = f"{len(table) - limit} more rows"
     return out

@@ -71,7 +71,7 @@ ORDER BY start_ns, trace_id, span_id
 """
 
 _PHASES_SQL = _UNIQUE + f"""
-SELECT trace_id, parent_span_id, attributes->>'$."{L.PHASE_ATTRIBUTE}"' AS phase, duration_ns
+SELECT trace_id, parent_span_id, attributes->>'$."{L.PHASE_ATTRIBUTE}"' AS phase, duration_ns, start_ns
 FROM uspans WHERE attributes->>'$."{L.PHASE_ATTRIBUTE}"' IS NOT NULL AND parent_span_id IS NOT NULL
 """
 
@@ -115,7 +115,7 @@ class StoreData:
             ``instance`` (``service.instance.id``, "" when absent), ``start_ns``, ``duration_ms``,
             ``status``, ``is_error``, ``oom`` (failed with CUDA out-of-memory), ``attributes`` (JSON text).
         phases: one row per phase span directly under a request: ``request`` (row index in
-            ``requests``), ``phase``, ``duration_ms``.
+            ``requests``), ``phase``, ``start_ns``, ``duration_ms``.
         memory: GPU memory samples from span attributes: ``time_ns``, ``instance``, ``trace_id``,
             ``allocated_bytes``, ``reserved_bytes``, ``peak_bytes`` (-1 when absent), ``alloc_retries``,
             ``ooms`` (0 when absent).
@@ -180,9 +180,12 @@ def load_store(store_path: str | os.PathLike[str]) -> StoreData:
                 "start_ns": np.int64, "duration_ms": np.float64, "status": object, "is_error": bool,
                 "attributes": object, "oom": bool})
     index = {(t, s): i for i, (t, s) in enumerate(zip(requests["trace_id"].tolist(), requests["span_id"].tolist()))}
-    phase_rows = [(index[(t, p)], str(name), int(d) / NS_PER_MS) for t, p, name, d in ph if (t, p) in index]
-    phases = Table.from_rows("phases", ("request", "phase", "duration_ms"), phase_rows, units={"duration_ms": "ms"},
-                             dtypes={"request": np.int64, "phase": object, "duration_ms": np.float64})
+    phase_rows = [(index[(t, p)], str(name), int(start), int(d) / NS_PER_MS)
+                  for t, p, name, d, start in ph if (t, p) in index]
+    phases = Table.from_rows("phases", ("request", "phase", "start_ns", "duration_ms"), phase_rows,
+                             units={"start_ns": "ns", "duration_ms": "ms"},
+                             dtypes={"request": np.int64, "phase": object, "start_ns": np.int64,
+                                     "duration_ms": np.float64})
     memory = Table.from_rows(
         "gpu_memory", ("time_ns", "instance", "trace_id", "allocated_bytes", "reserved_bytes", "peak_bytes",
                        "alloc_retries", "ooms"),
@@ -238,7 +241,7 @@ def request_percentiles(data: StoreData) -> Table:
     return Table.from_rows(
         "request_percentiles", ("service", "method", "count", "errors", "p50_ms", "p90_ms", "p99_ms", "max_ms",
                                 "p99_over_p50"), rows,
-        units={"p50_ms": "ms", "p90_ms": "ms", "p99_ms": "ms", "max_ms": "ms", "p99_over_p50": "ratio"},
+        units={"p50_ms": "ms", "p90_ms": "ms", "p99_ms": "ms", "max_ms": "ms", "p99_over_p50": "x"},
         dtypes={"service": object, "method": object, "count": np.int64, "errors": np.int64, "p50_ms": np.float64,
                 "p90_ms": np.float64, "p99_ms": np.float64, "max_ms": np.float64, "p99_over_p50": np.float64})
 

@@ -67,6 +67,13 @@ def _fmt_us(us: float) -> str:
     return f"{us:.0f} us"
 
 
+def _pct(share: float) -> str:
+    """A 0..1 share as a percentage that does not round small non-zero shares down to 0.0%."""
+    if 0 < share < 0.001:
+        return "<0.1%"
+    return f"{share:.1%}"
+
+
 def _src(trace: KinetoTrace) -> str:
     return str(trace.path)
 
@@ -292,7 +299,7 @@ def detect_host_syncs(trace: KinetoTrace) -> list[Finding]:
     return [Finding(
         id="cuda.host-sync", title="CPU blocks on the GPU (host-device synchronisation)", severity=severity,
         summary=(f"{len(idx)} synchronising CUDA calls ({apis}) blocked the CPU for {_fmt_us(blocked)} "
-                 f"({blocked_share:.1%} of the CPU-side window){where}; {item_like} came from .item()-style "
+                 f"({_pct(blocked_share)} of the CPU-side window){where}; {item_like} came from .item()-style "
                  f"scalar reads."),
         evidence=evidence, items=items,
         recommendation=("Each synchronisation stalls the CPU until the GPU drains its queue, so no new work is "
@@ -356,7 +363,7 @@ def detect_pageable_copies(trace: KinetoTrace) -> list[Finding]:
     return [Finding(
         id="cuda.pageable-copy", title="Copies to or from pageable host memory", severity=severity,
         summary=(f"{len(idx)} copies involve pageable host memory: {dirs}; {_fmt_us(total_time)} of GPU copy "
-                 f"time ({time_share:.1%} of GPU work)."),
+                 f"time ({_pct(time_share)} of GPU work)."),
         evidence=evidence, items=items,
         recommendation=("Pageable copies are staged through a driver bounce buffer, run at a fraction of PCIe "
                         "bandwidth and block the CPU. Allocate host tensors in pinned memory (tensor.pin_memory(), "
@@ -419,7 +426,7 @@ def detect_fp32_without_tensor_cores(trace: KinetoTrace) -> list[Finding]:
             id="gpu.fp32-no-tensor-cores", title=f"float32 GEMM/convolution kernels without tensor cores on GPU {int(dev)}",
             severity=severity,
             summary=(f"{count} kernels of {len(agg)} kinds ran float32 matrix math on CUDA cores: "
-                     f"{_fmt_us(t)}, {share:.1%} of GPU kernel time."),
+                     f"{_fmt_us(t)}, {_pct(share)} of GPU kernel time."),
             evidence={"kernels_count": count, "distinct_kernels_count": len(agg), "time_us": t,
                       "kernel_time_share": share, "compute_capability": f"{major}.{p.get('computeMinor', 0)}",
                       "gpu": gpu},
@@ -473,7 +480,7 @@ def detect_low_occupancy(trace: KinetoTrace) -> list[Finding]:
         out.append(Finding(
             id="gpu.low-occupancy", title=f"Low-occupancy kernels on GPU {int(dev)}", severity=severity,
             summary=(f"{len(idx)} kernels ({len(agg)} kinds) ran below {LOW_OCCUPANCY_PCT:.0f}% estimated "
-                     f"achieved occupancy for {_fmt_us(t)}, {share:.1%} of GPU kernel time; most common limit: "
+                     f"achieved occupancy for {_fmt_us(t)}, {_pct(share)} of GPU kernel time; most common limit: "
                      f"{limits.most_common(1)[0][0] if limits else 'unknown'}."),
             evidence={"kernels_count": int(len(idx)), "time_us": t, "kernel_time_share": share,
                       "occupancy_threshold_pct": LOW_OCCUPANCY_PCT, "sm_count": sms},

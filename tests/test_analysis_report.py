@@ -1,0 +1,207 @@
+"""``zoomer-serve analyze``: terminal summary, --json, --html (rendered headless in Chromium when it is
+installed) and the merged Perfetto trace, over a real trace and a store filled over real OTLP."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import gzip
+import io
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from zoomer_serve.analysis import analyze, cli, render_findings
+from zoomer_serve.analysis import labels as L
+from zoomer_serve.analysis.html import PLOTS, render_html
+from zoomer_serve.analysis.perfetto import REQUESTS_PID, write_perfetto
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_analysis_store import BASE_NS, MS, Req, normal, record_replica
+
+KINETO = Path(__file__).resolve().parents[2] / "shared" / "data" / "kineto"
+pytestmark = pytest.mark.skipif(not KINETO.is_dir(), reason=f"real Kineto traces not found at {KINETO}")
+TRACE = KINETO / "a100_cuda_event_sync.json.gz"
+
+
+def run_cli(argv: list[str]) -> tuple[int, str]:
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    args = parser.parse_args(["analyze", *argv])
+    buf = io.StringIO()
+    code = cli.run(args, Console(file=buf, width=120, force_terminal=False))
+    return code, buf.getvalue()
+
+
+@pytest.fixture
+def store(collector: Any) -> Path:
+    """Two replicas (one slow, with GPU memory attributes) whose requests fall inside the trace's time
+    range, one of them labelled as a request range in a copy of the trace (see ``linked_trace``)."""
+    trace_start_ns = 1707417525509335 * 1000
+    gib = 1 << 30
+    fast = normal(25, 1)
+    for k, req in enumerate(fast):
+        req.attrs.update({L.GPU_MEMORY_ALLOCATED: gib + k * (gib // 50), L.GPU_MEMORY_RESERVED: 2 * gib,
+                          L.GPU_MEMORY_PEAK: gib + k * (gib // 40)})
+    record_replica(collector, "fast", fast, trace_start_ns - 100 * MS)
+    record_replica(collector, "slow", normal(25, 2, pre=10.0), trace_start_ns - 90 * MS)
+    collector.finish()
+    return collector.store_path
+
+
+def test_terminal_summary_json_and_exit_codes(store: Path, tmp_path: Path) -> None:
+    code, out = run_cli([str(TRACE), "--store", str(store)])
+    assert code == 0
+    for text in ("GPU busy / idle", "Top kernels", "cuda.host-sync", "request.slow-replica", "Requests"):
+        assert text in out
+    code, _ = run_cli([str(TRACE), "--fail-on", "high"])
+    assert code == 3  # the event-sync trace has a high-severity low-utilisation finding
+    assert run_cli([str(tmp_path / "nope.json")])[0] == 2
+    assert run_cli(["--store", str(tmp_path / "nope.duckdb")])[0] == 2
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"traceEvents": [oops]}')
+    assert run_cli([str(bad)])[0] == 2
+
+
+def test_json_output(store: Path, capsys: Any) -> None:
+    code, _ = run_cli([str(TRACE), "--store", str(store), "--json"])
+    assert code == 0
+    doc = json.loads(capsys.readouterr().out)
+    ids = {f["id"] for f in doc["findings"]}
+    assert {"cuda.host-sync", "cuda.pageable-copy", "request.slow-replica"} <= ids
+    host_sync = next(f for f in doc["findings"] if f["id"] == "cuda.host-sync")
+    assert host_sync["evidence"]["sync_calls_count"] == 3
+    assert doc["store"]["requests"] == 50
+    tables = doc["traces"][0]["tables"]
+    assert tables["gpu_utilization"]["rows"][0]["busy_us"] == 51.0
+    assert tables["gpu_utilization"]["units"]["busy_us"] == "us"
+
+
+def test_render_findings_prints_plain_text_names() -> None:
+    result = analyze([KINETO / "a100_alexnet_inference.json.gz"])
+    buf = io.StringIO()
+    render_findings(result.findings, Console(file=buf, width=200))
+    out = buf.getvalue()
+    assert "aten::to" in out and "HIGH" in out and "cuda.pageable-copy" in out
+    buf = io.StringIO()
+    render_findings([], Console(file=buf))
+    assert "No findings" in buf.getvalue()
+
+
+def _plots(html_text: str) -> dict[str, bytes]:
+    out = {}
+    for name, data in re.findall(r'data-plot="([a-z_]+)"[^>]*src="data:image/png;base64,([^"]+)"', html_text):
+        out.setdefault(name, base64.b64decode(data))
+    return out
+
+
+def test_html_report_has_every_plot(store: Path, tmp_path: Path) -> None:
+    import matplotlib.image as mpimg
+
+    out = tmp_path / "report.html"
+    code, _ = run_cli([str(TRACE), "--store", str(store), "--html", str(out)])
+    assert code == 0
+    text = out.read_text()
+    assert "src=\"http" not in text and "<script" not in text  # self-contained
+    plots = _plots(text)
+    assert set(plots) == set(PLOTS)
+    for name, png in plots.items():
+        img = mpimg.imread(io.BytesIO(png), format="png")
+        assert img.shape[0] > 150 and img.shape[1] > 400, name
+        assert float(np.std(img)) > 0.01, f"{name} is blank"
+    for fid in ("cuda.host-sync", "request.slow-replica", "gpu.low-utilization"):
+        assert f'data-finding="{fid}"' in text
+    # names with markup-like characters are escaped, never interpreted
+    result = analyze([KINETO / "a100_alexnet_inference.json.gz"])
+    page = render_html(result)
+    assert "[param|cuda]" in page and "<param" not in page
+
+
+def test_html_without_data_says_what_is_missing() -> None:
+    page = render_html(analyze([TRACE]))
+    assert 'data-plot-missing="latency_over_time"' in page and "--store" in page
+    assert 'data-plot="gpu_utilization"' in page
+
+
+CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (apt-get install -y chromium)")
+def test_html_report_renders_in_headless_chromium(store: Path, tmp_path: Path) -> None:
+    """Chromium loads the page and every plot image decodes (naturalWidth > 0); the screenshot is not blank.
+    A copy of the page gets a probe script that records the loaded plots on <body> for --dump-dom."""
+    import matplotlib.image as mpimg
+
+    page = render_html(analyze([TRACE], store))
+    probe = page.replace("</body>", "<script>document.body.dataset.loadedPlots=[...document.querySelectorAll("
+                                    "'img.plot')].filter(i=>i.complete&&i.naturalWidth>0).map(i=>i.dataset.plot)"
+                                    ".join(',');</script></body>")
+    html_path = tmp_path / "probe.html"
+    html_path.write_text(probe)
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run([CHROMIUM, *flags, "--virtual-time-budget=5000", "--dump-dom", html_path.as_uri()],
+                         capture_output=True, text=True, timeout=120)
+    loaded = re.search(r'data-loaded-plots="([^"]*)"', dom.stdout)
+    assert loaded is not None, dom.stderr[-2000:]
+    assert set(loaded.group(1).split(",")) == set(PLOTS)
+    shot = tmp_path / "shot.png"
+    subprocess.run([CHROMIUM, *flags, "--window-size=1280,2400", f"--screenshot={shot}", html_path.as_uri()],
+                   capture_output=True, timeout=120)
+    img = mpimg.imread(shot)
+    assert img.shape[0] >= 2000 and float(np.std(img)) > 0.05
+
+
+def test_perfetto_trace_puts_requests_and_kernels_on_one_timeline(store: Path, tmp_path: Path) -> None:
+    """Requests from the store and the trace's kernels in one Chrome trace; a request labelled in the trace
+    (zoomer.request/<trace_id>/<span_id>) is linked to its span by a flow arrow."""
+    result = analyze([], store)
+    req = result.store.requests
+    i = int(np.flatnonzero(req["instance"] == "fast")[0])
+    label = L.request_label(req["trace_id"][i], req["span_id"][i])
+    doc = json.loads(gzip.decompress(TRACE.read_bytes()))
+    step = next(e for e in doc["traceEvents"] if e.get("name") == "ProfilerStep#100")
+    doc["traceEvents"].append({**step, "name": label})
+    linked_trace = tmp_path / "linked.json"
+    linked_trace.write_text(json.dumps(doc))
+    out = tmp_path / "merged.json.gz"
+    code, text = run_cli([str(linked_trace), "--store", str(store), "--perfetto", str(out)])
+    assert code == 0 and "Perfetto trace" in text
+    merged = json.loads(gzip.decompress(out.read_bytes()))
+    evs = merged["traceEvents"]
+    kernels = [e for e in evs if e.get("cat") == "kernel"]
+    requests = [e for e in evs if e.get("cat") == "request"]
+    phases = [e for e in evs if e.get("cat") == "phase"]
+    assert len(kernels) == 4 and len(requests) == 50 and len(phases) == 150
+    assert {e["pid"] for e in requests} == {REQUESTS_PID}
+    # kernels keep their absolute Kineto time; requests are placed at start_ns / 1000
+    k0 = min(kernels, key=lambda e: e["ts"])
+    assert k0["ts"] == 1707417525512145.0
+    r = next(e for e in requests if e["args"]["span_id"] == req["span_id"][i])
+    assert r["ts"] == pytest.approx(req["start_ns"][i] / 1000)
+    flows = [e for e in evs if e.get("cat") == "zoomer.request"]
+    assert [e["ph"] for e in flows] == ["s", "f"] and flows[1]["ts"] == step["ts"]
+    launch_arrows = [e for e in evs if e.get("cat") == "ac2g" and e["ph"] == "f"]
+    assert len(launch_arrows) == 5  # 4 kernels + 1 copy
+    counts = write_perfetto(tmp_path / "only_trace.json", [result.traces[0].trace] if result.traces else [], None)
+    assert counts["requests"] == 0
+
+
+def test_all_requests_are_drawn_when_none_overlap_the_trace(collector: Any, tmp_path: Path) -> None:
+    """A store recorded at another time than the trace: the merged trace still holds every request."""
+    record_replica(collector, "early", [Req([("forward", 1.0)])], BASE_NS)
+    collector.finish()
+    from zoomer_serve.analysis.kineto import load_trace
+    from zoomer_serve.analysis.store import load_store
+
+    data = load_store(collector.store_path)
+    counts = write_perfetto(tmp_path / "m.json", [load_trace(TRACE)], data)
+    assert counts["requests"] == 1 and counts["linked_requests"] == 0

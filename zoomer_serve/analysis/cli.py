@@ -1,0 +1,132 @@
+"""``zoomer-serve analyze``: findings and tables from Kineto trace files and/or the collector's store.
+
+Output: a terminal summary (rich), or ``--json`` (findings and tables on stdout); ``--html FILE`` writes a
+self-contained HTML report with plots, ``--perfetto FILE`` a merged Chrome trace (requests and kernels on one
+timeline; ``.gz`` compresses it). Exit codes: 0 (with or without findings), 2 when an input is missing or
+unreadable (message on stderr naming it, no traceback), 3 with ``--fail-on SEVERITY`` when a finding at least
+that severe was found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.text import Text
+
+from zoomer_serve.analysis.api import AnalysisResult, analyze
+from zoomer_serve.analysis.findings import SEVERITIES
+from zoomer_serve.analysis.kineto import TraceFormatError
+from zoomer_serve.analysis.render import render_findings, rich_table
+from zoomer_serve.analysis.store import StoreAnalysisError
+from zoomer_serve.collector.store import default_store_path
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``analyze`` subcommand to an ``argparse`` subparsers object; returns its parser."""
+    p = subparsers.add_parser(
+        "analyze",
+        help="find performance problems in Kineto traces and/or the request store, with recommendations",
+        description="Analyse PyTorch profiler (Kineto) trace files (.json or .json.gz) and/or the collector's "
+        "DuckDB store: GPU utilisation and idle time, kernel breakdown, launch overhead, copies, "
+        "synchronisations, tail latency, slow replicas, CPU-bound phases, GPU memory. With neither traces nor "
+        "--store, the default store is read.",
+    )
+    p.add_argument("traces", nargs="*", type=Path, metavar="TRACE", help="Kineto / Chrome trace JSON files")
+    p.add_argument("--store", type=Path, default=None,
+                   help="DuckDB store (default when no trace is given: $ZOOMER_STORE or ./zoomer-data/zoomer.duckdb)")
+    p.add_argument("--json", action="store_true", help="print findings and tables as JSON instead of the summary")
+    p.add_argument("--html", type=Path, default=None, metavar="FILE", help="write a self-contained HTML report")
+    p.add_argument("--perfetto", type=Path, default=None, metavar="FILE",
+                   help="write a merged Chrome trace (requests + kernels) for ui.perfetto.dev; .gz to compress")
+    p.add_argument("--rows", type=int, default=10, help="rows per table in the summary (default 10)")
+    p.add_argument("--fail-on", choices=SEVERITIES, default=None,
+                   help="exit 3 when a finding of this severity or worse is found (for CI gates)")
+    p.set_defaults(func=run)
+    return p
+
+
+def _error(message: str) -> int:
+    print(f"zoomer-serve analyze: {message}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace, console: Console | None = None) -> int:
+    """Run the analysis for parsed ``args``; returns the exit code."""
+    store = args.store
+    if not args.traces and store is None:
+        store = default_store_path()
+        if not store.is_file():
+            return _error(f"no trace files given and no store at {store} (pass TRACE files and/or --store)")
+    for t in args.traces:
+        if not t.is_file():
+            return _error(f"trace not found: {t}")
+    try:
+        result = analyze(args.traces, store)
+    except FileNotFoundError as exc:
+        return _error(str(exc))
+    except (TraceFormatError, StoreAnalysisError) as exc:
+        return _error(str(exc))
+    console = console or Console()
+    notes = []
+    if args.html is not None:
+        from zoomer_serve.analysis.html import write_html
+
+        write_html(result, args.html)
+        notes.append(f"HTML report: {args.html}")
+    if args.perfetto is not None:
+        from zoomer_serve.analysis.perfetto import write_perfetto
+
+        counts = write_perfetto(args.perfetto, [r.trace for r in result.traces], result.store)
+        notes.append(f"Perfetto trace: {args.perfetto} ({counts['events']} events, {counts['requests']} requests, "
+                     f"{counts['linked_requests']} linked to trace ranges; open in https://ui.perfetto.dev)")
+    if args.json:
+        out = result.to_dict(rows=max(args.rows, 0))
+        out["outputs"] = notes
+        sys.stdout.write(json.dumps(out, indent=2) + "\n")
+        sys.stdout.flush()
+    else:
+        render_summary(result, console, rows=args.rows)
+        for note in notes:
+            console.print(Text(note))
+    if args.fail_on is not None:
+        worst = SEVERITIES.index(args.fail_on)
+        if any(SEVERITIES.index(f.severity) <= worst for f in result.findings):
+            return 3
+    return 0
+
+
+def render_summary(result: AnalysisResult, console: Console, rows: int = 10) -> None:
+    """The terminal summary: per trace its tables, the store's per-method percentiles, then the findings."""
+    for rep in result.traces:
+        s = rep.trace.summary()
+        console.rule(Text(f"trace {s['path']}"))
+        console.print(Text(f"{s['events']} events: {s['kernels']} kernels, {s['memops']} copies/memsets, "
+                           f"{s['runtime_calls']} runtime calls, {s['cpu_ops']} CPU ops, {s['annotations']} "
+                           f"annotations; devices {s['devices']}"))
+        t = rep.tables
+        console.print(rich_table(t["gpu_utilization"], ["device", "stream", "ops", "window_us", "busy_us",
+                                                         "utilization", "host_wait_us", "kernel_wait_us",
+                                                         "other_idle_us"], rows, "GPU busy / idle"))
+        console.print(rich_table(t["kind_breakdown"], limit=rows, title="GPU time by kind"))
+        console.print(rich_table(t["kernel_breakdown"], ["name", "kind", "count", "total_us", "mean_us", "share"],
+                                 rows, "Top kernels"))
+        console.print(rich_table(t["launch_stats"], ["device", "kernels", "kernel_median_us", "launch_median_us",
+                                                      "short_share", "launch_exceeds_kernel_share",
+                                                      "launch_delay_median_us"], rows, "Kernel launches"))
+        if len(t["memcpy_bandwidth"]):
+            console.print(rich_table(t["memcpy_bandwidth"], ["op", "direction", "src", "dst", "count", "bytes",
+                                                              "time_us", "bandwidth_gbps"], rows, "Copies"))
+        if len(t["annotation_gpu_time"]):
+            console.print(rich_table(t["annotation_gpu_time"], limit=rows, title="GPU time per annotation"))
+        if len(t["request_gpu_time"]):
+            console.print(rich_table(t["request_gpu_time"], limit=rows, title="GPU time per request"))
+    if result.store is not None:
+        console.rule(Text(f"store {result.store.path}"))
+        console.print(rich_table(result.store_tables["request_percentiles"], limit=rows, title="Requests"))
+    console.rule(Text("findings"))
+    render_findings(result.findings, console)
