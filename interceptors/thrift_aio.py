@@ -43,7 +43,7 @@ from interceptors.thrift_common import (
     ThriftLimits,
     ThriftTracer,
     _anoop,
-    current_connection,
+    _conn_var,
     with_tracking,
 )
 from interceptors.thrift_server import ThriftBindError
@@ -74,7 +74,7 @@ class TracedAsyncProcessor(TAsyncProcessor):
         return self._zoomer
 
     async def process(self, iprot: Any, oprot: Any) -> None:
-        conn = Connection.current(iprot)
+        conn = Connection.current(iprot, oprot)
         tracer = self._zoomer
         try:
             await super().process(iprot, oprot)
@@ -93,7 +93,7 @@ class TracedAsyncProcessor(TAsyncProcessor):
         tracer.completed(conn)
 
     async def process_in(self, iprot: Any) -> tuple[str, int, Any, Any]:
-        conn = current_connection()
+        conn = _conn_var.get()
         header = None
         if conn is not None and conn.tracking and conn.iprot is iprot:
             header = RequestHeader()
@@ -102,14 +102,6 @@ class TracedAsyncProcessor(TAsyncProcessor):
         if conn is None or conn.iprot is not iprot:
             return api, seqid, result, call
         return self._zoomer.dispatch(conn, api, seqid, result, call, header, conn.ainvoke, _anoop)
-
-    async def send_result(self, oprot: Any, api: str, result: Any, seqid: int) -> None:
-        self._zoomer.before_reply(oprot)
-        await super().send_result(oprot, api, result, seqid)
-
-    async def send_exception(self, oprot: Any, api: str, exc: Any, seqid: int) -> None:
-        self._zoomer.before_reply(oprot)
-        await super().send_exception(oprot, api, exc, seqid)
 
 
 class BoundAsyncServerSocket(TAsyncServerSocket):

@@ -237,15 +237,17 @@ class Connection:
     """What the processor keeps about one connection (found through a context variable: each connection is
     served by its own thread, or its own asyncio task, one call after the other)."""
 
-    __slots__ = ("iprot", "meter", "peer", "tracking", "handshake", "phase", "span", "call", "exc", "outcome",
-                 "api", "seqid", "oneway", "invoke", "ainvoke")
+    __slots__ = ("iprot", "oprot", "meter", "linked", "peer", "tracking", "phase", "span", "call", "exc",
+                 "outcome", "api", "seqid", "oneway", "invoke", "ainvoke", "base_attrs")
 
-    def __init__(self, iprot: Any) -> None:
+    def __init__(self, iprot: Any, oprot: Any = None) -> None:
         self.iprot = iprot
+        self.oprot = oprot
         self.meter: Meter | None = None
+        self.linked = False
+        self.base_attrs: dict[Any, dict[str, Any]] = {}  # per method: its static attributes + the peer's
         self.peer: dict[str, Any] | None = None
         self.tracking = 0  # negotiated contrib.tracking version, 0 = none
-        self.handshake = False
         self.phase = READING
         self.span: RequestSpan | None = None
         self.call: Callable[[], Any] = _noop
@@ -258,17 +260,15 @@ class Connection:
         self.ainvoke = self._ainvoke
 
     @classmethod
-    def current(cls, iprot: Any) -> Connection:
-        """The state of the connection whose input protocol is ``iprot`` (a new one for a new connection)."""
+    def current(cls, iprot: Any, oprot: Any) -> Connection:
+        """The state of the connection whose protocols are ``iprot``/``oprot`` (new for a new connection),
+        ready to read a message."""
         conn = _conn_var.get()
         if conn is None or conn.iprot is not iprot:
-            conn = cls(iprot)
+            conn = cls(iprot, oprot)
             _conn_var.set(conn)
         conn.phase = READING
         conn.span = None
-        conn.exc = None
-        conn.outcome = OUT_OK
-        conn.oneway = False
         return conn
 
     def _invoke(self) -> Any:
@@ -303,7 +303,6 @@ class Connection:
         return None if self.meter is None else not self.meter.idle
 
     def end_message(self) -> None:
-        self.handshake = False
         if self.meter is not None:
             self.meter.end_message()
 
@@ -323,7 +322,7 @@ def current_connection() -> Connection | None:
 
 
 # -- the tracer --------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Method:
     rpc_method: str
     static: dict[str, Any] | None  # None: not traced (excluded)
@@ -420,22 +419,31 @@ class ThriftTracer:
         conn.phase = DISPATCHED
         conn.api = api
         conn.seqid = seqid
+        conn.exc = None
+        conn.outcome = OUT_OK
         try:
-            if conn.meter is None:
+            if not conn.linked:  # the connection's first message: its meter (if any) has read by now
+                conn.linked = True
                 _link_meter(conn)
             method = self._methods.get(type(result))
             if method is None:
+                conn.oneway = False
                 if type(result) is UpgradeResult:
                     return api, seqid, self._handshake(conn, result), noop
                 if isinstance(result, TApplicationException):
                     conn.outcome = OUT_UNKNOWN_METHOD
-                    conn.span = self._start(conn, OTHER_METHOD, self._other_static(api), seqid, header)
+                    conn.span = self._start(conn, None, self._other_static(api), seqid, header)
+                    if conn.tracking >= 2:
+                        conn.oprot.write_struct(_EMPTY_RESPONSE_HEADER)
                 return api, seqid, result, call
-            conn.oneway = method.oneway
+            oneway = conn.oneway = method.oneway
             conn.call = call
-            if method.static is None:  # not traced; still run through ``invoke`` to see the outcome
-                return api, seqid, result, invoke
-            conn.span = self._start(conn, method.rpc_method, method.static, seqid, header)
+            if conn.tracking >= 2 and not oneway:
+                # thriftpy2's tracking client reads a ResponseHeader before every reply: buffer it now, the
+                # reply that thriftpy2 writes next is flushed with it
+                conn.oprot.write_struct(_EMPTY_RESPONSE_HEADER)
+            if method.static is not None:  # else not traced, still run through ``invoke`` to see the outcome
+                conn.span = self._start(conn, method, method.static, seqid, header)
             return api, seqid, result, invoke
         except Exception as exc:
             internal_error(self.place + ".dispatch", exc)
@@ -455,16 +463,21 @@ class ThriftTracer:
         if version:
             conn.tracking = max(1, min(int(version), TRACKING_VERSION))
             result.version = TRACKING_VERSION
-        conn.handshake = True
         return result
 
-    def _start(self, conn: Connection, name: str, static: dict[str, Any], seqid: int, header: Any) -> RequestSpan:
-        attrs = dict(static)
+    def _start(self, conn: Connection, method: _Method | None, static: dict[str, Any], seqid: int,
+               header: Any) -> RequestSpan:
+        base = conn.base_attrs.get(method) if method is not None else None
+        if base is None:
+            peer = conn.peer
+            if peer is None:
+                peer = conn.peer = conn.meter.peer if conn.meter is not None else peer_of(conn.iprot)
+            base = {**static, **peer}
+            if method is not None and len(conn.base_attrs) < 1000:
+                conn.base_attrs[method] = base
+        attrs = base.copy()
         attrs[SEQID] = seqid
-        peer = conn.peer
-        if peer is None:
-            peer = conn.peer = conn.meter.peer if conn.meter is not None else peer_of(conn.iprot)
-        attrs.update(peer)
+        name = method.rpc_method if method is not None else OTHER_METHOD
         parent = baggage = None
         if header is not None:
             meta = header.meta
@@ -480,21 +493,27 @@ class ThriftTracer:
             span.otel_parent_context = baggage_context(baggage)
         return span
 
-    def before_reply(self, oprot: Any) -> None:
-        """Write the ``ResponseHeader`` that a tracking client (version 2) expects before every reply."""
-        conn = _conn_var.get()
-        if conn is not None and conn.tracking >= 2 and not conn.handshake:
-            oprot.write_struct(_EMPTY_RESPONSE_HEADER)
-
     def completed(self, conn: Connection) -> None:
         """``process`` returned: end the span (reply written, or oneway handler done)."""
         span = conn.span
+        meter = conn.meter
         if span is not None:
             try:
-                self._finish(conn, span, None)
+                if conn.exc is None and conn.outcome == OUT_OK:  # the common case, inline
+                    attrs = span.attributes
+                    attrs[REQUEST_MESSAGES] = 1
+                    attrs[RESPONSE_MESSAGES] = 0 if conn.oneway else 1
+                    if meter is not None:
+                        attrs[REQUEST_BYTES] = meter.bytes_in
+                        attrs[RESPONSE_BYTES] = meter.bytes_out
+                    attrs["rpc.response.status_code"] = "OK"
+                    span.end()
+                else:
+                    self._finish(conn, span, None)
             except Exception as exc:
                 internal_error(self.place + ".finish", exc)
-        conn.end_message()
+        if meter is not None:
+            meter.end_message()
 
     def failed(self, conn: Connection, exc: BaseException) -> BaseException:
         """``process`` raised ``exc``; returns what to raise to thriftpy2's server loop, which closes the

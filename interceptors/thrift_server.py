@@ -43,8 +43,8 @@ from interceptors.thrift_common import (
     RequestHeader,
     ThriftLimits,
     ThriftTracer,
+    _conn_var,
     _noop,
-    current_connection,
     with_tracking,
 )
 from zoomer_serve.recording import RequestRecorder, internal_error
@@ -67,7 +67,7 @@ class _TracingMixin:
     _zoomer: ThriftTracer
 
     def process(self, iprot: Any, oprot: Any) -> None:
-        conn = Connection.current(iprot)
+        conn = Connection.current(iprot, oprot)
         try:
             super().process(iprot, oprot)  # type: ignore[misc]
         except BaseException as exc:
@@ -78,7 +78,7 @@ class _TracingMixin:
         self._zoomer.completed(conn)
 
     def process_in(self, iprot: Any) -> tuple[str, int, Any, Any]:
-        conn = current_connection()
+        conn = _conn_var.get()
         header = None
         if conn is not None and conn.tracking and conn.iprot is iprot:
             header = RequestHeader()
@@ -87,14 +87,6 @@ class _TracingMixin:
         if conn is None or conn.iprot is not iprot:  # called outside process(): leave it alone
             return api, seqid, result, call
         return self._zoomer.dispatch(conn, api, seqid, result, call, header, conn.invoke, _noop)
-
-    def send_result(self, oprot: Any, api: str, result: Any, seqid: int) -> None:
-        self._zoomer.before_reply(oprot)
-        super().send_result(oprot, api, result, seqid)  # type: ignore[misc]
-
-    def send_exception(self, oprot: Any, api: str, exc: Any, seqid: int) -> None:
-        self._zoomer.before_reply(oprot)
-        super().send_exception(oprot, api, exc, seqid)  # type: ignore[misc]
 
 
 def _tracer(tracer: ThriftTracer | None, recorder: RequestRecorder | None, kwargs: dict[str, Any]) -> ThriftTracer:

@@ -322,9 +322,14 @@ def test_a_handler_calling_a_traced_server_continues_the_trace(serve, telemetry,
     assert inner["parent_span_id"] in (outer["span_id"], work["span_id"])
 
 
-def test_unknown_method_span_is_other_and_the_connection_goes_on(serve, telemetry, collector):
+@pytest.mark.parametrize("tracked", [False, True])
+def test_unknown_method_span_is_other_and_the_connection_goes_on(serve, telemetry, collector, tracked):
+    """With a tracked client the exception reply, too, is preceded by the response header it expects."""
     server = serve()
-    client = _client(server.port, service=T.EchoPlus)
+    if tracked:
+        client = make_client(T.EchoPlus, "127.0.0.1", server.port, timeout=TIMEOUT_MS)
+    else:
+        client = _client(server.port, service=T.EchoPlus)
     with pytest.raises(TApplicationException) as info:
         client.extra()
     assert info.value.type == TApplicationException.UNKNOWN_METHOD
