@@ -131,6 +131,7 @@ class TracedAsyncServer(TAsyncServer):
         self._ready = threading.Event()
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self._grace_s = 0.0
 
     @property
     def port(self) -> int | None:
@@ -166,19 +167,23 @@ class TracedAsyncServer(TAsyncServer):
                 loop.close()
                 self._done.set()
 
-    async def _shutdown(self, grace_s: float = 2.0) -> None:
+    async def _shutdown(self) -> None:
+        grace_s = self._grace_s
         if self.server is not None:
             await self.close()
         metered = self.metered
         if metered is not None:
+            deadline = asyncio.get_running_loop().time() + grace_s
+            while any(not m.idle for m in list(metered.active)) and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.01)
             metered.shutdown_all()
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=grace_s)
+        if tasks:  # connections end once their sockets are closed; cancel what does not within a second
+            _, pending = await asyncio.wait(tasks, timeout=1.0)
             for task in pending:
                 task.cancel()
             if pending:
-                await asyncio.wait(pending, timeout=grace_s)
+                await asyncio.wait(pending, timeout=1.0)
 
     def start(self, timeout_s: float = 10.0) -> TracedAsyncServer:
         """Serve on a daemon thread; returns once the server accepts connections.
@@ -198,15 +203,20 @@ class TracedAsyncServer(TAsyncServer):
         except BaseException as exc:  # reported by start()
             self._error = exc
 
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop accepting, end open connections (cancelled after a grace period) and close the loop; waits up
-        to ``timeout_s`` when the loop runs on another thread."""
+    def stop(self, timeout_s: float = 5.0, grace_s: float = 0.0) -> None:
+        """Stop accepting, let calls in progress finish for up to ``grace_s`` seconds, end open connections
+        (their tasks are cancelled if they do not end within a second) and close the loop; waits up to
+        ``timeout_s`` (plus ``grace_s``) when the loop runs on another thread."""
         loop = self.loop
         if loop is None or loop.is_closed():
             return
-        loop.call_soon_threadsafe(loop.stop)
+        self._grace_s = grace_s
+        try:
+            loop.call_soon_threadsafe(loop.stop)
+        except RuntimeError:  # closed meanwhile
+            return
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout_s)
+            self._thread.join(timeout_s + grace_s)
 
 
 def make_aio_server(service: Any, handler: object, host: str = "localhost", port: int | None = 9090,

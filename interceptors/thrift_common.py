@@ -839,6 +839,15 @@ class MeteredTransportFactory:
         sock = getattr(client, "sock", None)
         return SocketMeter(client, self.limits, self.framed, self, _socket_peer(sock) if sock is not None else {})
 
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until no connection is in the middle of a call; True if none is."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            busy = any(not meter.idle for meter in list(self.active))
+            if not busy or time.monotonic() >= deadline:
+                return not busy
+            time.sleep(0.01)
+
     def shutdown_all(self) -> None:
         """End every open connection's pending read (the server is stopping)."""
         for meter in list(self.active):

@@ -196,8 +196,9 @@ class TracedThreadedServer(TThreadedServer):
         self._thread.start()
         return self
 
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop accepting, end every open connection, and wait up to ``timeout_s`` for the accept loop."""
+    def stop(self, timeout_s: float = 5.0, grace_s: float = 0.0) -> None:
+        """Stop accepting, let calls in progress finish for up to ``grace_s`` seconds (metered connections),
+        end every open connection, and wait up to ``timeout_s`` for the accept loop."""
         self.closed = True
         self._wake_accept()
         if self._thread is not None:
@@ -205,6 +206,7 @@ class TracedThreadedServer(TThreadedServer):
         self.trans.close()
         metered = self.metered
         if metered is not None:
+            metered.wait_idle(grace_s)
             metered.shutdown_all()
 
     def _wake_accept(self) -> None:

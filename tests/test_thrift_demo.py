@@ -5,6 +5,7 @@ load driver's LoadResult matching the spans."""
 from __future__ import annotations
 
 import socket
+import threading
 
 import numpy as np
 import pytest
@@ -14,7 +15,12 @@ from zoomer_serve.demo.load import InvalidKind, make_request
 from zoomer_serve.demo.model import DLRM, DLRMConfig, build_model
 from zoomer_serve.demo.service import RankerServicer, ServerBindError
 from zoomer_serve.demo.thrift_load import drive_thrift_load, to_thrift_request
-from zoomer_serve.demo.thrift_server import SERVICE_NAME, build_thrift_server, ranker_thrift
+from zoomer_serve.demo.thrift_server import (
+    SERVICE_NAME,
+    build_thrift_server,
+    ranker_thrift,
+    serve_thrift_forever,
+)
 
 CFG = DLRMConfig()
 METHOD = f"{SERVICE_NAME}/Predict"
@@ -97,3 +103,25 @@ def test_bind_failure_is_a_server_bind_error(model):
         port = holder.getsockname()[1]
         with pytest.raises(ServerBindError, match=str(port)):
             build_thrift_server(model, port=port, recorder=RequestRecorder(otel_context=False))
+
+
+@pytest.mark.parametrize("aio", [False, True])
+def test_serve_thrift_forever_serves_until_stopped(model, telemetry, collector, aio):
+    """What ``serve-demo --transport thrift`` runs: ready with the bound port, serve, stop on the event."""
+    ports: list[int] = []
+    ready, stop = threading.Event(), threading.Event()
+
+    def on_ready(port: int) -> None:
+        ports.append(port)
+        ready.set()
+
+    thread = threading.Thread(target=serve_thrift_forever, kwargs=dict(
+        stop_event=stop, model=model, aio=aio, grace_s=1.0, on_ready=on_ready), daemon=True)
+    thread.start()
+    assert ready.wait(30)
+    result = drive_thrift_load(f"127.0.0.1:{ports[0]}", 30.0, clients=1, max_requests=5, batch_size=4)
+    stop.set()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert result.counts == {("Predict", "OK"): 5}
+    assert len(collector.spans("SERVER")) == 5

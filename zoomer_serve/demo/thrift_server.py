@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -99,3 +101,27 @@ def build_thrift_server(model: DLRM | None = None, host: str = "127.0.0.1", port
                            service_name=SERVICE_NAME, recorder=recorder, limits=limits)
     except ThriftBindError as err:
         raise ServerBindError(str(err)) from err
+
+
+def serve_thrift_forever(host: str = "127.0.0.1", port: int = 0, stop_event: threading.Event | None = None, *,
+                         model: DLRM | None = None, aio: bool = False, config: ServiceConfig | None = None,
+                         grace_s: float = 5.0, on_ready: Callable[[int], None] | None = None) -> None:
+    """Serve the demo Ranker over Thrift until ``stop_event`` is set (None: until interrupted), then stop,
+    letting calls in progress finish for up to ``grace_s`` seconds. Telemetry is not shut down here (the
+    caller owns it). The counterpart of ``aio_server.serve_aio_forever``.
+
+    Args:
+        aio: the ``thriftpy2.contrib.aio`` server instead of a thread per connection.
+        on_ready: called with the bound port once the server accepts calls.
+
+    Raises:
+        ServerBindError: the address cannot be bound.
+    """
+    server = build_thrift_server(model, host, port, aio, config=config).start()
+    try:
+        if on_ready is not None:
+            assert server.port is not None
+            on_ready(server.port)
+        (stop_event or threading.Event()).wait()
+    finally:
+        server.stop(grace_s=grace_s)
