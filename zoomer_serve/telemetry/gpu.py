@@ -179,7 +179,7 @@ def install_gpu_telemetry(config: GpuTelemetryConfig, recorder: RequestRecorder,
     """
     if config.mode == "off":
         return None
-    source, cuda_reason = (memory_source, None) if memory_source is not None else _default_memory_source()
+    source, cuda_reason = (memory_source, "") if memory_source is not None else _default_memory_source()
     sampler, nvml_reason = _open_sampler(nvml)
     if source is None and sampler is None:
         logger.warning("zoomer-serve: GPU telemetry off: %s; %s", cuda_reason, nvml_reason)
@@ -210,20 +210,21 @@ def _install_memory(gpu: GpuTelemetry, source: CudaMemorySource, meter: Any) -> 
     if meter is not None:
         oom_counter = meter.create_counter(n.GPU_OOM_COUNT, unit="{oom}",
                                            description="CUDA out-of-memory errors seen by the allocator's observer.")
-        _register_history_metrics(gpu, meter)
+        if gpu.history is not None:
+            _register_history_metrics(gpu.history, meter)
     device_attrs = {d: {n.HW_TYPE: "gpu", n.HW_ID: f"cuda:{d}"} for d in devices}
     gpu.observer = GpuMemoryObserver(source, devices, cfg.peak, gpu.history, oom_counter, device_attrs)
     gpu.recorder.add_observer(gpu.observer)
 
 
-def _register_history_metrics(gpu: GpuTelemetry, meter: Any) -> None:
+def _register_history_metrics(history: AllocationHistory, meter: Any) -> None:
     from opentelemetry.metrics import Observation
 
     def unattributed(options: Any) -> list[Observation]:
-        return [Observation(gpu.history.stats.unattributed)] if gpu.history is not None else []
+        return [Observation(history.stats.unattributed)]
 
     def overruns(options: Any) -> list[Observation]:
-        return [Observation(gpu.history.stats.overruns)] if gpu.history is not None else []
+        return [Observation(history.stats.overruns)]
 
     meter.create_observable_counter(n.EVENTS_UNATTRIBUTED, callbacks=[unattributed], unit="{entry}",
                                     description="Allocator trace entries that no request tag claimed.")
