@@ -23,7 +23,9 @@ Span shape (semantic conventions for RPC, v1.40.0 stable names, as for gRPC):
   ``make_server`` helpers use), ``zoomer.rpc.request.bytes``/``zoomer.rpc.response.bytes``: bytes of the call
   as read from / written to the socket (the encoded message, plus the 4-byte frame length when framed and the
   tracking headers when sent). The export worker derives ``rpc.server.call.duration`` and the size
-  histograms from them, as for gRPC.
+  histograms from them, as for gRPC. thriftpy2's transports read ahead, so when a client pipelines calls
+  (oneway calls sent back to back) the bytes of a next call that arrived early count with the earlier one,
+  and that next call's time starts when it is decoded.
 - time: from the first byte of the message (metered connections; otherwise from when the message was
   decoded) to the reply written, or to the handler's return for oneway calls.
 
