@@ -185,3 +185,4 @@ def test_store_errors_are_clear(tmp_path: Any) -> None:
     bad.write_bytes(b"this is not duckdb")
     with pytest.raises(StoreAnalysisError, match="not-a-store"):
         analyze_store(bad)
+

@@ -9,6 +9,7 @@ replaced by a note saying what data it needs.
 from __future__ import annotations
 
 import base64
+import functools
 import html
 import io
 import os
@@ -325,7 +326,7 @@ def render_html(result: AnalysisResult, title: str = "zoomer-serve analysis") ->
     parts.append(_safe(plot_gpu_memory, result, "gpu_memory"))
     for i, rep in enumerate(result.traces):
         parts.append(f"<h3>Trace {html.escape(str(rep.trace.path))}</h3>")
-        parts.append(_safe(lambda r, rep=rep, i=i: plot_kernel_breakdown(rep, i), result, "kernel_breakdown"))
+        parts.append(_safe(functools.partial(_kernel_plot, rep=rep, index=i), result, "kernel_breakdown"))
         parts.append(_table_html(rep.tables["gpu_utilization"]))
         parts.append(_table_html(rep.tables["kernel_breakdown"], ["device", "name", "kind", "count", "total_us",
                                                                     "mean_us", "share"], limit=12))
@@ -337,6 +338,10 @@ def render_html(result: AnalysisResult, title: str = "zoomer-serve analysis") ->
         parts.append(_nodata("kernel_breakdown", "The kernel breakdown needs a Kineto trace: pass trace files."))
     parts.append("</body></html>")
     return "".join(parts)
+
+
+def _kernel_plot(result: AnalysisResult, rep: TraceReport, index: int) -> str:
+    return plot_kernel_breakdown(rep, index)
 
 
 def _safe(fn: Callable[[AnalysisResult], str], result: AnalysisResult, name: str) -> str:

@@ -13,9 +13,9 @@ per request and to put requests and kernels on one timeline.
 
 GPU memory span attributes and GPU metrics
 ------------------------------------------
-The analysis reads these from the store; they are written by the GPU telemetry
-(``zoomer_serve.telemetry``), whose ``names`` module documents them; the strings below must stay equal to
-those (a test checks it when that module is present). Per request span (sums over the watched devices):
+The analysis reads these from the store; they are written by the GPU telemetry and defined (once) in
+:mod:`zoomer_serve.telemetry.names`, from which the constants below are taken. Per request span (sums over
+the watched devices):
 
 ==========================================  ===============================================================
 attribute                                   meaning
@@ -39,23 +39,26 @@ from __future__ import annotations
 
 import re
 
+from zoomer_serve.telemetry import names as _gpu
+
 REQUEST_LABEL_PREFIX = "zoomer.request/"
 """Start of the ``record_function`` name of a request range: ``zoomer.request/<trace_id>/<span_id>``."""
 
 _REQUEST_LABEL = re.compile(r"^zoomer\.request/([0-9a-f]{32})/([0-9a-f]{16})$")
 
-GPU_MEMORY_ALLOCATED = "zoomer.gpu.memory.allocated.end"
-GPU_MEMORY_RESERVED = "zoomer.gpu.memory.reserved.end"
-GPU_MEMORY_PEAK = "zoomer.gpu.memory.peak"
-GPU_MEMORY_ALLOC_RETRIES = "zoomer.gpu.memory.alloc_retries"
-GPU_MEMORY_OOMS = "zoomer.gpu.memory.ooms"
+# Written by the GPU telemetry: its names module is the one place for these strings.
+GPU_MEMORY_ALLOCATED = _gpu.MEM_ALLOCATED_END
+GPU_MEMORY_RESERVED = _gpu.MEM_RESERVED_END
+GPU_MEMORY_PEAK = _gpu.MEM_PEAK
+GPU_MEMORY_ALLOC_RETRIES = _gpu.MEM_ALLOC_RETRIES
+GPU_MEMORY_OOMS = _gpu.MEM_OOMS
 GPU_MEMORY_ATTRIBUTES = (GPU_MEMORY_ALLOCATED, GPU_MEMORY_RESERVED, GPU_MEMORY_PEAK, GPU_MEMORY_ALLOC_RETRIES,
                          GPU_MEMORY_OOMS)
-GPU_OOM_EVENT = "zoomer.gpu.oom"
-OOM_ERROR_MARKER = "OutOfMemoryError"
-METRIC_GPU_UTILIZATION = "hw.gpu.utilization"
-METRIC_GPU_MEMORY_USAGE = "hw.gpu.memory.usage"
-METRIC_HW_ID = "hw.id"
+GPU_OOM_EVENT = _gpu.OOM_EVENT
+OOM_ERROR_MARKER = "OutOfMemoryError"  # in error.type (torch.OutOfMemoryError) or an exception event
+METRIC_GPU_UTILIZATION = _gpu.HW_GPU_UTILIZATION
+METRIC_GPU_MEMORY_USAGE = _gpu.HW_GPU_MEMORY_USAGE
+METRIC_HW_ID = _gpu.HW_ID
 
 PHASE_ATTRIBUTE = "zoomer.phase"
 """Span attribute naming a request phase (set by :func:`zoomer_serve.phase`)."""

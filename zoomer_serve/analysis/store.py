@@ -284,8 +284,8 @@ def _traits(data: StoreData, rows: np.ndarray, slow: np.ndarray) -> list[dict[st
         if share_slow >= 0.5 and share_slow >= 2 * share_all:
             traits.append({"trait": f"{key} = {value}", "kind": "attribute", "key": key, "value": value,
                            "share_of_slow": share_slow, "share_of_all": share_all, "lift": share_slow / share_all})
-    for key, values in numeric.items():
-        arr = np.array(values)
+    for key, nums in numeric.items():
+        arr = np.array(nums)
         if np.isnan(arr).all():
             continue
         med_all = float(np.nanmedian(arr))
@@ -437,12 +437,12 @@ def _phase_difference(data: StoreData, mine: np.ndarray, others: np.ndarray) -> 
     if not phases:
         return None
     n = len(mine)
-    best = None
+    best: tuple[float, dict[str, Any]] | None = None
     for p, v in phases.items():
         a, b = float(np.median(v[:n])), float(np.median(v[n:]))
-        if best is None or a - b > best["difference_ms"]:
-            best = {"phase": p, "replica_ms": a, "others_ms": b, "difference_ms": a - b}
-    return best if best is not None and best["difference_ms"] > 0 else None
+        if best is None or a - b > best[0]:
+            best = (a - b, {"phase": p, "replica_ms": a, "others_ms": b, "difference_ms": a - b})
+    return best[1] if best is not None and best[0] > 0 else None
 
 
 def detect_cpu_bound_phases(data: StoreData) -> list[Finding]:

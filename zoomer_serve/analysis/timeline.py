@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -209,7 +210,7 @@ def kernel_launches(trace: KinetoTrace) -> Table:
     safe = np.maximum(idx, 0)
     has = len(rt) > 0
 
-    def pick(col: str, missing: object, dtype: object) -> np.ndarray:
+    def pick(col: str, missing: Any, dtype: Any) -> np.ndarray:
         if not has:
             return np.full(len(k), missing, dtype=dtype)
         return np.where(ok, rt[col][safe], missing).astype(dtype)

@@ -253,21 +253,21 @@ def detect_host_syncs(trace: KinetoTrace) -> list[Finding]:
     enclosing = _Enclosing(trace)
     requests = _Requests(trace)
     by_api: Counter[str] = Counter()
-    blocked_by_api: Counter[str] = Counter()
+    blocked_by_api: dict[str, float] = {}
     by_cause: Counter[tuple[str, str, str]] = Counter()
-    blocked_by_cause: Counter[tuple[str, str, str]] = Counter()
+    blocked_by_cause: dict[tuple[str, str, str], float] = {}
     in_requests = 0
     request_ids: set[str] = set()
     for i in idx:
         api = str(base[i])
         dur = float(rt["dur"][i])
         by_api[api] += 1
-        blocked_by_api[api] += dur
+        blocked_by_api[api] = blocked_by_api.get(api, 0.0) + dur
         pid, tid, ts = int(rt["pid"][i]), int(rt["tid"][i]), float(rt["ts"][i])
         outer, inner = enclosing.ops(pid, tid, ts, ts + dur)
         key = (outer or "(no CPU op)", inner or "(no CPU op)", api)
         by_cause[key] += 1
-        blocked_by_cause[key] += dur
+        blocked_by_cause[key] = blocked_by_cause.get(key, 0.0) + dur
         rid = requests.request_of(pid, tid, ts) if requests.count else None
         if rid is not None:
             in_requests += 1
@@ -377,7 +377,7 @@ def detect_fp32_without_tensor_cores(trace: KinetoTrace) -> list[Finding]:
     """``gpu.fp32-no-tensor-cores``: float32 GEMM / convolution kernels that run on CUDA cores (cuBLAS
     ``*sgemm*``, cuDNN ``*scudnn*``, CUTLASS ``simt``), not on tensor cores."""
     k = trace.kernels
-    out = []
+    out: list[Finding] = []
     if not len(k):
         return out
     uniq, inverse = np.unique(k["name"], return_inverse=True)
@@ -439,7 +439,7 @@ def detect_low_occupancy(trace: KinetoTrace) -> list[Finding]:
     least 10% of the device's kernel time. Kineto writes 0 when it cannot estimate occupancy; such kernels,
     and communication kernels (low occupancy by design), are left out."""
     k = trace.kernels
-    out = []
+    out: list[Finding] = []
     if not len(k):
         return out
     kinds = kernel_kinds(k["name"])
