@@ -1,0 +1,263 @@
+"""On-demand kernel profiling against the real demo model server under load: the CLI and the admin gRPC
+service, real torch.profiler sessions (CPU), real OTLP export into the embedded collector.
+
+Cases: C04 (start/stop twice, in sequence and concurrently), C05 (many rounds in one process)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from _profiling_support import (
+    TOKEN,
+    check_profile_export,
+    read_chrome_trace,
+    request_ranges,
+    serve_with_profiling,
+    traces,
+)
+
+from zoomer_serve.demo.load import drive_load
+from zoomer_serve.demo.model import DLRM, build_model
+from zoomer_serve.profiling import AdminConfig, Result, SessionOptions, State
+from zoomer_serve.profiling.client import ProfilerClient, ProfilerControlError
+
+LOAD = {"clients": 2, "batch_size": 8}
+
+
+@pytest.fixture(scope="module")
+def model() -> DLRM:
+    torch.set_num_threads(1)
+    return build_model(device="cpu")
+
+
+@pytest.fixture
+def profiles_dir(tmp_path: Path) -> Path:
+    return tmp_path / "profiles"
+
+
+def _cli(*args: str, token: str | None = TOKEN) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "ZOOMER_ADMIN_TOKEN"}
+    if token is not None:
+        env["ZOOMER_ADMIN_TOKEN"] = token
+    return subprocess.run([sys.executable, "-m", "zoomer_serve", "profile", *args], env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+@contextmanager
+def background_load(target: str) -> Iterator[list[Any]]:
+    """Load in rounds of 0.5 s on a thread until the block ends; the load results collected so far."""
+    stop = threading.Event()
+    results: list[Any] = []
+
+    def run() -> None:
+        while not stop.is_set():
+            results.append(drive_load(target, 0.5, seed=len(results), **LOAD))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield results
+    finally:
+        stop.set()
+        thread.join(30)
+
+
+def test_on_demand_by_cli_links_the_profile_to_the_covered_requests(model: DLRM, telemetry: Any, collector: Any,
+                                                                     profiles_dir: Path) -> None:
+    with serve_with_profiling(telemetry, model, profiles_dir) as served:
+        started = _cli("start", "--target", served.target, "--requests", "20")
+        assert started.returncode == 0, started.stderr
+        assert "running" in started.stdout
+        load = drive_load(served.target, 30.0, max_requests=60, **LOAD)
+        assert load.unexpected == 0
+        assert served.controller.wait_idle(60)
+        status = _cli("status", "--target", served.target, "--json")
+        assert status.returncode == 0, status.stderr
+        stopped = _cli("stop", "--target", served.target)
+        assert stopped.returncode == 0 and "not running" in stopped.stdout
+    info = served.controller.last
+    assert info is not None and info.outcome == "done" and info.stop_reason == "max_requests"
+    assert info.requests == 20 and info.requests_incomplete == 0
+    assert f'"session_id": "{info.session_id}"' in status.stdout
+    assert traces(profiles_dir) == [Path(info.trace_path)]
+    assert info.trace_path is not None and info.trace_path.endswith("_on_demand_1.pt.trace.json.gz")
+    assert telemetry.config.service_name in Path(info.trace_path).name
+    data = read_chrome_trace(Path(info.trace_path))
+    assert data["zoomer_session_id"] == info.session_id
+    ranges = request_ranges(data)
+    assert len(ranges) == 20
+    _check_phases_nested(data, ranges)
+    rows = collector.spans()
+    profile = check_profile_export(rows, info.session_id, set(ranges), "on_demand")
+    attrs = profile["attributes"]
+    assert attrs["zoomer.profile.requests"] == 20 and attrs["zoomer.profile.max_requests"] == 20
+    assert attrs["zoomer.profile.trace.path"] == info.trace_path
+    assert attrs["zoomer.profile.activities"] == ["cpu"]
+    assert attrs["zoomer.profile.annotation.cpu_us"] > 0
+
+
+def _check_phases_nested(data: dict[str, Any], ranges: dict[tuple[int, int], dict[str, Any]]) -> None:
+    """Every request range holds the demo's forward phase as a nested range on its thread (phases become
+    profiler ranges on worker threads too)."""
+    forwards = [ev for ev in data["traceEvents"] if ev.get("cat") == "user_annotation" and ev["name"] == "forward"]
+    for ev in ranges.values():
+        inside = [f for f in forwards if f["tid"] == ev["tid"] and ev["ts"] <= f["ts"] <= ev["ts"] + ev["dur"]]
+        assert inside, f"no forward range inside {ev['name']}"
+
+
+def test_c04_start_and_stop_twice_in_sequence_and_concurrently(model: DLRM, telemetry: Any,
+                                                               profiles_dir: Path) -> None:
+    """C04: duplicate starts answer already_running, duplicate stops already_stopping / not_running; exactly
+    one trace; the server keeps serving."""
+    with serve_with_profiling(telemetry, model, profiles_dir) as served, background_load(served.target) as results:
+        clients = [ProfilerClient(served.target, token=TOKEN) for _ in range(2)]
+        barrier = threading.Barrier(2)
+
+        def start(client: ProfilerClient) -> Result:
+            barrier.wait(10)
+            return client.start(max_requests=1000, duration_ms=30_000).result
+
+        answers = _in_threads(start, clients)
+        assert sorted(a.value for a in answers) == ["already_running", "started"]
+        again = clients[0].start(max_requests=10)
+        assert again.result is Result.ALREADY_RUNNING and "already running" in again.message
+        assert served.controller.wait_idle(0.5) is False  # still running: the duplicates changed nothing
+
+        def stop(client: ProfilerClient) -> Result:
+            barrier.wait(10)
+            return client.stop(wait_s=30).result
+
+        answers = _in_threads(stop, clients)
+        assert Result.STOPPED in answers
+        assert sorted(a.value for a in answers if a is not Result.STOPPED) in (["already_stopping"],
+                                                                               ["not_running"])
+        after = clients[1].stop()
+        assert after.result is Result.NOT_RUNNING and after.message.startswith("not running")
+        assert after.state is State.IDLE and after.last is not None and after.last.outcome == "done"
+        assert served.controller.wait_idle(5)
+        assert drive_load(served.target, 10.0, max_requests=10, **LOAD).count(code="OK") == 10  # still serving
+        for c in clients:
+            c.close()
+    assert len(traces(profiles_dir)) == 1
+    assert after.last.stop_reason == "stop_call" and after.last.requests > 0
+    assert results and sum(r.unexpected for r in results) == 0
+
+
+def _in_threads(fn: Any, clients: list[ProfilerClient]) -> list[Any]:
+    out: list[Any] = [None, None]
+
+    def run(i: int) -> None:
+        out[i] = fn(clients[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def test_c05_three_rounds_then_a_start_that_cannot_capture(model: DLRM, telemetry: Any,
+                                                           profiles_dir: Path) -> None:
+    """C05: three rounds (the second ends on its own after N requests), each one new non-empty trace; after the
+    automatic stop the next start works; a start that cannot capture is an error, not a silent success."""
+    with serve_with_profiling(telemetry, model, profiles_dir) as served, \
+            ProfilerClient(served.target, token=TOKEN) as client, background_load(served.target) as results:
+        seen: set[Path] = set()
+        for round_no, bound in enumerate((None, 12, None), start=1):
+            reply = client.start(max_requests=bound or 1000, duration_ms=None if bound else 30_000)
+            assert reply.result is Result.STARTED and reply.session is not None
+            if bound is None:
+                served.controller.wait_idle(1.0)  # let requests flow
+                stopped = client.stop(wait_s=60)
+                assert stopped.result is Result.STOPPED
+            else:
+                assert client.wait_finished(reply.session.number, 60) is not None
+            info = client.status().last
+            assert info is not None and info.number == round_no and info.outcome == "done"
+            assert info.stop_reason == ("stop_call" if bound is None else "max_requests")
+            if bound is not None:
+                assert info.requests == bound and info.requests_incomplete == 0
+            new = set(traces(profiles_dir)) - seen
+            assert new == {Path(info.trace_path)}
+            assert len(request_ranges(read_chrome_trace(Path(info.trace_path)))) == info.requests > 0
+            seen |= new
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+            with pytest.raises(ProfilerControlError) as busy:
+                client.start(max_requests=5)
+        assert busy.value.code is grpc.StatusCode.FAILED_PRECONDITION
+        assert "another torch.profiler session" in busy.value.details
+        assert client.status().state is State.IDLE
+    assert sum(r.unexpected for r in results) == 0
+    blocked = profiles_dir.parent / "not-a-folder"
+    blocked.write_text("a file where the profiles folder should be")
+    with serve_with_profiling(telemetry, model, blocked) as served2, \
+            ProfilerClient(served2.target, token=TOKEN) as client2:
+        with pytest.raises(ProfilerControlError) as unwritable:
+            client2.start(max_requests=5)
+        assert unwritable.value.code is grpc.StatusCode.FAILED_PRECONDITION
+        assert "cannot start a profiling session" in unwritable.value.details
+    assert len(traces(profiles_dir)) == 3
+
+
+def test_admin_refuses_a_missing_or_wrong_token(model: DLRM, telemetry: Any, profiles_dir: Path) -> None:
+    with serve_with_profiling(telemetry, model, profiles_dir) as served:
+        for token, code in ((None, grpc.StatusCode.UNAUTHENTICATED), ("", grpc.StatusCode.UNAUTHENTICATED),
+                            ("wrong-token", grpc.StatusCode.PERMISSION_DENIED),
+                            (TOKEN + "x", grpc.StatusCode.PERMISSION_DENIED)):
+            with ProfilerClient(served.target, token=token or "") as client:
+                for call in (lambda c: c.start(max_requests=5), lambda c: c.stop(), lambda c: c.status()):
+                    with pytest.raises(ProfilerControlError) as err:
+                        call(client)
+                    assert err.value.code is code
+        refused = _cli("start", "--target", served.target, token=None)
+        assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
+        assert served.controller.state is State.IDLE and served.controller.last is None
+    closed = AdminConfig()  # no token configured: closed even to loopback callers
+    with serve_with_profiling(telemetry, model, profiles_dir, admin=closed) as served, \
+            ProfilerClient(served.target, token=TOKEN) as client:
+        with pytest.raises(ProfilerControlError) as err:
+            client.status()
+        assert err.value.code is grpc.StatusCode.PERMISSION_DENIED and "ZOOMER_ADMIN_TOKEN" in err.value.details
+    opened = AdminConfig(open_loopback=True)
+    with serve_with_profiling(telemetry, model, profiles_dir, admin=opened) as served, \
+            ProfilerClient(served.target, token="") as client:
+        assert client.status().state is State.IDLE
+    assert traces(profiles_dir) == []
+
+
+def test_outside_a_session_requests_make_no_profiler_calls(model: DLRM, telemetry: Any, profiles_dir: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = {"record_function": 0, "increment_step": 0}
+    real_rf = torch.profiler.record_function
+    real_step = torch.autograd.profiler.KinetoStepTracker.increment_step
+
+    def counting_rf(*args: Any, **kwargs: Any) -> Any:
+        calls["record_function"] += 1
+        return real_rf(*args, **kwargs)
+
+    def counting_step(requester: str) -> int:
+        calls["increment_step"] += 1
+        return real_step(requester)
+
+    monkeypatch.setattr(torch.profiler, "record_function", counting_rf)
+    monkeypatch.setattr(torch.autograd.profiler.KinetoStepTracker, "increment_step", staticmethod(counting_step))
+    with serve_with_profiling(telemetry, model, profiles_dir) as served:
+        idle = drive_load(served.target, 10.0, max_requests=20, **LOAD)
+        assert idle.total_calls == 20 and calls == {"record_function": 0, "increment_step": 0}
+        served.controller.start(SessionOptions(max_requests=10))
+        drive_load(served.target, 10.0, max_requests=30, **LOAD)
+        assert served.controller.wait_idle(60)
+    assert served.controller.last is not None and served.controller.last.requests == 10
+    assert calls["increment_step"] == 10
+    assert calls["record_function"] >= 10  # the request ranges, plus the phases inside them

@@ -1,0 +1,348 @@
+"""The profiling controller: at most one torch.profiler session at a time, linked to request spans.
+
+Usage::
+
+    controller = ProfilerController()          # the process's telemetry; ProfilerConfig.from_env()
+    controller.attach()                        # observe request spans
+    reply = controller.start(SessionOptions(max_requests=50))
+    ...
+    reply = controller.stop(wait_s=30)         # reply.session.trace_path
+
+States (:class:`~zoomer_serve.profiling.session.State`): ``idle`` → ``armed`` (a start was accepted; the
+session thread starts the profiler) → ``running`` (each new server request span runs inside a
+``record_function`` range named :func:`~zoomer_serve.profiling.labels.request_label` and advances
+``KinetoStepTracker`` when it ends) → ``writing`` (the bound was reached or stop was called: no new
+request is covered; the covered requests still running get ``drain_timeout_ms`` to end; the profiler stops;
+the trace is written, summarized and exported, all on the session thread) → ``idle``.
+
+Start and stop are serialized by one lock and idempotent: a start while a session is active answers
+``already_running`` (nothing else happens), a stop without an active session ``not_running``, a second stop
+``already_stopping``; each session writes exactly one trace or fails with an error. A start that cannot
+capture (another profiler active, CUDA requested but missing, profiles folder not writable) raises
+:class:`ProfilingError`.
+
+Request path cost: outside a session, ``on_start`` / ``on_end`` read one attribute each (plus one bounded
+append when an automatic trigger is configured); see :mod:`zoomer_serve.profiling.session` for the cost
+inside a session.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from zoomer_serve.profiling.capture import Activities, Capture, CaptureError
+from zoomer_serve.profiling.config import (
+    TRIGGER_ON_DEMAND,
+    ProfilerConfig,
+    SessionOptions,
+    check_trigger,
+)
+from zoomer_serve.profiling.export import ProfileMetrics, export_session
+from zoomer_serve.profiling.session import ControlReply, Result, Session, SessionInfo, State
+from zoomer_serve.profiling.summary import TraceSummary, load_trace, summarize_events
+from zoomer_serve.recording import RequestRecorder, RequestSpan, internal_error
+
+logger = logging.getLogger("zoomer_serve.profiling")
+TRACE_SUFFIX = ".pt.trace.json.gz"
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+class ProfilingError(RuntimeError):
+    """A session could not start (or could not capture); the message says why."""
+
+
+class ProfilerController:
+    """Runs profiling sessions for the request spans of ``recorder`` (see the module docstring).
+
+    Args:
+        config: limits, profiles folder, triggers; default ``ProfilerConfig.from_env()``.
+        telemetry: where spans and metrics go (its ``recorder`` and ``meter_provider``) and whose
+            ``config.service_name`` names the trace files; default the process's (``get_telemetry()``).
+    """
+
+    def __init__(self, config: ProfilerConfig | None = None, telemetry: Any = None) -> None:
+        if telemetry is None:
+            from zoomer_serve.runtime import get_telemetry
+
+            telemetry = get_telemetry()
+        self.config = config or ProfilerConfig.from_env()
+        self.recorder: RequestRecorder = telemetry.recorder
+        self.service_name: str = telemetry.config.service_name
+        self._metrics = ProfileMetrics(telemetry.meter_provider)
+        self._api_lock = threading.Lock()  # serializes start and stop calls
+        self._lock = threading.Lock()  # guards the fields below (held briefly)
+        self._session: Session | None = None  # the active session (armed, running or writing)
+        self._last: Session | None = None
+        self._numbers = 0
+        # request path: read without the lock
+        self._admitting: Session | None = None  # set while running
+        self._closing: Session | None = None  # set while running and writing (covered requests may end)
+        self._feed: Callable[[RequestSpan, int], None] | None = None
+        self._monitor: Any = None
+        self._attached = False
+        self.on_session_end: list[Callable[[SessionInfo], None]] = []
+
+    # -- observer (request path) -------------------------------------------------------------------------
+    def on_start(self, span: RequestSpan) -> None:
+        session = self._admitting
+        if session is not None:
+            session.enter(span)
+
+    def on_end(self, span: RequestSpan) -> None:
+        session = self._closing
+        if session is not None:
+            session.leave(span)
+        feed = self._feed
+        if feed is not None:
+            feed(span, time.time_ns())
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+    def attach(self) -> ProfilerController:
+        """Observe the recorder's request spans and start the configured triggers; returns self."""
+        if not self._attached:
+            self.recorder.add_observer(self)
+            self._attached = True
+            if self.config.steady_state is not None or self.config.latency_slo is not None:
+                from zoomer_serve.profiling.triggers import TriggerMonitor
+
+                self._monitor = TriggerMonitor(self, self.config.steady_state, self.config.latency_slo)
+                self._feed = self._monitor.feed
+                self._monitor.start()
+        return self
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the triggers, stop an active session and wait up to ``timeout_s`` for its trace, stop
+        observing requests."""
+        self._feed = None
+        if self._monitor is not None:
+            self._monitor.stop()
+            self._monitor = None
+        with self._api_lock:
+            session = self._session
+            if session is not None:
+                session.request_stop("shutdown")
+        if session is not None:
+            session.done.wait(timeout_s)
+        if self._attached:
+            self.recorder.remove_observer(self)
+            self._attached = False
+
+    # -- control -------------------------------------------------------------------------------------------
+    @property
+    def state(self) -> State:
+        session = self._session
+        return session.state if session is not None else State.IDLE
+
+    def status(self) -> ControlReply:
+        """The current state, the active session (if any) and the last finished one."""
+        with self._lock:
+            return self._reply(Result.STATUS, self._status_message(), self._session)
+
+    def start(self, options: SessionOptions | None = None, trigger: str = TRIGGER_ON_DEMAND,
+              trigger_attributes: dict[str, Any] | None = None, wait: bool = True) -> ControlReply:
+        """Start a session with ``options`` (default: ``SessionOptions()``).
+
+        With ``wait`` (the default) it returns once the profiler runs; without, at once (state ``armed``;
+        a failure then shows as the session's outcome). A session already active: result
+        ``already_running`` and nothing changes.
+
+        Raises:
+            ConfigError: bad bounds or trigger name (the message names them).
+            ProfilingError: the session cannot capture (the message says why); the controller stays idle.
+        """
+        options = options or SessionOptions()
+        check_trigger(trigger)
+        max_requests, duration_ms = options.bounded(self.config.max_requests_cap, self.config.max_duration_ms_cap)
+        with self._api_lock:
+            with self._lock:
+                active = self._session
+                if active is not None:
+                    return self._reply(Result.ALREADY_RUNNING, f"already running: session {active.session_id} "
+                                       f"({active.state.value})", active)
+            try:
+                activities = Activities.resolve(options)
+                self._check_profiles_dir()
+            except (CaptureError, OSError) as exc:
+                raise ProfilingError(f"cannot start a profiling session: {exc}") from None
+            with self._lock:
+                self._numbers += 1
+                session = Session(self._numbers, self._session_id(trigger, self._numbers), trigger, options,
+                                  max_requests, duration_ms, activities.cuda, self.config.excluded_methods,
+                                  trigger_attributes)
+                self._session = session
+            threading.Thread(target=self._run, args=(session, activities), name=f"zoomer-profile-{session.number}",
+                             daemon=True).start()
+            if not wait:
+                with self._lock:
+                    return self._reply(Result.STARTED, f"session {session.session_id} armed", session)
+            if not session.running.wait(self.config.start_timeout_ms / 1000):
+                session.request_stop("start_timeout")
+                raise ProfilingError(f"the profiler did not start within {self.config.start_timeout_ms} ms")
+            if session.outcome == "failed":
+                raise ProfilingError(f"cannot start a profiling session: {session.error}")
+            with self._lock:
+                return self._reply(Result.STARTED, f"session {session.session_id} running", session)
+
+    def stop(self, wait_s: float = 0.0) -> ControlReply:
+        """Ask the active session to end. Result ``stopping`` (or ``stopped`` when it finished within
+        ``wait_s`` seconds), ``already_stopping`` when it is already ending, ``not_running`` without one."""
+        with self._api_lock, self._lock:
+            session = self._session
+            if session is None:
+                return self._reply(Result.NOT_RUNNING, "not running: no active profiling session", None)
+            if not session.request_stop("stop_call"):
+                return self._reply(Result.ALREADY_STOPPING, f"already stopping: session {session.session_id} "
+                                   f"({session.state.value}, {session.stop_reason})", session)
+        if wait_s > 0 and session.done.wait(wait_s):
+            with self._lock:
+                return self._reply(Result.STOPPED, self._finished_message(session), session)
+        with self._lock:
+            return self._reply(Result.STOPPING, f"stopping: session {session.session_id}", session)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the active session (if any) to finish; True when idle."""
+        session = self._session
+        return session is None or session.done.wait(timeout_s)
+
+    @property
+    def last(self) -> SessionInfo | None:
+        """The last finished session."""
+        last = self._last
+        return last.info() if last is not None else None
+
+    # -- session thread ------------------------------------------------------------------------------------
+    def _run(self, session: Session, activities: Activities) -> None:
+        capture = Capture(session.options, activities)
+        summary: TraceSummary | None = None
+        try:
+            try:
+                capture.start({"zoomer_session_id": session.session_id, "zoomer_trigger": session.trigger,
+                               "zoomer_service": self.service_name})
+            except CaptureError as exc:
+                session.outcome, session.error = "failed", str(exc)
+                return
+            session.start_ns = time.time_ns()
+            with self._lock:
+                session.state = State.RUNNING
+            self._closing = session
+            self._admitting = session
+            session.running.set()
+            session.stop_requested.wait(session.duration_ms / 1000)
+            session.request_stop("duration")
+            self._admitting = None
+            with self._lock:
+                session.state = State.WRITING
+            session.wait_drained(self.config.drain_timeout_ms / 1000)
+            session.end_ns = time.time_ns()
+            try:
+                capture.stop()
+            finally:
+                self._closing = None
+                session.close()
+            summary = self._write(session, capture)
+            session.drop_uncovered(summary.requests)
+            session.outcome = "done"
+        except Exception as exc:  # CaptureError, OSError, ValueError from reading the trace, or a bug
+            session.outcome, session.error = "failed", str(exc) or repr(exc)
+            logger.warning("zoomer-serve: profiling session %s failed: %s", session.session_id, session.error)
+        finally:
+            self._admitting = None
+            self._closing = None
+            self._finish(session, summary)
+
+    def _finish(self, session: Session, summary: TraceSummary | None) -> None:
+        try:
+            if session.start_ns:  # a session whose profiler never ran has no span
+                export_session(session, summary, time.time_ns(), self.config.top_kernels, self.recorder.sink)
+            self._metrics.record(session, summary)
+        except Exception as exc:
+            internal_error("profiling.export", exc)
+        with self._lock:
+            session.state = State.IDLE
+            self._last = session
+            self._session = None
+        session.running.set()
+        session.done.set()
+        info = session.info()
+        for callback in list(self.on_session_end):
+            try:
+                callback(info)
+            except Exception as exc:
+                internal_error("profiling.on_session_end", exc)
+
+    def _write(self, session: Session, capture: Capture) -> TraceSummary:
+        """Export, check, summarize and compress the trace; sets the session's trace fields.
+
+        Raises CaptureError / OSError / ValueError; leaves no partial file behind."""
+        folder = self.config.profiles_dir
+        folder.mkdir(parents=True, exist_ok=True)
+        final = folder / f"{session.session_id}{TRACE_SUFFIX}"
+        raw = folder / f".{session.session_id}.json.partial"
+        packed = folder / f".{session.session_id}{TRACE_SUFFIX}.partial"
+        try:
+            capture.export_json(raw)
+            data = load_trace(raw)
+            summary = summarize_events(data["traceEvents"])
+            if summary.event_count == 0:
+                raise CaptureError("the profiler captured no events; no trace written")
+            with open(raw, "rb") as src, gzip.open(packed, "wb", compresslevel=6) as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+            os.replace(packed, final)
+        finally:
+            for leftover in (raw, packed):
+                try:
+                    leftover.unlink()
+                except FileNotFoundError:
+                    pass
+        session.trace_path = str(final.resolve())
+        session.trace_bytes = final.stat().st_size
+        session.kernel_count = summary.totals.kernel_count
+        session.kernel_time_us = summary.totals.kernel_time_us
+        session.attributed_share = summary.attributed_share
+        return summary
+
+    # -- helpers -----------------------------------------------------------------------------------------
+    def _check_profiles_dir(self) -> None:
+        folder = self.config.profiles_dir
+        folder.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise OSError(f"profiles folder {folder} is not writable")
+
+    def _session_id(self, trigger: str, number: int) -> str:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        service = _UNSAFE.sub("-", self.service_name).strip("-.") or "service"
+        return f"{service}_{stamp}_{trigger}_{number}"
+
+    def _status_message(self) -> str:
+        session = self._session
+        if session is not None:
+            return f"{session.state.value}: session {session.session_id}, {len(session.covered)} requests"
+        if self._last is not None:
+            return f"idle; last: {self._finished_message(self._last)}"
+        return "idle; no session yet"
+
+    @staticmethod
+    def _finished_message(session: Session) -> str:
+        if session.outcome == "done":
+            return (f"session {session.session_id} done: {len(session.covered)} requests, "
+                    f"trace {session.trace_path}")
+        return f"session {session.session_id} failed: {session.error}"
+
+    def _reply(self, result: Result, message: str, session: Session | None) -> ControlReply:
+        last = self._last
+        return ControlReply(result, self.state, message, session.info() if session is not None else None,
+                            last.info() if last is not None else None)
+
+
+def install_profiler(config: ProfilerConfig | None = None, telemetry: Any = None) -> ProfilerController:
+    """Create a :class:`ProfilerController` for the process's telemetry and attach it (convenience)."""
+    return ProfilerController(config, telemetry).attach()
+

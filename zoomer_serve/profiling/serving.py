@@ -1,0 +1,89 @@
+"""Profiling in a model server process: command-line options, the controller, the admin service (for
+``zoomer-serve serve-demo``, and for anyone wiring the same into their own server)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from zoomer_serve.profiling.config import (
+    AdminConfig,
+    LatencySloConfig,
+    ProfilerConfig,
+    SessionOptions,
+    SteadyStateConfig,
+)
+
+
+def add_profiling_options(parser: argparse.ArgumentParser) -> None:
+    """Add the profiling options of a serving command to ``parser``."""
+    group = parser.add_argument_group(
+        "kernel profiling", "The ProfilerControl admin service is closed by default: it needs ZOOMER_ADMIN_TOKEN "
+        "from callers, or --admin-open-loopback for local callers. Automatic triggers are off unless enabled.")
+    group.add_argument("--profiles-dir", type=Path, default=None,
+                       help="where traces go (default $ZOOMER_PROFILES_DIR or ./zoomer-data/profiles)")
+    group.add_argument("--admin-open-loopback", action="store_true",
+                       help="let loopback callers use the admin service without a token")
+    group.add_argument("--steady-state", action="store_true",
+                       help="profile once after warm-up when latency is stable (CV of windowed p50)")
+    group.add_argument("--steady-warmup-requests", type=int, default=200, help="requests before measuring (200)")
+    group.add_argument("--steady-max-cv", type=float, default=0.1, help="stability threshold (0.1)")
+    group.add_argument("--slo-p99-ms", type=float, default=None,
+                       help="profile when a method's windowed p99 stays above this many ms (off by default)")
+    group.add_argument("--slo-window-ms", type=int, default=1000, help="SLO window (1000 ms)")
+    group.add_argument("--slo-sustain-windows", type=int, default=3, help="violating windows in a row (3)")
+    group.add_argument("--slo-cooldown-s", type=float, default=300.0, help="quiet time after an SLO session (300 s)")
+    group.add_argument("--trigger-requests", type=int, default=100,
+                       help="requests covered by an automatic session (100)")
+
+
+@dataclass
+class ServerProfiling:
+    """The controller and admin settings of one server process."""
+
+    controller: Any
+    admin: AdminConfig
+    admin_server: Any = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, telemetry: Any = None) -> ServerProfiling:
+        """Build and attach the controller from parsed :func:`add_profiling_options` options.
+
+        Raises ConfigError on a bad value (the message names it)."""
+        from zoomer_serve.profiling.controller import ProfilerController
+
+        session = SessionOptions(max_requests=args.trigger_requests)
+        overrides: dict[str, Any] = {}
+        if args.profiles_dir is not None:
+            overrides["profiles_dir"] = args.profiles_dir
+        if args.steady_state:
+            overrides["steady_state"] = SteadyStateConfig(warmup_requests=args.steady_warmup_requests,
+                                                          max_cv=args.steady_max_cv, session=session)
+        if args.slo_p99_ms is not None:
+            overrides["latency_slo"] = LatencySloConfig(
+                p99_ms=args.slo_p99_ms, window_ms=args.slo_window_ms, sustain_windows=args.slo_sustain_windows,
+                cooldown_ms=int(args.slo_cooldown_s * 1000), session=session)
+        controller = ProfilerController(ProfilerConfig.from_env(**overrides), telemetry).attach()
+        admin = AdminConfig.from_env(open_loopback=True if args.admin_open_loopback else None)
+        return cls(controller, admin)
+
+    def mount(self, server: Any) -> None:
+        """Register the admin service on a sync ``grpc.Server`` (an ``extra_servicers`` entry)."""
+        from zoomer_serve.profiling.admin import add_profiler_control
+
+        add_profiler_control(server, self.controller, self.admin)
+
+    def serve_own_port(self, port: int = 0) -> int:
+        """Run the admin service on its own loopback port; returns it."""
+        from zoomer_serve.profiling.admin import serve_profiler_control
+
+        self.admin_server, bound = serve_profiler_control(self.controller, port, self.admin)
+        return bound
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the triggers, finish an active session (its trace is written), stop the admin server."""
+        self.controller.close(timeout_s)
+        if self.admin_server is not None:
+            self.admin_server.stop(None)
