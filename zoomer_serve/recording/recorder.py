@@ -293,13 +293,15 @@ def current_request() -> RequestSpan | None:
 
 
 def _profiler_enabled() -> bool:
-    """True while a torch.profiler / autograd profiler session runs (a cheap C call; False when torch was
-    never imported, since nobody can be profiling then)."""
+    """True while a torch.profiler / autograd profiler session runs: torch's process-wide flag (set by every
+    session, so it also covers sessions that profile all threads, started on another thread) or the per-thread
+    C check. Cheap; False when torch was never imported, since nobody can be profiling then."""
     torch = sys.modules.get("torch")
     if torch is None:
         return False
     try:
-        return bool(torch.autograd._profiler_enabled())
+        return bool(getattr(torch.autograd.profiler, "_is_profiler_enabled", False)
+                    or torch.autograd._profiler_enabled())
     except Exception:
         return False
 
