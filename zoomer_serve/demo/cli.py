@@ -13,6 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from zoomer_serve.config import ConfigError
+from zoomer_serve.profiling.serving import ServerProfiling, add_profiling_options
+
 READY_TIMEOUT_S = 120.0
 
 
@@ -25,9 +28,12 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--port", type=int, default=50051, help="listen port, 0 = any free port (default 50051)")
     serve.add_argument("--server", choices=("sync", "aio"), default="sync",
                        help="grpc.server with a thread pool (sync) or grpc.aio (default sync)")
+    serve.add_argument("--transport", choices=("grpc", "thrift"), default="grpc",
+                       help="serve the Ranker over gRPC (ranker.proto) or Thrift (ranker.thrift) (default grpc)")
     serve.add_argument("--grace-s", type=float, default=5.0, help="drain time for in-flight calls on stop")
     serve.add_argument("--torch-threads", type=int, default=1,
                        help="torch intra-op threads (default 1: the gRPC worker threads already run in parallel)")
+    add_profiling_options(serve)
     serve.set_defaults(func=run_serve_demo)
 
     demo = subparsers.add_parser(
@@ -40,6 +46,8 @@ def register(subparsers: Any) -> None:
     demo.add_argument("--clients", type=int, default=4, help="concurrent client threads (default 4)")
     demo.add_argument("--max-requests", type=int, default=None, help="stop after this many calls")
     demo.add_argument("--server", choices=("sync", "aio"), default="sync", help="gRPC server flavour (default sync)")
+    demo.add_argument("--transport", choices=("grpc", "thrift"), default="grpc",
+                      help="gRPC or Thrift between the load and the server (default grpc)")
     demo.set_defaults(func=run_demo)
 
 
@@ -56,34 +64,51 @@ def run_serve_demo(args: argparse.Namespace) -> int:
     torch.set_num_threads(max(1, args.torch_threads))
     stop = _stop_on_signals()
     zoomer_serve.get_telemetry()  # configure from OTEL_* / ZOOMER_* before the first request
+    try:
+        profiling = ServerProfiling.from_args(args)
+    except ConfigError as exc:
+        print(f"zoomer-serve serve-demo: {exc}", file=sys.stderr)
+        return 2
     device = pick_device()
     model = build_model(device=device)
+    # the aio demo server takes no extra services: there the admin service gets its own loopback port
+    admin_port = profiling.serve_own_port() if args.server == "aio" else None
 
     def ready(port: int) -> None:
-        print(json.dumps({"event": "ready", "host": args.host, "port": port, "device": str(device)}), flush=True)
+        print(json.dumps({"event": "ready", "host": args.host, "port": port, "device": str(device),
+                          "admin_port": admin_port or port}), flush=True)
 
     try:
-        if args.server == "aio":
+        if args.transport == "thrift":
+            from zoomer_serve.demo.thrift_server import serve_thrift_forever
+
+            serve_thrift_forever(args.host, args.port, stop, model=model, aio=args.server == "aio",
+                                 grace_s=args.grace_s, on_ready=ready)
+        elif args.server == "aio":
             from zoomer_serve.demo.aio_server import serve_aio_forever
 
             serve_aio_forever(args.host, args.port, stop, model=model, grace_s=args.grace_s, on_ready=ready)
         else:
-            _serve_sync(args, model, stop, ready)
+            _serve_sync(args, model, stop, ready, profiling)
     except ServerBindError as exc:
         print(f"zoomer-serve serve-demo: {exc}", file=sys.stderr)
+        profiling.close()
         return 1
+    profiling.close()  # a session still running writes its trace and spans before telemetry flushes
     stats = zoomer_serve.shutdown()
     print(json.dumps({"event": "stopped", "spans_exported": stats.exported if stats else 0,
                       "spans_dropped": stats.dropped if stats else 0}), flush=True)
     return 0
 
 
-def _serve_sync(args: argparse.Namespace, model: Any, stop: threading.Event, ready: Any) -> None:
+def _serve_sync(args: argparse.Namespace, model: Any, stop: threading.Event, ready: Any,
+                profiling: ServerProfiling) -> None:
     from interceptors import ZoomerServerInterceptor
     from zoomer_serve.demo.service import build_server
 
     interceptor = ZoomerServerInterceptor(server_address=args.host, server_port=args.port or None)
-    server, port = build_server(model, args.host, args.port, interceptors=[interceptor])
+    server, port = build_server(model, args.host, args.port, interceptors=[interceptor],
+                                extra_servicers=[profiling.mount])
     interceptor.server_port = port
     ready(port)
     stop.wait()
@@ -146,7 +171,8 @@ def run_demo(args: argparse.Namespace) -> int:
         server_env = dict(env, OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{col['grpc_port']}",
                           OTEL_EXPORTER_OTLP_PROTOCOL="grpc", OTEL_SERVICE_NAME="zoomer-demo-ranker",
                           OTEL_BSP_SCHEDULE_DELAY="500", OTEL_METRIC_EXPORT_INTERVAL="5000")
-        server, srv = _start(["serve-demo", "--port", "0", "--server", args.server], server_env, "demo model server")
+        server, srv = _start(["serve-demo", "--port", "0", "--server", args.server, "--transport", args.transport],
+                             server_env, "demo model server")
         procs.append(server)
         target = f"127.0.0.1:{srv['port']}"
         console.print(f"  demo Ranker (DLRM on {srv['device']}) with the zoomer interceptor on {target}")
@@ -164,7 +190,10 @@ def run_demo(args: argparse.Namespace) -> int:
 def _drive(console: Any, target: str, args: argparse.Namespace) -> Any:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from zoomer_serve.demo.load import drive_load
+    if args.transport == "thrift":
+        from zoomer_serve.demo.thrift_load import drive_thrift_load as drive_load
+    else:
+        from zoomer_serve.demo.load import drive_load
 
     with Progress(TextColumn("  load"), BarColumn(), TextColumn("{task.fields[calls]} calls, "
                   "{task.fields[ok]} ok"), TimeElapsedColumn(), console=console, transient=False) as bar:
