@@ -205,3 +205,38 @@ def test_all_requests_are_drawn_when_none_overlap_the_trace(collector: Any, tmp_
     data = load_store(collector.store_path)
     counts = write_perfetto(tmp_path / "m.json", [load_trace(TRACE)], data)
     assert counts["requests"] == 1 and counts["linked_requests"] == 0
+
+
+def test_a_real_profiling_session_is_analysed_with_its_requests(telemetry: Any, collector: Any, tmp_path: Path) -> None:
+    """End to end on CPU: the demo model server with the profiling controller records a real torch.profiler
+    trace of 8 requests (ranges named with the shared request label); the analysis reads that trace and the
+    store, finds every profiled request's range, and links each to its span in the merged Perfetto trace."""
+    torch = pytest.importorskip("torch")
+    from _profiling_support import serve_with_profiling, traces
+
+    from zoomer_serve.demo.load import drive_load
+    from zoomer_serve.demo.model import build_model
+    from zoomer_serve.profiling import SessionOptions
+
+    torch.set_num_threads(1)
+    model = build_model(device="cpu")
+    with serve_with_profiling(telemetry, model, tmp_path / "profiles") as served:
+        served.controller.start(SessionOptions(max_requests=8))
+        drive_load(served.target, 30.0, max_requests=24, clients=2, batch_size=8)
+        assert served.controller.wait_idle(60)
+    info = served.controller.last
+    assert info is not None and info.requests == 8
+    [trace_path] = traces(tmp_path / "profiles")
+    collector.finish()
+
+    result = analyze([trace_path], collector.store_path)
+    report = result.traces[0]
+    per_request = report.tables["request_gpu_time"]
+    assert len(per_request) == 8
+    assert np.all(per_request["cpu_time_us"] > 0) and np.all(per_request["gpu_ops"] == 0)  # CPU only
+    assert len(report.trace.cpu_ops) > 0 and len(report.trace.kernels) == 0
+    assert not [f for f in result.findings if f.id.startswith(("gpu.", "cuda."))]
+    stored = set(zip(result.store.requests["trace_id"].tolist(), result.store.requests["span_id"].tolist()))
+    assert set(zip(per_request["trace_id"].tolist(), per_request["span_id"].tolist())) <= stored
+    counts = write_perfetto(tmp_path / "merged.json", [report.trace], result.store)
+    assert counts["linked_requests"] == 8

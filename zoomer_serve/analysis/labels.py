@@ -8,8 +8,9 @@ Request labels
 While a request runs under ``torch.profiler``, zoomer-serve opens a ``record_function`` range named
 ``zoomer.request/<trace_id>/<span_id>`` around it: ``<trace_id>`` is the request span's W3C trace id (32
 lowercase hex digits) and ``<span_id>`` its span id (16 lowercase hex digits), the ids under which the span
-is stored. The analysis finds these ranges in a Kineto trace (``user_annotation`` events) to give GPU time
-per request and to put requests and kernels on one timeline.
+is stored. The format is defined once, in :mod:`zoomer_serve.profiling.labels` (which writes the ranges);
+this module adapts it to the store's hex ids. The analysis finds these ranges in a Kineto trace
+(``user_annotation`` events) to give GPU time per request and to put requests and kernels on one timeline.
 
 GPU memory span attributes and GPU metrics
 ------------------------------------------
@@ -39,12 +40,11 @@ from __future__ import annotations
 
 import re
 
+from zoomer_serve.profiling import labels as _profiling
 from zoomer_serve.telemetry import names as _gpu
 
-REQUEST_LABEL_PREFIX = "zoomer.request/"
+REQUEST_LABEL_PREFIX = _profiling.REQUEST_LABEL_PREFIX
 """Start of the ``record_function`` name of a request range: ``zoomer.request/<trace_id>/<span_id>``."""
-
-_REQUEST_LABEL = re.compile(r"^zoomer\.request/([0-9a-f]{32})/([0-9a-f]{16})$")
 
 # Written by the GPU telemetry: its names module is the one place for these strings.
 GPU_MEMORY_ALLOCATED = _gpu.MEM_ALLOCATED_END
@@ -72,29 +72,32 @@ RPC_STATUS = "rpc.response.status_code"
 ERROR_TYPE = "error.type"
 
 
-def _hex(value: int | str, digits: int, what: str) -> str:
+def _int_id(value: int | str, digits: int, what: str) -> int:
     if isinstance(value, int):
-        if value < 0 or value >= 1 << (4 * digits):
-            raise ValueError(f"{what} out of range: {value}")
-        return f"{value:0{digits}x}"
-    text = value.lower()
-    if not re.fullmatch(f"[0-9a-f]{{{digits}}}", text):
+        number = value
+    elif re.fullmatch(f"[0-9a-fA-F]{{{digits}}}", value):
+        number = int(value, 16)
+    else:
         raise ValueError(f"{what} must be {digits} hex digits, got {value!r}")
-    return text
+    if not 0 <= number < 1 << (4 * digits):
+        raise ValueError(f"{what} out of range: {value}")
+    return number
 
 
 def request_label(trace_id: int | str, span_id: int | str) -> str:
-    """The ``record_function`` name for a request: ``zoomer.request/<32 hex>/<16 hex>``.
+    """The ``record_function`` name for a request: ``zoomer.request/<32 hex>/<16 hex>`` (ids as ints or as
+    the store's hex strings).
 
     Raises:
         ValueError: an id out of range or not hex of the right length.
     """
-    return f"{REQUEST_LABEL_PREFIX}{_hex(trace_id, 32, 'trace_id')}/{_hex(span_id, 16, 'span_id')}"
+    return _profiling.request_label(_int_id(trace_id, 32, "trace_id"), _int_id(span_id, 16, "span_id"))
 
 
 def parse_request_label(name: str) -> tuple[str, str] | None:
-    """``(trace_id, span_id)`` as lowercase hex from a request label, or None for any other name."""
-    if not name.startswith(REQUEST_LABEL_PREFIX):
+    """``(trace_id, span_id)`` as lowercase hex (as the store holds them) from a request label, or None for
+    any other name."""
+    ids = _profiling.parse_request_label(name)
+    if ids is None:
         return None
-    m = _REQUEST_LABEL.match(name)
-    return (m.group(1), m.group(2)) if m else None
+    return f"{ids[0]:032x}", f"{ids[1]:016x}"
