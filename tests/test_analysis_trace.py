@@ -322,6 +322,18 @@ def test_request_labels_round_trip_and_give_gpu_time_per_request(tmp_path: Path)
         label = request_label(row["trace_id"], row["span_id"])
         assert row["gpu_time_us"] == pytest.approx(step_gpu[ids[label]])
         assert row["gpu_ops"] > 0 and row["gpu_span_us"] >= row["gpu_time_us"] * 0.5
+    # the trace's one cudaDeviceSynchronize runs after the last step: not in the request path ...
+    [sync] = [e for e in doc["traceEvents"] if e.get("cat") == "cuda_runtime" and e["name"] in SYNC_APIS]
+    found = by_id(detect_trace(t), "cuda.host-sync")[0]
+    assert found.evidence["in_requests_count"] == 0 and found.evidence["requests_in_trace_count"] == len(steps)
+    assert found.severity == "medium"
+    # ... until a request range covers it: then it is, and the finding is high severity
+    doc["traceEvents"].append({"ph": "X", "cat": "user_annotation", "name": request_label(99, 99), "pid": sync["pid"],
+                               "tid": sync["tid"], "ts": sync["ts"] - 5, "dur": sync["dur"] + 10, "args": {}})
+    p.write_bytes(gzip.compress(json.dumps(doc).encode()))
+    found = by_id(detect_trace(load_trace(p)), "cuda.host-sync")[0]
+    assert found.evidence["in_requests_count"] == 1 and found.evidence["requests_with_sync_count"] == 1
+    assert found.severity == "high" and "inside 1 of 6 requests" in found.summary
 
 
 # ---- detectors --------------------------------------------------------------------------------------------
