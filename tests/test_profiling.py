@@ -104,6 +104,13 @@ def test_on_demand_by_cli_links_the_profile_to_the_covered_requests(model: DLRM,
     assert attrs["zoomer.profile.trace.path"] == info.trace_path
     assert attrs["zoomer.profile.activities"] == ["cpu"]
     assert attrs["zoomer.profile.annotation.cpu_us"] > 0
+    sessions = collector.metric_points("zoomer.profile.sessions")
+    assert [(p["attributes"], p["value"]) for p in sessions][-1] == (
+        {"zoomer.profile.trigger": "on_demand", "zoomer.profile.outcome": "done"}, 1.0)
+    per_method = {p["attributes"]["rpc.method"]: p for p in
+                  collector.metric_points("zoomer.profile.request.kernel.duration")}  # the latest point of each
+    assert set(per_method) <= {"zoomer.demo.v1.Ranker/Predict", "zoomer.demo.v1.Ranker/PredictStream"}
+    assert sum(p["count"] for p in per_method.values()) == 20 and {p["unit"] for p in per_method.values()} == {"s"}
 
 
 def _check_phases_nested(data: dict[str, Any], ranges: dict[tuple[int, int], dict[str, Any]]) -> None:
