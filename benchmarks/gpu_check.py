@@ -22,7 +22,11 @@ error row and the next step still runs):
 4. ``C06``: an allocate/free loop over sizes from 1 B to 8 MiB with history off, then 20 history windows
    on/off, then off again: allocations per second must come back to the baseline (within 15 %) and must not
    degrade with the number of windows.
-5. ``store``: after a flush, the collector's store: requests, spans with memory attributes, allocation-event
+5. ``profile`` (:func:`check_profiler_kernels`): a kernel-profiling session (CPU + CUDA activities) over
+   ``PROFILE_REQUESTS`` calls captures kernels and attributes GPU kernel time to the request ranges (target
+   at least 95 % of all kernel time in the trace), every covered request has kernels; then the client-side
+   latency of the same load outside and inside a session (``benchmarks/_bench_profiling.py``).
+6. ``store``: after a flush, the collector's store: requests, spans with memory attributes, allocation-event
    child spans attributed to a request (share), the OOM span (event, status, error.type) and OOM metric,
    NVML metrics seen.
 
@@ -54,6 +58,8 @@ DEADLINE_S = 230  # the whole check must end within 4 minutes
 C06_SIZES = (1, 256, 4096, 64 << 10, 1 << 20, 8 << 20)
 C06_WINDOWS = 20
 C06_TOLERANCE = 0.15
+PROFILE_REQUESTS = 50
+PROFILE_MIN_SHARE = 0.95
 
 
 @dataclass
@@ -193,6 +199,65 @@ def check_c06(ctx: Context) -> None:
             last >= (1 - C06_TOLERANCE) * first)
 
 
+def check_profiler_kernels(ctx: Context) -> None:
+    """Step 5 (kernel profiling): a CUDA session over PROFILE_REQUESTS calls; kernel time attributed to the
+    requests; the latency cost of a session."""
+    import statistics
+
+    from _bench_profiling import session_latency_rows
+
+    from zoomer_serve.demo.load import drive_load
+    from zoomer_serve.profiling import (
+        ProfilerConfig,
+        ProfilerController,
+        SessionOptions,
+        load_trace,
+        summarize_events,
+    )
+
+    controller = ProfilerController(ProfilerConfig(profiles_dir=ctx.out / "profiles"), ctx.telemetry).attach()
+    try:
+        started = time.monotonic()
+        reply = controller.start(SessionOptions(max_requests=PROFILE_REQUESTS, cuda=True))
+        ctx.row("profile", "CUDA session starts (CPU + CUDA activities)", f"{reply.message} "
+                f"({time.monotonic() - started:.1f} s)", reply.session is not None and reply.session.cuda)
+        load = drive_load(ctx.target, 60.0, clients=4, batch_size=64, max_requests=PROFILE_REQUESTS,
+                          stream_share=0.2, invalid_share=0.0)
+        finished = controller.wait_idle(120)
+        info = controller.last
+        ctx.row("profile", "session done, one covered request per call",
+                f"{info.outcome if info else 'none'}: {info.requests if info else 0} of {load.total_calls} calls, "
+                f"{info.error or ''}", bool(finished and info and info.outcome == "done"
+                                            and info.requests == load.total_calls == PROFILE_REQUESTS))
+        if info is None or info.trace_path is None:
+            return
+        ctx.row("profile", "trace (gzip Chrome trace)", f"{info.trace_path} ({info.trace_bytes:,} B)",
+                info.trace_bytes > 0)
+        summary = summarize_events(load_trace(info.trace_path)["traceEvents"])
+        share = summary.attributed_share or 0.0
+        ctx.row("profile", "kernels in the trace; GPU kernel time", f"{summary.totals.kernel_count:,}; "
+                f"{summary.totals.kernel_time_us:,.0f} µs", summary.totals.kernel_count > 0)
+        ctx.row("profile", f"kernel time attributed to request ranges (target >= {PROFILE_MIN_SHARE:.0%})",
+                f"{share:.1%} ({summary.attributed.kernel_time_us:,.0f} µs)", share >= PROFILE_MIN_SHARE)
+        reqs = list(summary.requests.values())
+        with_kernels = [r for r in reqs if r.kernel_count > 0]
+        ctx.row("profile", "request ranges in the trace with kernels", f"{len(with_kernels)} of {len(reqs)}",
+                len(reqs) == info.requests and len(with_kernels) == len(reqs))
+        if reqs:
+            median = statistics.median
+            ctx.row("profile", "per request (median): kernels, kernel µs, launch (CUDA API) µs, memcpy B",
+                    f"{median([r.kernel_count for r in reqs]):.0f}, {median([r.kernel_time_us for r in reqs]):.1f}, "
+                    f"{median([r.cuda_runtime_time_us for r in reqs]):.1f}, "
+                    f"{median([r.memcpy_bytes for r in reqs]):,.0f}")
+            top = summary.totals.top_kernels(1)
+            ctx.row("profile", "top kernel by GPU time", f"{top[0].name[:60]} ({top[0].time_us:,.0f} µs)"
+                    if top else "none")
+        for row in session_latency_rows(ctx.target, controller, n_requests=100, rounds=2, cuda=True):
+            ctx.row("profile", row["what"], f"{row['value']} {row['unit']}")
+    finally:
+        controller.close(timeout_s=60)
+
+
 def check_store(ctx: Context) -> None:
     """Step 5: flush everything, stop the collector, read the store."""
     import zoomer_serve
@@ -241,7 +306,8 @@ def check_store(ctx: Context) -> None:
     ctx.row("store", "NVML metrics seen", ", ".join(nvml) or "none", needed <= set(nvml))
 
 
-STEPS: list[Callable[[Context], None]] = [check_load, check_oom, check_overhead, check_c06, check_store]
+STEPS: list[Callable[[Context], None]] = [check_load, check_oom, check_overhead, check_c06, check_profiler_kernels,
+                                          check_store]
 
 
 # -- helpers -----------------------------------------------------------------------------------------------
