@@ -10,17 +10,18 @@ from collections.abc import Sequence
 
 def build_parser() -> argparse.ArgumentParser:
     from zoomer_serve import __version__
+    from zoomer_serve.analysis import cli as analysis_cli
     from zoomer_serve.collector import cli as collector_cli
     from zoomer_serve.demo import cli as demo_cli
     from zoomer_serve.profiling import cli as profiling_cli
     from zoomer_serve.report import cli as report_cli
 
     parser = argparse.ArgumentParser(prog="zoomer-serve", description="Profiling middleware for PyTorch "
-                                     "inference servers: demo, embedded collector, reports.")
+                                     "inference servers: demo, embedded collector, reports, analysis, profiling.")
     parser.add_argument("--version", action="version", version=f"zoomer-serve {__version__}")
     parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (demo_cli, collector_cli, report_cli, profiling_cli):
+    for module in (demo_cli, collector_cli, report_cli, analysis_cli, profiling_cli):
         module.register(sub)
     return parser
 

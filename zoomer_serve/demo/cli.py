@@ -209,10 +209,12 @@ def _drive(console: Any, target: str, args: argparse.Namespace) -> Any:
 
 
 def _finish(console: Any, store: Path, result: Any, server_rc: int, collector_rc: int) -> int:
+    from zoomer_serve.analysis import analyze_store, render_findings
     from zoomer_serve.report import build_report, render_report
 
     report = build_report(store)
     render_report(report, console)
+    render_findings(analyze_store(store), console)
     spans = sum(m.count for m in report.methods)
     console.print(f"\n  sent {result.total_calls} calls "
                   f"({', '.join(f'{m} {c}: {n}' for (m, c), n in sorted(result.counts.items()))}); "
