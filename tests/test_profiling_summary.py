@@ -125,6 +125,30 @@ def test_summary_attribution_rules() -> None:
     assert summary.event_count == 10
 
 
+def test_postprocess_writes_the_gzip_trace_and_a_summary_that_reads_back(tmp_path: Path) -> None:
+    from zoomer_serve.profiling.postprocess import EXIT_EMPTY, run
+    from zoomer_serve.profiling.summary import summary_from_json
+
+    events = [_ev("user_annotation", request_label(1, 2), 0, 100), _ev("cpu_op", "aten::mm", 5, 10),
+              _ev("cuda_runtime", "cudaLaunchKernel", 6, 3, correlation=5),
+              _ev("kernel", "gemm", 20, 30, pid=0, tid=7, correlation=5),
+              _ev("cuda_runtime", "cudaLaunchKernel", 7, 3, correlation=6),
+              _ev("kernel", "relu", 60, 5, pid=0, tid=7, correlation=6)]
+    raw, packed, digest = tmp_path / "raw.json", tmp_path / "t.json.gz", tmp_path / "s.json"
+    raw.write_text(json.dumps({"traceEvents": events}))
+    assert run(raw, packed, digest, top_kernels=1) == 0
+    assert gzip.decompress(packed.read_bytes()) == raw.read_bytes()
+    back = summary_from_json(json.loads(digest.read_text()))
+    req = back.requests[(1, 2)]
+    assert (req.kernel_count, req.kernel_time_us, req.cuda_runtime_count, req.cpu_op_count) == (2, 35.0, 2, 1)
+    assert [(k.name, k.count, k.time_us) for k in req.top_kernels(5)] == [("gemm", 1, 30.0)]  # top 1 kept
+    assert back.attributed_share == 1.0 and back.event_count == 6
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"traceEvents": [{"ph": "M", "name": "process_name", "pid": 1, "args": {}}]}))
+    assert run(empty, tmp_path / "e.gz", tmp_path / "e.json", top_kernels=1) == EXIT_EMPTY
+    assert not (tmp_path / "e.gz").exists() and not (tmp_path / "e.json").exists()
+
+
 def test_load_trace_reads_plain_and_gzip_and_rejects_other_json(tmp_path: Path) -> None:
     body = {"traceEvents": [_ev("cpu_op", "aten::add", 0, 1)]}
     (tmp_path / "t.json").write_text(json.dumps(body))
@@ -140,7 +164,7 @@ def test_session_bounds_defaults_and_hard_caps() -> None:
     assert SessionOptions(max_requests=7).bounded() == (7, MAX_DURATION_MS_CAP)
     assert SessionOptions(duration_ms=500).bounded() == (MAX_REQUESTS_CAP, 500)
     assert SessionOptions(max_requests=3, duration_ms=500).bounded() == (3, 500)
-    for options, message in ((SessionOptions(max_requests=MAX_REQUESTS_CAP + 1), "exceeds the hard cap of 2000"),
+    for options, message in ((SessionOptions(max_requests=MAX_REQUESTS_CAP + 1), "exceeds the hard cap of 1000"),
                              (SessionOptions(duration_ms=60_001), "duration_ms=60001 exceeds the hard cap"),
                              (SessionOptions(max_requests=0), "max_requests must be a positive integer"),
                              (SessionOptions(duration_ms=-5), "duration_ms must be a positive integer")):

@@ -28,7 +28,7 @@ def register(subparsers: Any) -> None:
 
     start = sub.add_parser("start", parents=[common], help="start a session")
     start.add_argument("--requests", type=int, default=None, help="requests to cover (default 100 when "
-                       "--duration-ms is not given either; hard cap 2000)")
+                       "--duration-ms is not given either; hard cap 1000)")
     start.add_argument("--duration-ms", type=int, default=None, help="session length in ms (hard cap 60000)")
     start.add_argument("--cuda", choices=("auto", "on", "off"), default="auto",
                        help="capture CUDA kernels (auto: when the server has CUDA)")

@@ -22,8 +22,9 @@ from pathlib import Path
 
 from zoomer_serve.config import ConfigError
 
-MAX_REQUESTS_CAP = 2000
-"""Hard cap on the requests one session covers (each is a link on the ``zoomer.profile`` span)."""
+MAX_REQUESTS_CAP = 1000
+"""Hard cap on the requests one session covers (each is a link on the ``zoomer.profile`` span; a CPU trace of
+the demo model takes about 200 KB of JSON per request)."""
 MAX_DURATION_MS_CAP = 60_000
 """Hard cap on a session's duration in ms, whatever bounds it was given."""
 DEFAULT_MAX_REQUESTS = 100
@@ -165,6 +166,7 @@ class ProfilerConfig:
         drain_timeout_ms: once a session stops taking requests, how long it waits for the requests it
             covers to end before it stops the profiler (requests still running are left out).
         start_timeout_ms: how long a blocking start waits for the profiler to come up.
+        postprocess_timeout_ms: how long summarizing and compressing one trace may take.
         top_kernels: kernels listed per request and per session, by total GPU time.
         excluded_methods: globs over ``pkg.Service/Method`` never covered (admin, health, reflection).
         steady_state / latency_slo: automatic triggers; None (the default) is off.
@@ -175,6 +177,7 @@ class ProfilerConfig:
     max_duration_ms_cap: int = MAX_DURATION_MS_CAP
     drain_timeout_ms: int = 2000
     start_timeout_ms: int = 30_000
+    postprocess_timeout_ms: int = 300_000
     top_kernels: int = 10
     excluded_methods: tuple[str, ...] = DEFAULT_EXCLUDED_METHODS
     steady_state: SteadyStateConfig | None = None
@@ -182,7 +185,7 @@ class ProfilerConfig:
 
     def __post_init__(self) -> None:
         _positive(self, ("max_requests_cap", "max_duration_ms_cap", "drain_timeout_ms", "start_timeout_ms",
-                         "top_kernels"))
+                         "postprocess_timeout_ms", "top_kernels"))
         object.__setattr__(self, "profiles_dir", Path(self.profiles_dir))
         for trigger in (self.steady_state, self.latency_slo):
             if trigger is not None:

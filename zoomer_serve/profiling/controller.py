@@ -13,7 +13,8 @@ session thread starts the profiler) → ``running`` (each new server request spa
 ``record_function`` range named :func:`~zoomer_serve.profiling.labels.request_label` and advances
 ``KinetoStepTracker`` when it ends) → ``writing`` (the bound was reached or stop was called: no new
 request is covered; the covered requests still running get ``drain_timeout_ms`` to end; the profiler stops;
-the trace is written, summarized and exported, all on the session thread) → ``idle``.
+the trace is written, then summarized and gzip-compressed by a child process (large traces cost the server
+neither its interpreter lock nor its memory), and the spans and metrics are exported) → ``idle``.
 
 Start and stop are serialized by one lock and idempotent: a start while a session is active answers
 ``already_running`` (nothing else happens), a stop without an active session ``not_running``, a second stop
@@ -28,14 +29,16 @@ inside a session.
 
 from __future__ import annotations
 
-import gzip
+import json
 import logging
 import os
 import re
-import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from zoomer_serve.profiling.capture import Activities, Capture, CaptureError
@@ -47,7 +50,7 @@ from zoomer_serve.profiling.config import (
 )
 from zoomer_serve.profiling.export import ProfileMetrics, export_session
 from zoomer_serve.profiling.session import ControlReply, Result, Session, SessionInfo, State
-from zoomer_serve.profiling.summary import TraceSummary, load_trace, summarize_events
+from zoomer_serve.profiling.summary import TraceSummary, summary_from_json
 from zoomer_serve.recording import RequestRecorder, RequestSpan, internal_error
 
 logger = logging.getLogger("zoomer_serve.profiling")
@@ -279,7 +282,8 @@ class ProfilerController:
                 internal_error("profiling.on_session_end", exc)
 
     def _write(self, session: Session, capture: Capture) -> TraceSummary:
-        """Export, check, summarize and compress the trace; sets the session's trace fields.
+        """Export the trace, then summarize and compress it in a child process (see
+        :mod:`zoomer_serve.profiling.postprocess`); sets the session's trace fields.
 
         Raises CaptureError / OSError / ValueError; leaves no partial file behind."""
         folder = self.config.profiles_dir
@@ -287,17 +291,13 @@ class ProfilerController:
         final = folder / f"{session.session_id}{TRACE_SUFFIX}"
         raw = folder / f".{session.session_id}.json.partial"
         packed = folder / f".{session.session_id}{TRACE_SUFFIX}.partial"
+        digest = folder / f".{session.session_id}.summary.json.partial"
         try:
             capture.export_json(raw)
-            data = load_trace(raw)
-            summary = summarize_events(data["traceEvents"])
-            if summary.event_count == 0:
-                raise CaptureError("the profiler captured no events; no trace written")
-            with open(raw, "rb") as src, gzip.open(packed, "wb", compresslevel=6) as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
+            summary = self._postprocess(raw, packed, digest)
             os.replace(packed, final)
         finally:
-            for leftover in (raw, packed):
+            for leftover in (raw, packed, digest):
                 try:
                     leftover.unlink()
                 except FileNotFoundError:
@@ -308,6 +308,25 @@ class ProfilerController:
         session.kernel_time_us = summary.totals.kernel_time_us
         session.attributed_share = summary.attributed_share
         return summary
+
+    def _postprocess(self, raw: Path, packed: Path, digest: Path) -> TraceSummary:
+        from zoomer_serve.profiling.postprocess import EXIT_EMPTY
+
+        root = str(Path(__file__).resolve().parents[2])
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+        try:
+            done = subprocess.run([sys.executable, "-m", "zoomer_serve.profiling.postprocess", str(raw), str(packed),
+                                   str(digest), "--top-kernels", str(self.config.top_kernels)], env=env,
+                                  capture_output=True, text=True, timeout=self.config.postprocess_timeout_ms / 1000)
+        except subprocess.TimeoutExpired:
+            raise CaptureError(f"post-processing the trace took longer than {self.config.postprocess_timeout_ms} "
+                               "ms") from None
+        if done.returncode == EXIT_EMPTY:
+            raise CaptureError("the profiler captured no events; no trace written")
+        if done.returncode != 0:
+            raise CaptureError(f"post-processing the trace failed (exit {done.returncode}): "
+                               f"{done.stderr.strip()[-500:]}")
+        return summary_from_json(json.loads(digest.read_text(encoding="utf-8")))
 
     # -- helpers -----------------------------------------------------------------------------------------
     def _check_profiles_dir(self) -> None:

@@ -26,7 +26,7 @@ import bisect
 import gzip
 import json
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +213,43 @@ def summarize_events(events: Iterable[Mapping[str, Any]], key_of: KeyOf = parse_
             owner.add_gpu(ev)
             attributed.add_gpu(ev)
     return TraceSummary(requests, totals, attributed, len(events), unfinished)
+
+
+def summary_to_json(summary: TraceSummary, top_n: int) -> dict[str, Any]:
+    """A JSON-ready form of ``summary`` for zoomer request keys (``(trace_id, span_id)``), keeping the ``top_n``
+    kernels of each request and of the totals. :func:`summary_from_json` reads it back."""
+    def totals(t: GpuTotals) -> dict[str, Any]:
+        out = {f.name: getattr(t, f.name) for f in fields(GpuTotals) if f.name != "kernels"}
+        out["kernels"] = [[k.name, k.count, k.time_us] for k in t.top_kernels(top_n)]
+        return out
+
+    requests = []
+    for key, profile in summary.requests.items():
+        entry = totals(profile)
+        entry.update(key=[f"{key[0]:032x}", f"{key[1]:016x}"], start_us=profile.start_us,
+                     duration_us=profile.duration_us, cpu_op_count=profile.cpu_op_count)
+        requests.append(entry)
+    return {"requests": requests, "totals": totals(summary.totals), "attributed": totals(summary.attributed),
+            "event_count": summary.event_count, "unfinished_requests": summary.unfinished_requests}
+
+
+def summary_from_json(data: Mapping[str, Any]) -> TraceSummary:
+    """The :class:`TraceSummary` written by :func:`summary_to_json` (kernel lists hold only the top ones)."""
+    def fill(target: GpuTotals, entry: Mapping[str, Any]) -> GpuTotals:
+        for f in fields(GpuTotals):
+            if f.name != "kernels":
+                setattr(target, f.name, entry[f.name])
+        target.kernels = {name: KernelStat(name, count, time_us) for name, count, time_us in entry["kernels"]}
+        return target
+
+    requests: dict[Hashable, RequestProfile] = {}
+    for entry in data["requests"]:
+        key = (int(entry["key"][0], 16), int(entry["key"][1], 16))
+        profile = RequestProfile(key=key, start_us=entry["start_us"], duration_us=entry["duration_us"],
+                                 cpu_op_count=entry["cpu_op_count"])
+        requests[key] = fill(profile, entry)  # type: ignore[assignment]
+    return TraceSummary(requests, fill(GpuTotals(), data["totals"]), fill(GpuTotals(), data["attributed"]),
+                        data["event_count"], data["unfinished_requests"])
 
 
 def load_trace(path: str | Path) -> dict[str, Any]:
