@@ -208,6 +208,8 @@ class TriggerMonitor:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        if self.slo is not None and self.slo.session_ended in self.controller.on_session_end:
+            self.controller.on_session_end.remove(self.slo.session_ended)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.tick_s):
