@@ -1,15 +1,25 @@
 """Client process of the overhead benchmark: a closed-loop load generator driven by JSON lines on stdin.
 
-Each command line is ``{"kind": K, "target": "127.0.0.1:P", "threads": N, "warmup_s": W, "window_s": D,
-"server_pid": PID, "collector_pid": PID}``. N threads, each with its own channel, send one request at a time
-(the kind's payloads, round-robin) until the run ends. After ``warmup_s`` the measured window starts: the CPU
-of the server's process tree (``/proc``, the server itself plus its helper processes), of the collector and
-of this client are read at both ends of a ``window_s`` second window. The answer is one JSON line:
+One command runs one *phase*: the same number of client threads against several servers in turn, in short
+time slices, so that whatever else the machine does hits every server alike::
 
-``{"requests": completed in the window, "window_s": measured length, "latency_us": [each request completed
-in the window, client-side µs], "server_cpu_s": ..., "helpers_cpu_s": ..., "collector_cpu_s": ...,
-"client_cpu_s": ..., "total_ok": all successful calls of the run (warm-up and tail included), "errors":
-{code: count}}``. An empty line or EOF ends the process.
+    {"kind": K, "threads": N, "warmup_s": W, "slice_s": S, "cycles": C, "collector_pid": PID,
+     "targets": [{"name": CONFIG, "target": "127.0.0.1:P", "server_pid": PID}, ...]}
+
+N threads, each with its own channel to every server, send one request at a time (the kind's payloads,
+round-robin) to the server of the current slice. First each server gets ``warmup_s`` of load (not
+measured). Then C cycles run one ``slice_s`` slice per server, in an order that rotates every cycle. The
+CPU (``/proc``) of every server's process tree (the server plus its helper processes), of the collector and
+of this client is read once when the measured part starts and once when it ends: a server's CPU over the
+whole phase (its export work included, whenever it ran) is divided by the requests it answered in its
+slices. The answer is one JSON line::
+
+    {"measured_s": ..., "collector_cpu_s": ..., "client_cpu_s": ...,
+     "per_target": {CONFIG: {"requests": completed in measured slices, "slices_s": their total length,
+                             "latency_us": [client-side µs of each], "server_cpu_s": ..., "helpers_cpu_s": ...,
+                             "total_ok": successful calls of the phase (warm-up included), "errors": {..}}}}
+
+An empty line or EOF ends the process.
 """
 
 from __future__ import annotations
@@ -23,86 +33,129 @@ from array import array
 from typing import Any
 
 from _bench_configs import ServerKind, server_kind
-from _bench_proc import process_cpu_s, tree_cpu
+from _bench_proc import TreeCpu, process_cpu_s, tree_cpu
 
-_MAX_ERRORS = 200  # a thread stops after this many failed calls (the server is gone)
+_MAX_ERRORS = 200  # a thread stops after this many failed calls (a server is gone)
+
+
+class _Switch:
+    """Which target the client threads call now (-1: none, threads idle) and whether the calls count."""
+
+    def __init__(self) -> None:
+        self.target = -1
+        self.measured = False
+        self.stop = False
 
 
 class _Worker(threading.Thread):
-    def __init__(self, kind: ServerKind, target: str, payloads: list[bytes], offset: int,
-                 stop: threading.Event) -> None:
+    def __init__(self, kind: ServerKind, targets: list[str], payloads: list[bytes], offset: int,
+                 switch: _Switch) -> None:
         super().__init__(daemon=True, name=f"bench-client-{offset}")
-        self.kind, self.target, self.payloads, self.offset, self.stop = kind, target, payloads, offset, stop
-        self.latency_ns = array("q")
-        self.end_ns = array("q")
-        self.errors: dict[str, int] = {}
-        self.ok = 0
+        self.kind, self.targets, self.payloads, self.offset, self.switch = kind, targets, payloads, offset, switch
+        n = len(targets)
+        self.latency_ns = [array("q") for _ in range(n)]
+        self.ok = [0] * n
+        self.errors: list[dict[str, int]] = [{} for _ in range(n)]
+        self.failures = 0
+        self.busy = False
 
     def run(self) -> None:
-        call, close = self.kind.caller(self.target)
+        callers = [self.kind.caller(t) for t in self.targets]
         payloads, n = self.payloads, len(self.payloads)
         clock = time.perf_counter_ns
+        switch = self.switch
         i = self.offset
-        failures = 0
         try:
-            while not self.stop.is_set() and failures < _MAX_ERRORS:
+            while not switch.stop and self.failures < _MAX_ERRORS:
+                self.busy = True  # before reading the target: the phase's end waits for this call
+                index = switch.target
+                if index < 0:
+                    self.busy = False
+                    time.sleep(0.001)
+                    continue
+                measured = switch.measured
+                call = callers[index][0]
                 payload = payloads[i % n]
                 i += 1
                 t0 = clock()
                 try:
                     call(payload)
                 except Exception as exc:  # grpc.RpcError and friends: count, never hide
-                    failures += 1
+                    self.busy = False
+                    self.failures += 1
                     code = getattr(exc, "code", None)
                     name = str(code()) if callable(code) else type(exc).__name__
-                    self.errors[name] = self.errors.get(name, 0) + 1
+                    self.errors[index][name] = self.errors[index].get(name, 0) + 1
                     continue
                 t1 = clock()
-                self.ok += 1
-                self.latency_ns.append(t1 - t0)
-                self.end_ns.append(t1)
+                self.busy = False
+                self.ok[index] += 1
+                if measured:
+                    self.latency_ns[index].append(t1 - t0)
         finally:
-            close()
+            for _, close in callers:
+                close()
 
 
-def run_once(cmd: dict[str, Any], payload_cache: dict[str, list[bytes]]) -> dict[str, Any]:
+def _snapshot(pids: list[int]) -> list[TreeCpu]:
+    return [tree_cpu(pid) for pid in pids]
+
+
+def run_phase(cmd: dict[str, Any], payload_cache: dict[str, list[bytes]]) -> dict[str, Any]:
     kind = server_kind(cmd["kind"])
     if kind.name not in payload_cache:
         payload_cache[kind.name] = kind.payloads()
-    stop = threading.Event()
-    workers = [_Worker(kind, cmd["target"], payload_cache[kind.name], i * 7, stop)
+    targets = cmd["targets"]
+    names = [t["name"] for t in targets]
+    pids = [int(t["server_pid"]) for t in targets]
+    collector_pid, me = int(cmd.get("collector_pid") or 0), os.getpid()
+    slice_s, cycles = float(cmd["slice_s"]), int(cmd["cycles"])
+    switch = _Switch()
+    workers = [_Worker(kind, [t["target"] for t in targets], payload_cache[kind.name], i * 7, switch)
                for i in range(int(cmd["threads"]))]
-    server_pid, collector_pid, me = int(cmd["server_pid"]), int(cmd.get("collector_pid") or 0), os.getpid()
     for w in workers:
         w.start()
+    slices_s = [0.0] * len(targets)
     try:
-        time.sleep(float(cmd["warmup_s"]))
-        server0, coll0, client0, t0 = tree_cpu(server_pid), process_cpu_s(collector_pid), process_cpu_s(me), \
-            time.perf_counter_ns()
-        time.sleep(float(cmd["window_s"]))
-        server1, coll1, client1, t1 = tree_cpu(server_pid), process_cpu_s(collector_pid), process_cpu_s(me), \
-            time.perf_counter_ns()
+        for index in range(len(targets)):
+            switch.target = index
+            time.sleep(float(cmd["warmup_s"]))
+        switch.measured = True
+        cpu0, coll0, client0, t0 = _snapshot(pids), process_cpu_s(collector_pid), process_cpu_s(me), time.monotonic()
+        for cycle in range(cycles):
+            for k in range(len(targets)):
+                index = (cycle + k) % len(targets)
+                start = time.monotonic()
+                switch.target = index
+                time.sleep(slice_s)
+                slices_s[index] += time.monotonic() - start
+        switch.target = -1
+        deadline = time.monotonic() + 15.0
+        while any(w.busy for w in workers) and time.monotonic() < deadline:  # calls in flight finish first
+            time.sleep(0.001)
+        cpu1, coll1, client1, t1 = _snapshot(pids), process_cpu_s(collector_pid), process_cpu_s(me), time.monotonic()
     finally:
-        stop.set()
+        switch.stop = True
         for w in workers:
             w.join(15.0)
-    latencies: list[int] = []
-    errors: dict[str, int] = {}
-    for w in workers:
-        latencies.extend(lat // 1000 for lat, end in zip(w.latency_ns, w.end_ns) if t0 <= end <= t1)
-        for code, count in w.errors.items():
-            errors[code] = errors.get(code, 0) + count
-    return {
-        "requests": len(latencies),
-        "window_s": (t1 - t0) / 1e9,
-        "latency_us": latencies,
-        "server_cpu_s": server1.main_s - server0.main_s,
-        "helpers_cpu_s": server1.helpers_s - server0.helpers_s,
-        "collector_cpu_s": coll1 - coll0,
-        "client_cpu_s": client1 - client0,
-        "total_ok": sum(w.ok for w in workers),
-        "errors": errors,
-    }
+    per_target: dict[str, Any] = {}
+    for index, name in enumerate(names):
+        latencies = [lat // 1000 for w in workers for lat in w.latency_ns[index]]
+        errors: dict[str, int] = {}
+        for w in workers:
+            for code, count in w.errors[index].items():
+                errors[code] = errors.get(code, 0) + count
+        per_target[name] = {
+            "requests": len(latencies),
+            "slices_s": slices_s[index],
+            "latency_us": latencies,
+            "server_cpu_s": cpu1[index].main_s - cpu0[index].main_s,
+            "helpers_cpu_s": cpu1[index].helpers_s - cpu0[index].helpers_s,
+            "total_ok": sum(w.ok[index] for w in workers),
+            "errors": errors,
+        }
+    return {"measured_s": t1 - t0, "collector_cpu_s": coll1 - coll0, "client_cpu_s": client1 - client0,
+            "per_target": per_target}
 
 
 def main() -> int:
@@ -112,7 +165,7 @@ def main() -> int:
     for line in sys.stdin:
         if not line.strip():
             break
-        result = run_once(json.loads(line), cache)
+        result = run_phase(json.loads(line), cache)
         sys.stdout.write(json.dumps(result) + "\n")
         sys.stdout.flush()
     return 0

@@ -1,7 +1,7 @@
-"""Collector process of the overhead benchmark: ``python benchmarks/_bench_collector.py STORE``.
+"""Collector process of the overhead benchmark: ``python benchmarks/_bench_collector.py STORE [NICE]``.
 
 Runs :class:`zoomer_serve.collector.EmbeddedCollector` with OTLP/gRPC only, on 127.0.0.1 (port 0), writing
-to the DuckDB file STORE. Prints ``{"event": "ready", "pid": ..., "grpc_port": ...}``; when stdin closes (or
+to the DuckDB file STORE, at niceness NICE (default 0). Prints ``{"event": "ready", "pid": ..., "grpc_port": ...}``; when stdin closes (or
 says ``stop``) it writes everything acknowledged to STORE and prints ``{"event": "stopped", ...counters}``.
 """
 
@@ -15,9 +15,11 @@ from zoomer_serve.collector import EmbeddedCollector
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: _bench_collector.py STORE", file=sys.stderr)
+    if len(argv) not in (1, 2):
+        print("usage: _bench_collector.py STORE [NICE]", file=sys.stderr)
         return 2
+    if len(argv) == 2 and int(argv[1]):
+        os.nice(int(argv[1]))
     collector = EmbeddedCollector(argv[0], host="127.0.0.1", grpc_port=0, http_port=None)
     collector.start()
     try:

@@ -12,13 +12,16 @@ Method (see benchmarks/RESULTS.md for figures):
 - Three kinds of process, all started as subprocesses (fork+exec, never a bare fork): the embedded OTLP
   collector (``_bench_collector.py``), one server process per configuration per round (``_bench_server.py``),
   and one closed-loop client process (``_bench_client.py``) that runs 1 and 8 client threads.
-- Rounds interleave the configurations (their order rotates each round, and the thread counts alternate) so
-  drift and neighbours' load hit all of them alike.
+- Interleaving: in each round every configuration gets a fresh server; then, per client thread count (their
+  order alternates between rounds), after a warm-up the client cycles through the servers in short slices
+  (``--slice`` seconds, ``--cycles`` per server, the order rotating every cycle), so that drift and the
+  neighbours' load hit all configurations alike.
 - CPU per request = CPU (``/proc/<pid>/stat`` utime + stime) of the server process and of every helper
-  process it started (zoomer-serve's export helper) over the measured window, divided by the requests
-  completed in it. The collector's CPU counts for no configuration (shown for information).
-  Overhead (µs) = CPU per request of a configuration − that of the bare server, from the totals of all
-  rounds. Latency percentiles are client-side, over every request of every round's window.
+  process it started (zoomer-serve's export helper), over the whole phase (export work done while another
+  server had the load included), divided by the requests it answered in its slices. The collector's CPU
+  counts for no configuration (shown per phase). Overhead (µs) = CPU per request of a configuration − that
+  of the bare server, from the totals of all rounds (also per round, and their median). Latency percentiles
+  are client-side, over every measured request of every round.
 - After the run, the collector's store is read: for each server process, SERVER spans stored versus
   requests it answered (``spans_lost``).
 
@@ -61,16 +64,18 @@ class Plan:
     mode: str
     rounds: int
     warmup_s: float
-    window_s: float
+    slice_s: float
+    cycles: int
     threads: tuple[int, ...]
     kinds: tuple[str, ...]
     configs: tuple[str, ...]
+    collector_nice: int = 0
 
 
-MODES = {  # mode -> (rounds, warmup_s, window_s)
-    "full": (4, 1.5, 6.0),
-    "quick": (2, 0.75, 1.5),
-    "smoke": (1, 0.2, 0.3),
+MODES = {  # mode -> (rounds, warmup_s, slice_s, cycles)
+    "full": (4, 1.0, 1.0, 6),
+    "quick": (2, 0.5, 0.5, 3),
+    "smoke": (1, 0.2, 0.2, 1),
 }
 
 
@@ -143,26 +148,25 @@ class Cell:
     """Everything measured for one (kind, configuration, threads) over all rounds."""
 
     requests: int = 0
-    window_s: float = 0.0
+    slices_s: float = 0.0
     server_cpu_s: float = 0.0
     helpers_cpu_s: float = 0.0
-    collector_cpu_s: float = 0.0
-    client_cpu_s: float = 0.0
     latency_us: list[int] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
     rounds: list[dict[str, float]] = field(default_factory=list)  # per round: cpu_us_per_request, requests_per_s, p99_us
 
     def add(self, run: dict[str, Any]) -> None:
+        """Add one phase's figures of this configuration (a ``per_target`` entry of the client's answer)."""
         self.requests += run["requests"]
-        self.window_s += run["window_s"]
-        for key in ("server_cpu_s", "helpers_cpu_s", "collector_cpu_s", "client_cpu_s"):
-            setattr(self, key, getattr(self, key) + run[key])
+        self.slices_s += run["slices_s"]
+        self.server_cpu_s += run["server_cpu_s"]
+        self.helpers_cpu_s += run["helpers_cpu_s"]
         self.latency_us.extend(run["latency_us"])
         for code, count in run["errors"].items():
             self.errors[code] = self.errors.get(code, 0) + count
         n = max(1, run["requests"])
         self.rounds.append({"cpu_us_per_request": (run["server_cpu_s"] + run["helpers_cpu_s"]) / n * 1e6,
-                            "requests_per_s": run["requests"] / run["window_s"],
+                            "requests_per_s": run["requests"] / max(1e-9, run["slices_s"]),
                             "p99_us": percentile(run["latency_us"], 99)})
 
     def per_request_us(self, seconds: float) -> float:
@@ -171,6 +175,19 @@ class Cell:
     @property
     def cpu_us_per_request(self) -> float:
         return self.per_request_us(self.server_cpu_s + self.helpers_cpu_s)
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.requests / self.slices_s if self.slices_s else 0.0
+
+
+@dataclass
+class Phase:
+    """Figures of all configurations together for one (kind, threads): the collector's and the client's CPU."""
+
+    requests: int = 0
+    collector_cpu_s: float = 0.0
+    client_cpu_s: float = 0.0
 
 
 def percentile(values: list[int], q: float) -> float:
@@ -186,6 +203,7 @@ def percentile(values: list[int], q: float) -> float:
 class Results:
     plan: Plan
     cells: dict[tuple[str, str, int], Cell] = field(default_factory=dict)
+    phases: dict[tuple[str, int], Phase] = field(default_factory=dict)
     answered: dict[str, int] = field(default_factory=dict)  # service name -> successful calls
     services: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # (kind, config) -> service names
     stored_server_spans: dict[str, int] = field(default_factory=dict)
@@ -210,18 +228,16 @@ def measure(plan: Plan) -> Results:
     with tempfile.TemporaryDirectory(prefix="zoomer-bench-") as tmp:
         store = Path(tmp) / "bench.duckdb"
         try:
-            collector = Child(_python("_bench_collector.py") + [str(store)], name="collector")
+            collector = Child(_python("_bench_collector.py") + [str(store), str(plan.collector_nice)],
+                              name="collector")
             children.append(collector)
             col = collector.expect(60, "ready")
             client = Child(_python("_bench_client.py"), name="client")
             children.append(client)
             client.expect(60, "ready")
             for rnd in range(plan.rounds):
-                order = plan.configs[rnd % len(plan.configs):] + plan.configs[:rnd % len(plan.configs)]
-                threads = plan.threads if rnd % 2 == 0 else tuple(reversed(plan.threads))
                 for kind in plan.kinds:
-                    for config in order:
-                        _one_server(res, kind, config, rnd, threads, col, client, children)
+                    _one_round(res, kind, rnd, col, client, children)
             collector.send("stop")
             res.collector_stats = collector.expect(60, "stopped")
         finally:
@@ -233,36 +249,55 @@ def measure(plan: Plan) -> Results:
     return res
 
 
-def _one_server(res: Results, kind: str, config: str, rnd: int, threads: Sequence[int], col: dict[str, Any],
-                client: Child, children: list[Child]) -> None:
+def _one_round(res: Results, kind: str, rnd: int, col: dict[str, Any], client: Child,
+               children: list[Child]) -> None:
+    """One round of one server kind: a fresh server process per configuration, then one interleaved phase
+    per client thread count (their order alternates between rounds), then the servers stop."""
     plan = res.plan
-    service = f"bench-{kind}-{config}-r{rnd}"
-    res.services.setdefault((kind, config), []).append(service)
-    server = Child(_python("_bench_server.py") + [kind, config], env=_server_env(service, col["grpc_port"]),
-                   name=f"server {kind}/{config}")
-    children.append(server)
+    shift = rnd % len(plan.configs)
+    order = plan.configs[shift:] + plan.configs[:shift]
+    servers: dict[str, tuple[Child, dict[str, Any], str]] = {}
+    started: dict[str, tuple[Child, str]] = {}
     try:
-        ready = server.expect(180, "ready")
-        answered = 0
+        for config in order:  # all start at once (their start-up is not measured), each waits for its helpers
+            service = f"bench-{kind}-{config}-r{rnd}"
+            res.services.setdefault((kind, config), []).append(service)
+            server = Child(_python("_bench_server.py") + [kind, config], env=_server_env(service, col["grpc_port"]),
+                           name=f"server {kind}/{config}")
+            children.append(server)
+            started[config] = (server, service)
+            res.answered[service] = 0
+        for config, (server, service) in started.items():
+            servers[config] = (server, server.expect(180, "ready"), service)
+        threads = plan.threads if rnd % 2 == 0 else tuple(reversed(plan.threads))
         for n in threads:
-            _log(f"round {rnd + 1}/{plan.rounds}  {kind:<6} {config:<8} {n} client thread(s) ...")
-            client.send(json.dumps({"kind": kind, "target": f"127.0.0.1:{ready['port']}", "threads": n,
-                                    "warmup_s": plan.warmup_s, "window_s": plan.window_s,
-                                    "server_pid": ready["pid"], "collector_pid": col["pid"]}))
-            run = client.expect(plan.warmup_s + plan.window_s + 60)
-            answered += run["total_ok"]
-            res.cells.setdefault((kind, config, n), Cell()).add(run)
-            cell_round = res.cells[(kind, config, n)].rounds[-1]
-            _log(f"    {run['requests']} requests, {cell_round['requests_per_s']:.0f}/s, "
-                 f"{cell_round['cpu_us_per_request']:.0f} µs CPU/request (server {run['server_cpu_s']:.2f} s, "
-                 f"helpers {run['helpers_cpu_s']:.2f} s), errors {run['errors'] or 0}")
-        server.send("stop")
-        stopped = server.expect(60, "stopped")
-        res.answered[service] = answered
-        res.instrumentation[service] = stopped.get("instrumentation", {})
+            _log(f"round {rnd + 1}/{plan.rounds}  {kind:<6} {n} client thread(s): {', '.join(order)} ...")
+            targets = [{"name": c, "target": f"127.0.0.1:{servers[c][1]['port']}", "server_pid": servers[c][1]["pid"]}
+                       for c in order]
+            client.send(json.dumps({"kind": kind, "threads": n, "warmup_s": plan.warmup_s, "slice_s": plan.slice_s,
+                                    "cycles": plan.cycles, "collector_pid": col["pid"], "targets": targets}))
+            budget = len(order) * (plan.warmup_s + plan.slice_s * plan.cycles) + 60
+            phase = client.expect(budget)
+            total = res.phases.setdefault((kind, n), Phase())
+            total.collector_cpu_s += phase["collector_cpu_s"]
+            total.client_cpu_s += phase["client_cpu_s"]
+            for config, run in phase["per_target"].items():
+                res.answered[servers[config][2]] += run["total_ok"]
+                total.requests += run["requests"]
+                cell = res.cells.setdefault((kind, config, n), Cell())
+                cell.add(run)
+                last = cell.rounds[-1]
+                _log(f"    {config:<8} {run['requests']:6d} requests, {last['requests_per_s']:5.0f}/s, "
+                     f"{last['cpu_us_per_request']:5.0f} µs CPU/request (helpers {run['helpers_cpu_s']:.2f} s), "
+                     f"p99 {last['p99_us']:.0f} µs, errors {run['errors'] or 0}")
+        for server, _, _ in servers.values():
+            server.send("stop")
+        for server, _, service in servers.values():
+            res.instrumentation[service] = server.expect(60, "stopped").get("instrumentation", {})
     finally:
-        server.close()
-        children.remove(server)
+        for server, _ in started.values():
+            server.close()
+            children.remove(server)
 
 
 def _stored_server_spans(store: Path) -> dict[str, int]:
@@ -285,6 +320,14 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3)
 
 
+def _median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else round((ordered[mid - 1] + ordered[mid]) / 2, 1)
+
+
 def summarise(res: Results) -> dict[str, Any]:
     """The JSON object that ``--json`` prints (see RESULTS.md for the field meanings)."""
     plan = res.plan
@@ -304,7 +347,10 @@ def summarise(res: Results) -> dict[str, Any]:
                 "server_spans_stored": stored,
                 "spans_lost": answered - stored if configuration(config).exports else None,
             }
-        kind_out: dict[str, Any] = {"configs": configs}
+        kind_out: dict[str, Any] = {"configs": configs, "phases": {
+            str(n): {"collector_cpu_us_per_request": round(ph.collector_cpu_s / max(1, ph.requests) * 1e6, 1),
+                     "client_cpu_us_per_request": round(ph.client_cpu_s / max(1, ph.requests) * 1e6, 1)}
+            for (k, n), ph in res.phases.items() if k == kind}}
         if ZOOMER in configs:
             zt = configs[ZOOMER]["threads"]
             kind_out["overhead_ratio_vs_contrib"] = {n: zt[n]["overhead_ratio_vs_contrib"] for n in zt}
@@ -319,7 +365,7 @@ def _cell_summary(res: Results, kind: str, config: str, n: int) -> dict[str, Any
     cell = res.cells[(kind, config, n)]
     bare = res.cells.get((kind, BARE, n))
     contrib = res.cells.get((kind, CONTRIB, n))
-    rps = cell.requests / cell.window_s if cell.window_s else 0.0
+    rps = cell.requests_per_s
     p99 = percentile(cell.latency_us, 99)
     summary: dict[str, Any] = {
         "requests": cell.requests,
@@ -330,19 +376,18 @@ def _cell_summary(res: Results, kind: str, config: str, n: int) -> dict[str, Any
         "cpu_us_per_request": round(cell.cpu_us_per_request, 1),
         "server_cpu_us_per_request": round(cell.per_request_us(cell.server_cpu_s), 1),
         "helpers_cpu_us_per_request": round(cell.per_request_us(cell.helpers_cpu_s), 1),
-        "collector_cpu_us_per_request": round(cell.per_request_us(cell.collector_cpu_s), 1),
-        "client_cpu_us_per_request": round(cell.per_request_us(cell.client_cpu_s), 1),
         "errors": cell.errors,
     }
     overhead: float | None = None
-    summary.update(overhead_us=None, overhead_us_rounds=[], throughput_ratio_vs_bare=None,
+    summary.update(overhead_us=None, overhead_us_rounds=[], overhead_us_median=None, throughput_ratio_vs_bare=None,
                    p99_ratio_vs_bare=None, p99_ratio_vs_bare_rounds=[], overhead_ratio_vs_contrib=None)
     if bare is not None:
         overhead = cell.cpu_us_per_request - bare.cpu_us_per_request
-        bare_rps = bare.requests / bare.window_s if bare.window_s else 0.0
+        bare_rps = bare.requests_per_s
         summary["overhead_us"] = round(overhead, 1)
         summary["overhead_us_rounds"] = [round(a["cpu_us_per_request"] - b["cpu_us_per_request"], 1)
                                          for a, b in zip(cell.rounds, bare.rounds)]
+        summary["overhead_us_median"] = _median(summary["overhead_us_rounds"])
         summary["throughput_ratio_vs_bare"] = _ratio(rps, bare_rps)
         summary["p99_ratio_vs_bare"] = _ratio(p99, percentile(bare.latency_us, 99))
         summary["p99_ratio_vs_bare_rounds"] = [_ratio(a["p99_us"], b["p99_us"])
@@ -393,8 +438,10 @@ def _meta(res: Results) -> dict[str, Any]:
         "mode": plan.mode,
         "rounds": plan.rounds,
         "warmup_s": plan.warmup_s,
-        "window_s": plan.window_s,
+        "slice_s": plan.slice_s,
+        "cycles": plan.cycles,
         "threads": list(plan.threads),
+        "collector_nice": plan.collector_nice,
         "configs": {c.name: c.label for c in CONFIGURATIONS if c.name in plan.configs},
         "kinds": {k.name: k.label for k in SERVER_KINDS if k.name in plan.kinds},
         "machine": {"cpus": os.cpu_count(), "cpu_model": _cpu_model(), "kernel": platform.release(),
@@ -448,8 +495,9 @@ def markdown(summary: dict[str, Any]) -> str:
                       f"{tg['p99_threads']} threads: {'met' if tg['p99_met'] else 'MISSED'})"]
         lines.append("")
     m = meta["machine"]
-    lines.append(f"{meta['date']}, mode {meta['mode']} ({meta['rounds']} rounds, {meta['warmup_s']} s warm-up + "
-                 f"{meta['window_s']} s window per thread count), {m['cpus']} CPUs ({m['cpu_model']}), load "
+    lines.append(f"{meta['date']}, mode {meta['mode']} ({meta['rounds']} rounds; per round and thread count "
+                 f"{meta['warmup_s']} s warm-up, then {meta['cycles']} cycles of {meta['slice_s']} s slices per "
+                 f"configuration), {m['cpus']} CPUs ({m['cpu_model']}), load "
                  f"{m['loadavg_before'][0]} before / {m['loadavg_after'][0]} after, {meta['elapsed_s']} s, "
                  f"`{meta['command']}`")
     return "\n".join(lines)
@@ -463,13 +511,16 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="2 rounds of short windows (under 2 minutes)")
-    mode.add_argument("--smoke", action="store_true", help="1 round of tiny windows: checks that it runs")
+    mode.add_argument("--quick", action="store_true", help="2 rounds of short slices (under 2 minutes)")
+    mode.add_argument("--smoke", action="store_true", help="1 round of tiny slices: checks that it runs")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout (progress on stderr)")
     p.add_argument("--rounds", type=int, help="rounds (each runs every configuration once)")
-    p.add_argument("--warmup", type=float, help="seconds of load before each measured window")
-    p.add_argument("--window", type=float, help="seconds of each measured window")
+    p.add_argument("--warmup", type=float, help="seconds of unmeasured load per server before each phase")
+    p.add_argument("--slice", type=float, help="seconds of one measured slice")
+    p.add_argument("--cycles", type=int, help="measured slices per configuration per phase")
     p.add_argument("--threads", default="1,8", help="client thread counts (default 1,8)")
+    p.add_argument("--collector-nice", type=int, default=0,
+                   help="niceness of the collector process (default 0, as the reported results)")
     p.add_argument("--kinds", default=",".join(k.name for k in SERVER_KINDS),
                    help="server kinds (default: all)")
     p.add_argument("--configs", default=",".join(c.name for c in CONFIGURATIONS if c.default),
@@ -478,7 +529,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
                    + "; overheads need 'bare', ratios 'contrib')")
     args = p.parse_args(argv)
     name = "quick" if args.quick else "smoke" if args.smoke else "full"
-    rounds, warmup, window = MODES[name]
+    rounds, warmup, slice_s, cycles = MODES[name]
     known_kinds, known_configs = {k.name for k in SERVER_KINDS}, {c.name for c in CONFIGURATIONS}
     kinds, configs = _csv(args.kinds), _csv(args.configs)
     for given, known, what in ((kinds, known_kinds, "server kind"), (configs, known_configs, "configuration")):
@@ -492,9 +543,11 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
     if not threads or min(threads) < 1 or max(threads) > 64:
         p.error(f"--threads must be between 1 and 64, got {args.threads!r}")
     plan = Plan(name, args.rounds or rounds, args.warmup if args.warmup is not None else warmup,
-                args.window or window, threads, kinds, configs)
-    if plan.rounds < 1 or plan.rounds > 20 or not 0 <= plan.warmup_s <= 60 or not 0 < plan.window_s <= 120:
-        p.error("need 1 <= --rounds <= 20, 0 <= --warmup <= 60, 0 < --window <= 120")
+                args.slice or slice_s, args.cycles or cycles, threads, kinds, configs, args.collector_nice)
+    if not (1 <= plan.rounds <= 20 and 0 <= plan.warmup_s <= 60 and 0 < plan.slice_s <= 30
+            and 1 <= plan.cycles <= 100 and 0 <= plan.collector_nice <= 19):
+        p.error("need 1 <= --rounds <= 20, 0 <= --warmup <= 60, 0 < --slice <= 30, 1 <= --cycles <= 100, "
+                "0 <= --collector-nice <= 19")
     return plan
 
 

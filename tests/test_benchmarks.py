@@ -19,8 +19,7 @@ import _bench_proc  # noqa: E402
 import overhead  # noqa: E402
 
 CELL_KEYS = {"requests", "requests_per_s", "p50_us", "p90_us", "p99_us", "cpu_us_per_request",
-             "server_cpu_us_per_request", "helpers_cpu_us_per_request", "collector_cpu_us_per_request",
-             "client_cpu_us_per_request", "errors", "overhead_us", "overhead_us_rounds", "throughput_ratio_vs_bare",
+             "server_cpu_us_per_request", "helpers_cpu_us_per_request", "errors", "overhead_us", "overhead_us_rounds", "overhead_us_median", "throughput_ratio_vs_bare",
              "p99_ratio_vs_bare", "p99_ratio_vs_bare_rounds", "overhead_ratio_vs_contrib"}
 
 
@@ -57,6 +56,7 @@ def test_smoke_json_has_every_kind_config_and_thread_count(smoke: dict) -> None:
         assert set(smoke[kind]["overhead_ratio_vs_contrib"]) == {"1", "8"}
         assert set(smoke[kind]["p99_ratio_vs_bare"]) == {"1", "8"}
         assert smoke[kind]["targets"]["p99_threads"] == 8
+        assert set(smoke[kind]["phases"]) == {"1", "8"}
 
 
 def test_smoke_every_request_reaches_the_collector_as_one_server_span(smoke: dict) -> None:
