@@ -4,7 +4,7 @@ One command runs one *phase*: the same number of client threads against several 
 time slices, so that whatever else the machine does hits every server alike::
 
     {"kind": K, "threads": N, "warmup_s": W, "slice_s": S, "cycles": C, "collector_pid": PID,
-     "targets": [{"name": CONFIG, "target": "127.0.0.1:P", "server_pid": PID}, ...]}
+     "targets": [{"name": CONFIG, "target": "127.0.0.1:P", "server_pid": PID, "helper_pids": [PID]}, ...]}
 
 N threads, each with its own channel to every server, send one request at a time (the kind's payloads,
 round-robin) to the server of the current slice. First each server gets ``warmup_s`` of load (not
@@ -97,8 +97,8 @@ class _Worker(threading.Thread):
                 close()
 
 
-def _snapshot(pids: list[int]) -> list[TreeCpu]:
-    return [tree_cpu(pid) for pid in pids]
+def _snapshot(pids: list[int], helpers: list[tuple[int, ...]]) -> list[TreeCpu]:
+    return [tree_cpu(pid, extra) for pid, extra in zip(pids, helpers)]
 
 
 def run_phase(cmd: dict[str, Any], payload_cache: dict[str, list[bytes]]) -> dict[str, Any]:
@@ -108,6 +108,7 @@ def run_phase(cmd: dict[str, Any], payload_cache: dict[str, list[bytes]]) -> dic
     targets = cmd["targets"]
     names = [t["name"] for t in targets]
     pids = [int(t["server_pid"]) for t in targets]
+    helpers = [tuple(int(p) for p in t.get("helper_pids", ())) for t in targets]
     collector_pid, me = int(cmd.get("collector_pid") or 0), os.getpid()
     slice_s, cycles = float(cmd["slice_s"]), int(cmd["cycles"])
     switch = _Switch()
@@ -121,7 +122,8 @@ def run_phase(cmd: dict[str, Any], payload_cache: dict[str, list[bytes]]) -> dic
             switch.target = index
             time.sleep(float(cmd["warmup_s"]))
         switch.measured = True
-        cpu0, coll0, client0, t0 = _snapshot(pids), process_cpu_s(collector_pid), process_cpu_s(me), time.monotonic()
+        cpu0, coll0 = _snapshot(pids, helpers), process_cpu_s(collector_pid)
+        client0, t0 = process_cpu_s(me), time.monotonic()
         for cycle in range(cycles):
             for k in range(len(targets)):
                 index = (cycle + k) % len(targets)
@@ -133,7 +135,8 @@ def run_phase(cmd: dict[str, Any], payload_cache: dict[str, list[bytes]]) -> dic
         deadline = time.monotonic() + 15.0
         while any(w.busy for w in workers) and time.monotonic() < deadline:  # calls in flight finish first
             time.sleep(0.001)
-        cpu1, coll1, client1, t1 = _snapshot(pids), process_cpu_s(collector_pid), process_cpu_s(me), time.monotonic()
+        cpu1, coll1 = _snapshot(pids, helpers), process_cpu_s(collector_pid)
+        client1, t1 = process_cpu_s(me), time.monotonic()
     finally:
         switch.stop = True
         for w in workers:

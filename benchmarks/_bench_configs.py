@@ -30,10 +30,13 @@ class Instrumentation:
 
     ``interceptors``: handed to the server kind's ``start``. ``shutdown``: flushes and stops the
     instrumentation before the server stops (bounded in time); returns counters for the report.
+    ``helper_pids``: processes the instrumentation runs besides the server (their CPU counts too; children
+    of the server are found anyway, this names any that are not).
     """
 
     interceptors: list[Any] = field(default_factory=list)
     shutdown: Callable[[], dict[str, Any]] = lambda: {}
+    helper_pids: Callable[[], list[int]] = lambda: []
 
 
 def no_instrumentation() -> Instrumentation:
@@ -53,7 +56,12 @@ def zoomer_interceptor() -> Instrumentation:
         return {} if stats is None else {"exported": stats.exported, "dropped": stats.dropped,
                                          "last_error": stats.last_error}
 
-    return Instrumentation([interceptor], shutdown)
+    def helper_pids() -> list[int]:
+        pipeline = zoomer_serve.get_telemetry().pipeline
+        pid = pipeline.helper_pid if pipeline is not None else None
+        return [pid] if pid else []
+
+    return Instrumentation([interceptor], shutdown, helper_pids)
 
 
 def zoomer_record_only() -> Instrumentation:
@@ -168,7 +176,10 @@ def start_model(interceptors: list[Any]) -> RunningServer:
     import torch
 
     torch.set_num_threads(1)
-    torch.set_num_interop_threads(1)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # inter-op work already started (torch imported and used before): keep its pool
+        pass
     from zoomer_serve.demo.model import build_model
     from zoomer_serve.demo.service import build_server
 

@@ -77,13 +77,16 @@ class TreeCpu:
         return self.main_s + self.helpers_s
 
 
-def tree_cpu(pid: int) -> TreeCpu:
-    """A :class:`TreeCpu` reading of ``pid`` and its live descendants.
+def tree_cpu(pid: int, extra_pids: tuple[int, ...] = ()) -> TreeCpu:
+    """A :class:`TreeCpu` reading of ``pid`` and its live descendants, plus ``extra_pids`` (helpers that are
+    not descendants) when they are not among them.
 
     A helper that exits and is reaped between two readings moves from ``helpers_s`` into ``main_s``
     (cutime/cstime), so differences of two readings stay right.
     """
-    helpers = sum(cpu_ticks(p, with_reaped_children=True) for p in descendants(pid))
+    found = descendants(pid)
+    found += [p for p in extra_pids if p not in found and p != pid]
+    helpers = sum(cpu_ticks(p, with_reaped_children=True) for p in found)
     return TreeCpu(cpu_ticks(pid, with_reaped_children=True) * _TICK_S, helpers * _TICK_S)
 
 

@@ -1,7 +1,8 @@
 """Server process of the overhead benchmark: ``python benchmarks/_bench_server.py KIND CONFIG``.
 
 Installs the configuration's instrumentation, starts the server kind on 127.0.0.1 (port 0) and prints one
-JSON line ``{"event": "ready", "pid": ..., "port": ..., "helper_pids": [...]}``. It then serves until
+JSON line ``{"event": "ready", "pid": ..., "port": ..., "helper_pids": [...]}`` (its child processes and any
+helper the instrumentation names). It then serves until
 stdin says ``stop`` (or closes): it flushes and stops the instrumentation, stops the server and prints
 ``{"event": "stopped", "instrumentation": {...counters}}``. Errors go to stderr with exit code 1.
 The environment (``OTEL_SERVICE_NAME``, ``OTEL_EXPORTER_OTLP_ENDPOINT``) is set by ``overhead.py``.
@@ -32,7 +33,9 @@ def main(argv: list[str]) -> int:
     kind, config = server_kind(argv[0]), configuration(argv[1])
     instrumentation = config.instrument()
     server = kind.start(instrumentation.interceptors)
-    _emit({"event": "ready", "pid": os.getpid(), "port": server.port, "helper_pids": descendants(os.getpid())})
+    helpers = descendants(os.getpid())
+    helpers += [p for p in instrumentation.helper_pids() if p not in helpers]
+    _emit({"event": "ready", "pid": os.getpid(), "port": server.port, "helper_pids": helpers})
     done = threading.Event()
 
     def wait_for_stop() -> None:

@@ -208,6 +208,7 @@ class Results:
     services: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # (kind, config) -> service names
     stored_server_spans: dict[str, int] = field(default_factory=dict)
     instrumentation: dict[str, dict[str, Any]] = field(default_factory=dict)
+    helper_pids: dict[str, list[int]] = field(default_factory=dict)  # service name -> helper processes counted
     collector_stats: dict[str, Any] = field(default_factory=dict)
     started: str = ""
     load_before: tuple[float, ...] = ()
@@ -269,11 +270,12 @@ def _one_round(res: Results, kind: str, rnd: int, col: dict[str, Any], client: C
             res.answered[service] = 0
         for config, (server, service) in started.items():
             servers[config] = (server, server.expect(180, "ready"), service)
+            res.helper_pids[service] = servers[config][1]["helper_pids"]
         threads = plan.threads if rnd % 2 == 0 else tuple(reversed(plan.threads))
         for n in threads:
             _log(f"round {rnd + 1}/{plan.rounds}  {kind:<6} {n} client thread(s): {', '.join(order)} ...")
-            targets = [{"name": c, "target": f"127.0.0.1:{servers[c][1]['port']}", "server_pid": servers[c][1]["pid"]}
-                       for c in order]
+            targets = [{"name": c, "target": f"127.0.0.1:{servers[c][1]['port']}", "server_pid": servers[c][1]["pid"],
+                        "helper_pids": servers[c][1]["helper_pids"]} for c in order]
             client.send(json.dumps({"kind": kind, "threads": n, "warmup_s": plan.warmup_s, "slice_s": plan.slice_s,
                                     "cycles": plan.cycles, "collector_pid": col["pid"], "targets": targets}))
             budget = len(order) * (plan.warmup_s + plan.slice_s * plan.cycles) + 60
@@ -452,6 +454,7 @@ def _meta(res: Results) -> dict[str, Any]:
         "collector": {k: res.collector_stats.get(k) for k in ("grpc_requests", "spans_received",
                                                                "metric_points_received", "store_dropped")},
         "instrumentation_counters": res.instrumentation,
+        "helper_processes": {service: len(pids) for service, pids in res.helper_pids.items()},
         "command": " ".join([Path(sys.executable).name, "benchmarks/overhead.py", *sys.argv[1:]]),
     }
 

@@ -74,6 +74,9 @@ def test_zoomer_export_helper_cpu_is_counted(smoke: dict) -> None:
     counters = meta["instrumentation_counters"]
     zoomer = [v for k, v in counters.items() if "-zoomer-" in k]
     assert zoomer and all(c["dropped"] == 0 and c["exported"] > 0 for c in zoomer)
+    helpers = meta["helper_processes"]
+    assert all(n >= 1 for s, n in helpers.items() if "-zoomer-" in s), helpers  # the export helper
+    assert all(n == 0 for s, n in helpers.items() if "-bare-" in s or "-contrib-" in s), helpers
     # the helper process is a child of the server: its CPU shows up apart from the server's
     assert smoke["echo"]["configs"]["zoomer"]["threads"]["8"]["helpers_cpu_us_per_request"] >= 0
     assert smoke["echo"]["configs"]["bare"]["threads"]["8"]["helpers_cpu_us_per_request"] == 0
