@@ -11,9 +11,9 @@ The public API of the core:
 
 __version__ = "0.1.0"
 
-from zoomer_serve.config import ConfigError, ExportConfig, ZoomerConfig  # noqa: E402
-from zoomer_serve.recording import RequestRecorder, RequestSpan, current_request, phase  # noqa: E402
-from zoomer_serve.runtime import Telemetry, configure, get_recorder, get_telemetry, shutdown  # noqa: E402
+from zoomer_serve.config import ConfigError, ExportConfig, ZoomerConfig
+from zoomer_serve.recording import RequestRecorder, RequestSpan, current_request, phase
+from zoomer_serve.runtime import Telemetry, configure, get_recorder, get_telemetry, shutdown
 
 __all__ = [
     "ConfigError",
