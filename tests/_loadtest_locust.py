@@ -1,0 +1,142 @@
+"""locust in library mode (an Environment built in code), run as a script by tests/test_loadtest.py in its own
+process: importing locust monkeypatches the standard library with gevent, which must not reach the pytest
+process.
+
+    python tests/_loadtest_locust.py SCENARIO CONFIG_JSON OUT_JSON
+
+Scenarios:
+
+- ``ranker``: a local runner with ``RankerGrpcUser`` against ``host`` and ``RankerThriftUser`` against
+  ``thrift_host``; the plugin with the given options.
+- ``c11``: a master and one worker (two Environments in this process, as locust's own tests do) with
+  ``users`` users calling a unary method that takes ``latency_s`` on the server; the plugin on both (the
+  master decides about profiling).
+
+OUT_JSON gets: the request events the users fired (per "<request type> <name>": count, failures, trace ids), the
+run's wall time
+from spawning complete to stop, the trigger record, the summary, and for ``c11`` what the heartbeats did.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import gevent
+from locust import constant, task
+from locust.env import Environment
+
+from zoomer_serve.loadtest import LoadTestOptions
+from zoomer_serve.loadtest.plugin import TRACE_ID, GrpcUser, install
+
+
+class EventLog:
+    """The request events fired on one Environment."""
+
+    def __init__(self) -> None:
+        self.by_name: dict[str, dict[str, Any]] = defaultdict(lambda: {"count": 0, "failures": 0, "trace_ids": []})
+        self.spawned_at: float | None = None
+
+    def on_request(self, request_type: str, name: str, exception: Any, context: dict[str, Any], **_: Any) -> None:
+        entry = self.by_name[f"{request_type} {name}"]
+        entry["count"] += 1
+        entry["failures"] += exception is not None
+        entry["trace_ids"].append(context.get(TRACE_ID))
+
+    def on_spawned(self, **_: Any) -> None:
+        self.spawned_at = self.spawned_at or time.time()
+
+
+def watch(env: Environment) -> EventLog:
+    log = EventLog()
+    env.events.request.add_listener(log.on_request)
+    env.events.spawning_complete.add_listener(log.on_spawned)
+    return log
+
+
+def run_ranker(cfg: dict[str, Any]) -> dict[str, Any]:
+    from zoomer_serve.loadtest.ranker_users import RankerGrpcUser, RankerThriftUser
+
+    class GrpcRanker(RankerGrpcUser):
+        host = cfg["host"]
+
+    class ThriftRanker(RankerThriftUser):
+        host = cfg["thrift_host"]
+
+    env = Environment(user_classes=[GrpcRanker, ThriftRanker], stop_timeout=10)  # each class has its host
+    runner = env.create_local_runner()
+    log = watch(env)
+    plugin = install(env, LoadTestOptions(**cfg["options"]))
+    runner.start(cfg["users"], spawn_rate=cfg["users"])
+    gevent.sleep(cfg["run_s"])
+    stopped_at = time.time()
+    runner.stop()
+    summary = plugin.finish()
+    runner.quit()
+    return {"events": log.by_name, "spawned_at": log.spawned_at, "stopped_at": stopped_at,
+            "trigger": plugin.trigger.record.to_dict(), "summary": summary.to_dict() if summary else None}
+
+
+class SlowUser(GrpcUser):
+    """Calls ``/test.Slow/Call`` (raw bytes) back to back."""
+
+    wait_time = constant(0)
+
+    def on_start(self) -> None:
+        self.slow_call = self.channel.unary_unary("/test.Slow/Call")
+
+    @task
+    def call(self) -> None:
+        self.slow_call(b"ping")
+
+
+def run_c11(cfg: dict[str, Any]) -> dict[str, Any]:
+    options = LoadTestOptions(**cfg["options"])
+    master_env = Environment(user_classes=[SlowUser], host=cfg["host"], stop_timeout=10)
+    worker_env = Environment(user_classes=[SlowUser], host=cfg["host"], stop_timeout=10)
+    master = master_env.create_master_runner("127.0.0.1", 0)
+    worker = worker_env.create_worker_runner("127.0.0.1", master.server.port)
+    log = watch(worker_env)
+    heartbeats: list[float] = []
+    worker_env.events.heartbeat_received.add_listener(lambda **_: heartbeats.append(time.time()))
+    master_plugin = install(master_env, options)
+    worker_plugin = install(worker_env, options)
+    deadline = time.monotonic() + 30
+    while not master.clients.ready and time.monotonic() < deadline:
+        gevent.sleep(0.1)
+    master.start(cfg["users"], spawn_rate=cfg["users"])
+    missing_seen = 0
+    end = time.monotonic() + cfg["run_s"]
+    while time.monotonic() < end:
+        gevent.sleep(0.25)
+        missing_seen += len(master.clients.missing)
+    stopped_at = time.time()
+    workers = len(master.clients.all)
+    master.stop()
+    summary = master_plugin.finish()
+    worker_summary = worker_plugin.finish()
+    master.quit()
+    worker.quit()
+    return {"events": log.by_name, "spawned_at": log.spawned_at, "stopped_at": stopped_at,
+            "trigger": master_plugin.trigger.record.to_dict(), "worker_trigger": worker_plugin.trigger.record.to_dict(),
+            "summary": summary.to_dict() if summary else None, "worker_summary": worker_summary,
+            "heartbeats": len(heartbeats), "missing_samples": missing_seen,
+            "workers_before_stop": workers}
+
+
+def main() -> None:
+    scenario, cfg_json, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    cfg = json.loads(cfg_json)
+    result = {"ranker": run_ranker, "c11": run_c11}[scenario](cfg)
+    from zoomer_serve.runtime import shutdown
+
+    shutdown()  # the users' CLIENT spans reach the collector before the process ends
+    out.write_text(json.dumps(result, default=str))
+
+
+if __name__ == "__main__":
+    main()

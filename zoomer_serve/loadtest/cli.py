@@ -1,0 +1,213 @@
+"""``zoomer-serve loadtest``: run the Ranker locustfile headless against a target for a given time and number of
+users, then print locust's summary, the profile summary and the server-side latency report.
+
+Two modes:
+
+- ``--host HOST:PORT``: load a server that runs already. Profiling goes to its ProfilerControl (``--target``,
+  default the host; token from ``ZOOMER_ADMIN_TOKEN``); the server side is read from ``--store`` at the end
+  if given (the collector writing it must have stopped by then).
+- no ``--host``: the whole flow on this machine, like ``zoomer-serve demo``: an embedded collector, the demo
+  model server (``serve-demo`` with a one-run admin token), the load, a clean stop of both, the report.
+
+locust runs in a subprocess (``python -m locust``), so this command never imports locust or gevent (whose
+monkeypatching would affect every other command). Exit code 0 when locust exited 0, the profile (unless
+``--no-profile``) produced a trace and, in the self-contained mode, the server and collector stopped cleanly;
+else 1; 2 for bad options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from zoomer_serve.config import ConfigError
+from zoomer_serve.loadtest.config import LoadTestOptions, add_arguments, grpc_target, to_locust_args
+
+READY_TIMEOUT_S = 120.0
+DEFAULT_LOCUSTFILE = Path(__file__).with_name("ranker_users.py")
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``loadtest`` subcommand to an ``argparse`` subparsers object; returns its parser."""
+    p = subparsers.add_parser(
+        "loadtest", help="locust load test of the demo Ranker with profiling at steady state, then one summary",
+        description="Run locust headless (benchmarks/locustfile.py's users) against --host, or against a demo "
+        "server started here when --host is not given; profile once the load is steady; print locust's "
+        "summary, the profile and the server-side latency report.")
+    p.add_argument("--host", default=None, help="HOST:PORT of a running server (default: start the demo here)")
+    p.add_argument("--transport", choices=("grpc", "thrift"), default="grpc", help="Ranker transport (default grpc)")
+    p.add_argument("--server", choices=("sync", "aio"), default="sync",
+                   help="the demo server's flavour when it is started here (default sync)")
+    p.add_argument("--users", type=_positive_int, default=8, help="locust users (default 8)")
+    p.add_argument("--spawn-rate", type=float, default=None, help="users started per second (default: all at once)")
+    p.add_argument("--run-time", type=_positive_int, default=30, help="seconds of load (default 30)")
+    p.add_argument("--locustfile", type=Path, default=DEFAULT_LOCUSTFILE,
+                   help="locustfile (default: the packaged Ranker users, as in benchmarks/locustfile.py)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON (locust's output goes to stderr)")
+    add_arguments(p, prefix="--")
+    p.set_defaults(func=run)
+    return p
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        options = LoadTestOptions.from_namespace(args)
+        if args.host is not None:
+            grpc_target(args.host)
+    except ConfigError as exc:
+        print(f"zoomer-serve loadtest: {exc}", file=sys.stderr)
+        return 2
+    if not args.locustfile.is_file():
+        print(f"zoomer-serve loadtest: locustfile not found: {args.locustfile}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="zoomer-loadtest-") as tmp:
+        plugin_json = Path(tmp) / "summary.json"
+        if args.host is not None:
+            return _run_against(args, options, args.host, dict(os.environ), plugin_json, [])
+        return _run_demo(args, options, plugin_json)
+
+
+# -- processes -----------------------------------------------------------------------------------------------
+def _start(argv: list[str], env: dict[str, str], what: str) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    from zoomer_serve.processes import wait_for_event
+
+    proc = subprocess.Popen([sys.executable, "-m", "zoomer_serve", *argv], stdout=subprocess.PIPE, env=env)
+    ready = wait_for_event(proc, "ready", READY_TIMEOUT_S)
+    if ready is None:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"the {what} did not start (exit code {proc.poll()}); see its messages above")
+    return proc, ready
+
+
+def _stop(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def _run_demo(args: argparse.Namespace, options: LoadTestOptions, plugin_json: Path) -> int:
+    data = Path("zoomer-data")
+    store = (options.store or data / time.strftime("loadtest-%Y%m%d-%H%M%S.duckdb")).resolve()
+    profiles = (options.profiles_dir or data / "profiles").resolve()
+    store.parent.mkdir(parents=True, exist_ok=True)
+    note = None
+    if options.profile and args.transport == "thrift" and args.server == "sync":
+        note = ("serve-demo --transport thrift --server sync serves no ProfilerControl; use --server aio to "
+                "profile over Thrift. Running without profiling.")
+        options = dataclasses.replace(options, profile=False)
+    options = dataclasses.replace(options, store=store, profiles_dir=profiles)
+    env = dict(os.environ, ZOOMER_ADMIN_TOKEN=os.environ.get("ZOOMER_ADMIN_TOKEN") or secrets.token_urlsafe(24))
+    procs: list[subprocess.Popen[bytes]] = []
+    say = _say(args.json)
+    try:
+        collector, col = _start(["collector", "--store", str(store), "--grpc-port", "0", "--http-port", "0"], env,
+                                "embedded collector")
+        procs.append(collector)
+        endpoint = f"http://127.0.0.1:{col['grpc_port']}"
+        env.update(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+                   OTEL_BSP_SCHEDULE_DELAY="500")
+        server, srv = _start(["serve-demo", "--port", "0", "--transport", args.transport, "--server", args.server,
+                              "--profiles-dir", str(profiles)], dict(env, OTEL_SERVICE_NAME="zoomer-demo-ranker"),
+                             "demo model server")
+        procs.append(server)
+        host = f"127.0.0.1:{srv['port']}"
+        options = dataclasses.replace(options, target=f"127.0.0.1:{srv['admin_port']}")
+        say(f"zoomer-serve loadtest: collector on 127.0.0.1:{col['grpc_port']} (store {store}), demo Ranker "
+            f"({args.transport}, {args.server}) on {host}")
+        if note:
+            say(f"zoomer-serve loadtest: {note}")
+        return _run_against(args, options, host, env, plugin_json, procs)
+    except RuntimeError as exc:
+        print(f"zoomer-serve loadtest: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _say(json_mode: bool) -> Any:
+    def say(text: str) -> None:
+        print(text, file=sys.stderr if json_mode else sys.stdout, flush=True)
+
+    return say
+
+
+def locust_command(args: argparse.Namespace, options: LoadTestOptions, host: str, plugin_json: Path) -> list[str]:
+    """The ``python -m locust`` command line of a run."""
+    spawn_rate = args.spawn_rate if args.spawn_rate is not None else float(args.users)
+    plugin_options = dataclasses.replace(options, store=None, summary_json=plugin_json)
+    argv = [sys.executable, "-m", "locust", "-f", str(args.locustfile), "--headless", "--host", host,
+            "--users", str(args.users), "--spawn-rate", f"{spawn_rate:g}", "--run-time", f"{args.run_time}s",
+            "--only-summary", "--stop-timeout", "10", "--zoomer-quiet", *to_locust_args(plugin_options)]
+    if args.locustfile.resolve() == DEFAULT_LOCUSTFILE.resolve():
+        argv += ["--zoomer-transport", args.transport]
+    return argv
+
+
+def _run_against(args: argparse.Namespace, options: LoadTestOptions, host: str, env: dict[str, str],
+                 plugin_json: Path, procs: list[subprocess.Popen[bytes]]) -> int:
+    """Run locust, stop the processes this command started (``procs``: server, then collector), read the
+    store, print everything; the exit code."""
+    locust = subprocess.run(locust_command(args, options, host, plugin_json), env=env,
+                            stdout=sys.stderr if args.json else None, timeout=args.run_time + options.stop_wait_s + 120)
+    stopped_ok = True
+    for proc in reversed(procs):  # the server first (a session still running is finished), then the collector
+        stopped_ok = _stop(proc, 60) == 0 and stopped_ok
+    procs.clear()
+    if not plugin_json.is_file():
+        print(f"zoomer-serve loadtest: locust wrote no summary (exit code {locust.returncode})", file=sys.stderr)
+        return 1
+    from zoomer_serve.loadtest.summary import LoadTestSummary, with_store
+
+    summary = LoadTestSummary.read_json(plugin_json)
+    if options.store is not None:
+        summary = with_store(summary, options.store)
+    if options.summary_json is not None:
+        summary.write_json(options.summary_json)
+    _print(summary, options, args.json)
+    profile_ok = not options.profile or (summary.profile is not None and summary.profile.ok)
+    return 0 if locust.returncode == 0 and profile_ok and stopped_ok else 1
+
+
+def _print(summary: Any, options: LoadTestOptions, as_json: bool) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(summary.to_dict(), indent=2) + "\n")
+        sys.stdout.flush()
+        return
+    from rich.console import Console
+
+    from zoomer_serve.loadtest.summary import render_summary
+
+    console = Console()
+    if not console.is_terminal:
+        console.width = max(console.width, 140)
+    render_summary(summary, console)
+    if options.store is not None and summary.server is not None:
+        from zoomer_serve.report import build_report, render_report
+
+        console.print()
+        render_report(build_report(options.store), console)
