@@ -7,13 +7,14 @@ process.
 Scenarios:
 
 - ``ranker``: a local runner with ``RankerGrpcUser`` against ``host`` and ``RankerThriftUser`` against
-  ``thrift_host``; the plugin with the given options.
+  ``thrift_host``, plus one user per transport that sends only invalid requests (an empty batch); the
+  plugin with the given options.
 - ``c11``: a master and one worker (two Environments in this process, as locust's own tests do) with
   ``users`` users calling a unary method that takes ``latency_s`` on the server; the plugin on both (the
   master decides about profiling).
 
-OUT_JSON gets: the request events the users fired (per "<request type> <name>": count, failures, trace ids), the
-run's wall time
+OUT_JSON gets: the request events the users fired (per "<request type> <name>": count, failures, and each
+call's trace id and exception), the run's wall time
 from spawning complete to stop, the trigger record, the summary, and for ``c11`` what the heartbeats did.
 """
 
@@ -35,17 +36,18 @@ from zoomer_serve.loadtest.plugin import TRACE_ID, GrpcUser, install
 
 
 class EventLog:
-    """The request events fired on one Environment."""
+    """The request events fired on one Environment: per "<request type> <name>", the count, the failures, and
+    each call's ``[trace id, repr of its exception or None]``."""
 
     def __init__(self) -> None:
-        self.by_name: dict[str, dict[str, Any]] = defaultdict(lambda: {"count": 0, "failures": 0, "trace_ids": []})
+        self.by_name: dict[str, dict[str, Any]] = defaultdict(lambda: {"count": 0, "failures": 0, "calls": []})
         self.spawned_at: float | None = None
 
     def on_request(self, request_type: str, name: str, exception: Any, context: dict[str, Any], **_: Any) -> None:
         entry = self.by_name[f"{request_type} {name}"]
         entry["count"] += 1
         entry["failures"] += exception is not None
-        entry["trace_ids"].append(context.get(TRACE_ID))
+        entry["calls"].append([context.get(TRACE_ID), None if exception is None else repr(exception)])
 
     def on_spawned(self, **_: Any) -> None:
         self.spawned_at = self.spawned_at or time.time()
@@ -59,6 +61,8 @@ def watch(env: Environment) -> EventLog:
 
 
 def run_ranker(cfg: dict[str, Any]) -> dict[str, Any]:
+    from zoomer_serve.demo import ranker_pb2
+    from zoomer_serve.demo.thrift_server import ranker_thrift
     from zoomer_serve.loadtest.ranker_users import RankerGrpcUser, RankerThriftUser
 
     class GrpcRanker(RankerGrpcUser):
@@ -67,7 +71,24 @@ def run_ranker(cfg: dict[str, Any]) -> dict[str, Any]:
     class ThriftRanker(RankerThriftUser):
         host = cfg["thrift_host"]
 
-    env = Environment(user_classes=[GrpcRanker, ThriftRanker], stop_timeout=10)  # each class has its host
+    def empty_grpc_batch(user: Any) -> None:
+        user.stub.Predict(ranker_pb2.PredictRequest(request_id="empty"))
+
+    def empty_thrift_batch(user: Any) -> None:
+        user.client.Predict(ranker_thrift().PredictRequest(request_id="empty", candidates=[]))
+
+    class BadGrpcRanker(GrpcRanker):
+        fixed_count = 1
+        wait_time = constant(0.05)
+        tasks = [empty_grpc_batch]
+
+    class BadThriftRanker(ThriftRanker):
+        fixed_count = 1
+        wait_time = constant(0.05)
+        tasks = [empty_thrift_batch]
+
+    env = Environment(user_classes=[GrpcRanker, ThriftRanker, BadGrpcRanker, BadThriftRanker],
+                      stop_timeout=10)  # each class has its host
     runner = env.create_local_runner()
     log = watch(env)
     plugin = install(env, LoadTestOptions(**cfg["options"]))

@@ -77,19 +77,21 @@ def thrift_ranker(telemetry: Any, model: Any) -> Iterator[str]:
 
 def test_request_events_match_server_spans_and_one_profile_starts_after_the_warmup(
         collector: Any, telemetry: Any, model: Any, thrift_ranker: str, tmp_path: Path) -> None:
-    """gRPC and Thrift users side by side; profiling on the gRPC server's ProfilerControl (--zoomer-target),
-    whose controller covers the requests of both servers in this process."""
+    """gRPC and Thrift users side by side (and one user per transport whose requests are all refused);
+    profiling on the gRPC server's ProfilerControl (--zoomer-target), whose controller covers the requests of
+    both servers in this process."""
     profiles = tmp_path / "profiles"
     warmup_s = 1.5
     with serve_with_profiling(telemetry, model, profiles) as served:
         result = run_locust("ranker", {
-            "host": served.target, "thrift_host": thrift_ranker, "users": 4, "run_s": 4.0,
+            "host": served.target, "thrift_host": thrift_ranker, "users": 6, "run_s": 4.0,
             "options": {"target": served.target, "warmup_s": warmup_s, "profile_requests": 20,
                         "profiles_dir": str(profiles), "stop_wait_s": 60}}, tmp_path, locust_env(collector))
         status = served.controller.status()
     events = result["events"]
     keys = {f"grpc {PREDICT}", f"grpc {PREDICT_STREAM}", f"thrift {PREDICT}"}
-    assert set(events) == keys and all(e["failures"] == 0 and e["count"] > 0 for e in events.values())
+    assert set(events) == keys and all(e["count"] > 0 for e in events.values())
+    assert events[f"grpc {PREDICT}"]["failures"] > 0 and events[f"thrift {PREDICT}"]["failures"] > 0
 
     # one profiling session, started once, after the warm-up, that covered 20 requests and wrote one trace
     assert status.last is not None and status.last.number == 1 and status.session is None
@@ -104,28 +106,43 @@ def test_request_events_match_server_spans_and_one_profile_starts_after_the_warm
     assert summary.profile is not None and summary.profile.ok
     assert summary.profile.trace_file == status.last.trace_path
     assert summary.profile.per_request["requests"] == 20 and summary.profile.per_request["cpu_ops_mean"] > 0
-    client = {f"{c.request_type} {c.name}": c.count for c in summary.client if c.name != "Aggregated"}
-    assert client == {k: e["count"] for k, e in events.items()}
+    client = {f"{c.request_type} {c.name}": (c.count, c.failures) for c in summary.client if c.name != "Aggregated"}
+    assert client == {k: (e["count"], e["failures"]) for k, e in events.items()}
 
-    # request events = server spans, by transport and method; each event's trace id is its server span's
+    # request events = server spans, by transport and method; each event's trace id is its server span's, and
+    # the event failed, named by the status, exactly when the server refused the call (the users that send
+    # empty batches); an event of a call that locust's stop interrupted is a failure either way
     rows = collector.spans()
     servers = [r for r in rows if r["kind"] == "SERVER" and r["attributes"]["rpc.method"] in RANKER]
-    by_key: dict[str, list[str]] = {}
+    by_key: dict[str, dict[str, str]] = {}
     for r in servers:
-        by_key.setdefault(f"{r['attributes']['rpc.system.name']} {r['attributes']['rpc.method']}", []).append(
-            r["trace_id"])
+        attrs = r["attributes"]
+        by_key.setdefault(f"{attrs['rpc.system.name']} {attrs['rpc.method']}", {})[r["trace_id"]] = \
+            attrs["rpc.response.status_code"]
     assert {k: len(v) for k, v in by_key.items()} == {k: e["count"] for k, e in events.items()}
+    expected = {"OK": None, "INVALID_ARGUMENT": "GrpcStatusError(INVALID_ARGUMENT)",
+                "InvalidRequest": "ThriftCallError(InvalidRequest)"}
+    refused, interrupted = 0, set()
     for key, event in events.items():
-        sent = event["trace_ids"]
+        sent = [trace_id for trace_id, _ in event["calls"]]
         assert None not in sent and len(set(sent)) == len(sent)
         assert sorted(sent) == sorted(by_key[key])
+        for trace_id, error in event["calls"]:
+            if error in ("GrpcStatusError(CANCELLED)", "ThriftCallError(GreenletExit)"):
+                interrupted.add(trace_id)
+                continue
+            assert error == expected[by_key[key][trace_id]], (key, trace_id)
+            refused += error is not None
+    assert refused > 0
     # the locust process recorded one CLIENT span per call, the parent of the server's span
     clients = {(r["trace_id"], r["span_id"]): r for r in rows if r["kind"] == "CLIENT"}
     assert len(clients) == len(servers)
     for span in servers:
         parent = clients[(span["trace_id"], span["parent_span_id"])]
         assert parent["service_name"] == "zoomer-loadtest"
-        for name in ("rpc.method", "rpc.system.name", "rpc.response.status_code"):
+        names = ("rpc.method", "rpc.system.name") + (("rpc.response.status_code",)
+                                                     if span["trace_id"] not in interrupted else ())
+        for name in names:
             assert parent["attributes"][name] == span["attributes"][name]
     assert len([r for r in rows if r["name"] == "zoomer.profile"]) == 1
 

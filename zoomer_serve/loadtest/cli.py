@@ -172,14 +172,20 @@ def _run_against(args: argparse.Namespace, options: LoadTestOptions, host: str, 
                  plugin_json: Path, procs: list[subprocess.Popen[bytes]]) -> int:
     """Run locust, stop the processes this command started (``procs``: server, then collector), read the
     store, print everything; the exit code."""
-    locust = subprocess.run(locust_command(args, options, host, plugin_json), env=env,
-                            stdout=sys.stderr if args.json else None, timeout=args.run_time + options.stop_wait_s + 120)
+    limit_s = args.run_time + options.stop_wait_s + 120
+    try:
+        locust = subprocess.run(locust_command(args, options, host, plugin_json), env=env,
+                                stdout=sys.stderr if args.json else None, timeout=limit_s)
+        locust_rc = locust.returncode
+    except subprocess.TimeoutExpired:  # subprocess.run killed it
+        print(f"zoomer-serve loadtest: locust did not end within {limit_s:g} s; killed", file=sys.stderr)
+        locust_rc = -1
     stopped_ok = True
     for proc in reversed(procs):  # the server first (a session still running is finished), then the collector
         stopped_ok = _stop(proc, 60) == 0 and stopped_ok
     procs.clear()
     if not plugin_json.is_file():
-        print(f"zoomer-serve loadtest: locust wrote no summary (exit code {locust.returncode})", file=sys.stderr)
+        print(f"zoomer-serve loadtest: locust wrote no summary (exit code {locust_rc})", file=sys.stderr)
         return 1
     from zoomer_serve.loadtest.summary import LoadTestSummary, with_store
 
@@ -190,7 +196,7 @@ def _run_against(args: argparse.Namespace, options: LoadTestOptions, host: str, 
         summary.write_json(options.summary_json)
     _print(summary, options, args.json)
     profile_ok = not options.profile or (summary.profile is not None and summary.profile.ok)
-    return 0 if locust.returncode == 0 and profile_ok and stopped_ok else 1
+    return 0 if locust_rc == 0 and profile_ok and stopped_ok else 1
 
 
 def _print(summary: Any, options: LoadTestOptions, as_json: bool) -> None:

@@ -357,8 +357,12 @@ class _ThriftClient:
             attrs[RESPONSE_MESSAGES] = 0
             span.record_exception(error)
             attrs["error.type"] = type(error).__qualname__
+            if isinstance(error, TApplicationException):  # named as the server names it (thrift_common)
+                app = {v: k for k, v in vars(TApplicationException).items() if k.isupper() and isinstance(v, int)}
+                attrs["rpc.response.status_code"] = attrs["error.type"] = app.get(error.type, "UNKNOWN")
             span.set_status(r.STATUS_ERROR, f"{type(error).__name__}: {error}")
-            self.close()  # a transport or protocol error leaves the connection unusable
+            if not isinstance(error, TApplicationException):
+                self.close()  # a transport or protocol error leaves the connection unusable
         span.end()
         return length
 
