@@ -24,6 +24,7 @@ environment. A bad value raises :class:`ConfigError` naming the variable and the
 | excluded methods | ``ZOOMER_EXCLUDED_METHODS`` (comma-separated globs over ``pkg.Service/Method``) | health and reflection |
 | store | ``ZOOMER_STORE`` | ``./zoomer-data/zoomer.duckdb`` |
 | GPU telemetry | ``ZOOMER_GPU`` and ``ZOOMER_GPU_*`` (see :mod:`zoomer_serve.telemetry.config`) | ``auto`` |
+| host telemetry | ``ZOOMER_HOST``, ``ZOOMER_HOST_*`` and ``ZOOMER_CPU_PROFILE*`` (see :mod:`zoomer_serve.host.config`) | ``on`` |
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from zoomer_serve.host.config import HostConfig
     from zoomer_serve.telemetry.config import GpuTelemetryConfig
 
 DEFAULT_EXCLUDED_METHODS = ("grpc.health.v1.Health/*", "grpc.reflection.*")
@@ -95,6 +97,7 @@ class ZoomerConfig:
     excluded_methods: tuple[str, ...] = DEFAULT_EXCLUDED_METHODS
     sdk_disabled: bool = False
     gpu: GpuTelemetryConfig = field(default_factory=lambda: _gpu_config({}))
+    host: HostConfig = field(default_factory=lambda: _host_config({}))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ZoomerConfig:
@@ -114,6 +117,7 @@ class ZoomerConfig:
             excluded_methods=tuple(_csv(excluded)) if excluded is not None else DEFAULT_EXCLUDED_METHODS,
             sdk_disabled=env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true",
             gpu=_gpu_config(env),
+            host=_host_config(env),
         )
 
 
@@ -124,6 +128,16 @@ def _gpu_config(env: Mapping[str, str]) -> GpuTelemetryConfig:
     try:
         return GpuTelemetryConfig.from_env(env)
     except GpuConfigError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _host_config(env: Mapping[str, str]) -> HostConfig:
+    """The ``ZOOMER_HOST*`` / ``ZOOMER_CPU_PROFILE*`` settings (see :mod:`zoomer_serve.host.config`)."""
+    from zoomer_serve.host.config import HostConfig, HostConfigError
+
+    try:
+        return HostConfig.from_env(env)
+    except HostConfigError as exc:
         raise ConfigError(str(exc)) from None
 
 

@@ -42,6 +42,7 @@ class Telemetry:
     meter_provider: Any
     _stats: ExportStats | None = None
     gpu: Any = None  # zoomer_serve.telemetry.GpuTelemetry, or None (no GPU, or ZOOMER_GPU=off)
+    host: Any = None  # zoomer_serve.host.HostTelemetry, or None (ZOOMER_HOST=off)
 
     def shutdown(self, timeout_s: float | None = None) -> ExportStats:
         """Flush and stop everything within about ``timeout_s`` (default: the OTLP export timeout) + 1 s.
@@ -51,6 +52,8 @@ class Telemetry:
         budget = self.config.export.timeout_ms / 1000 if timeout_s is None else timeout_s
         if self.gpu is not None:  # first: it sends its last allocation totals through the pipeline
             self.gpu.shutdown()
+        if self.host is not None:
+            self.host.shutdown()
         threads = [threading.Thread(target=_shutdown_provider, args=(p, budget), daemon=True)
                    for p in (self.tracer_provider, self.meter_provider) if p is not None]
         for t in threads:
@@ -149,6 +152,7 @@ def _build(cfg: ZoomerConfig, set_global: bool) -> Telemetry:
     tracer_provider, meter_provider = _sdk_providers(cfg, resource, set_global)
     telemetry = Telemetry(cfg, resource, recorder, pipeline, tracer_provider, meter_provider)
     telemetry.gpu = _gpu_telemetry(cfg, recorder, meter_provider)
+    telemetry.host = _host_telemetry(cfg, recorder, meter_provider)
     return telemetry
 
 
@@ -162,6 +166,19 @@ def _gpu_telemetry(cfg: ZoomerConfig, recorder: RequestRecorder, meter_provider:
         return install_gpu_telemetry(cfg.gpu, recorder, meter_provider)
     except Exception as exc:
         logger.warning("zoomer-serve: GPU telemetry could not start, continuing without it: %r", exc)
+        return None
+
+
+def _host_telemetry(cfg: ZoomerConfig, recorder: RequestRecorder, meter_provider: Any) -> Any:
+    """Host telemetry per ``cfg.host`` (None when off); never raises."""
+    if not cfg.host.enabled:
+        return None
+    try:
+        from zoomer_serve.host import install_host_telemetry
+
+        return install_host_telemetry(cfg.host, recorder, meter_provider)
+    except Exception as exc:
+        logger.warning("zoomer-serve: host telemetry could not start, continuing without it: %r", exc)
         return None
 
 

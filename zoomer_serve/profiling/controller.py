@@ -22,6 +22,11 @@ Start and stop are serialized by one lock and idempotent: a start while a sessio
 capture (another profiler active, CUDA requested but missing, profiles folder not writable) raises
 :class:`ProfilingError`.
 
+Companions: each session also runs the :class:`~zoomer_serve.profiling.session.SessionCompanion` objects in
+``companions`` for its window (by default those of the telemetry's host part: the Python CPU sampler of
+:mod:`zoomer_serve.host.cpu_profile`, whose files go beside the trace); their attributes go onto the
+``zoomer.profile`` span. A companion that cannot record says so in its attributes; the session goes on.
+
 Request path cost: outside a session, ``on_start`` / ``on_end`` read one attribute each (plus one bounded
 append when an automatic trigger is configured); see :mod:`zoomer_serve.profiling.session` for the cost
 inside a session.
@@ -49,7 +54,15 @@ from zoomer_serve.profiling.config import (
     check_trigger,
 )
 from zoomer_serve.profiling.export import ProfileMetrics, export_session
-from zoomer_serve.profiling.session import ControlReply, Result, Session, SessionInfo, State
+from zoomer_serve.profiling.session import (
+    CompanionRun,
+    ControlReply,
+    Result,
+    Session,
+    SessionCompanion,
+    SessionInfo,
+    State,
+)
 from zoomer_serve.profiling.summary import TraceSummary, summary_from_json
 from zoomer_serve.recording import RequestRecorder, RequestSpan, internal_error
 
@@ -68,7 +81,8 @@ class ProfilerController:
     Args:
         config: limits, profiles folder, triggers; default ``ProfilerConfig.from_env()``.
         telemetry: where spans and metrics go (its ``recorder`` and ``meter_provider``) and whose
-            ``config.service_name`` names the trace files; default the process's (``get_telemetry()``).
+            ``config.service_name`` names the trace files; default the process's (``get_telemetry()``). Its
+            ``host`` part (when on) provides the default ``companions``.
     """
 
     def __init__(self, config: ProfilerConfig | None = None, telemetry: Any = None) -> None:
@@ -92,6 +106,8 @@ class ProfilerController:
         self._monitor: Any = None
         self._attached = False
         self.on_session_end: list[Callable[[SessionInfo], None]] = []
+        host = getattr(telemetry, "host", None)
+        self.companions: list[SessionCompanion] = list(host.session_companions()) if host is not None else []
 
     # -- observer (request path) -------------------------------------------------------------------------
     def on_start(self, span: RequestSpan) -> None:
@@ -225,6 +241,7 @@ class ProfilerController:
     def _run(self, session: Session, activities: Activities) -> None:
         capture = Capture(session.options, activities)
         summary: TraceSummary | None = None
+        runs: list[CompanionRun] = []
         try:
             try:
                 capture.start({"zoomer_session_id": session.session_id, "zoomer_trigger": session.trigger,
@@ -232,6 +249,7 @@ class ProfilerController:
             except CaptureError as exc:
                 session.outcome, session.error = "failed", str(exc)
                 return
+            runs = self._begin_companions(session)
             session.start_ns = time.time_ns()
             with self._lock:
                 session.state = State.RUNNING
@@ -250,6 +268,7 @@ class ProfilerController:
             finally:
                 self._closing = None
                 session.close()
+                _stop_companions(runs)
             summary = self._write(session, capture)
             session.drop_uncovered(summary.requests)
             session.outcome = "done"
@@ -259,7 +278,29 @@ class ProfilerController:
         finally:
             self._admitting = None
             self._closing = None
+            self._finish_companions(session, runs)
             self._finish(session, summary)
+
+    def _begin_companions(self, session: Session) -> list[CompanionRun]:
+        runs = []
+        for companion in list(self.companions):
+            try:
+                run = companion.begin(session.session_id, self.config.profiles_dir, session.duration_ms)
+            except Exception as exc:
+                internal_error("profiling.companion_begin", exc)
+                continue
+            if run is not None:
+                runs.append(run)
+        return runs
+
+    @staticmethod
+    def _finish_companions(session: Session, runs: list[CompanionRun]) -> None:
+        _stop_companions(runs)  # again, for a session that failed before its profiler stopped (idempotent)
+        for run in runs:
+            try:
+                session.extra_attributes.update(run.finish())
+            except Exception as exc:
+                internal_error("profiling.companion_finish", exc)
 
     def _finish(self, session: Session, summary: TraceSummary | None) -> None:
         try:
@@ -359,6 +400,14 @@ class ProfilerController:
         last = self._last
         return ControlReply(result, self.state, message, session.info() if session is not None else None,
                             last.info() if last is not None else None)
+
+
+def _stop_companions(runs: list[CompanionRun]) -> None:
+    for run in runs:
+        try:
+            run.stop()
+        except Exception as exc:
+            internal_error("profiling.companion_stop", exc)
 
 
 def install_profiler(config: ProfilerConfig | None = None, telemetry: Any = None) -> ProfilerController:

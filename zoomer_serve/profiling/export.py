@@ -9,8 +9,10 @@ Spans:
   ``.activities``, the options ``.record_shapes`` / ``.profile_memory`` / ``.with_stack`` / ``.with_flops``,
   ``zoomer.profile.trace.path`` / ``.bytes`` / ``.events``, ``zoomer.profile.requests`` (covered),
   ``.requests.incomplete`` (admitted but still running when the profiler stopped), the trace's GPU totals
-  (below, plus ``zoomer.profile.kernel.attributed_time_us`` and ``.attributed_share``), and what the
-  session cost: ``zoomer.profile.request.duration_p50_ms`` / ``_p99_ms`` of the covered requests and
+  (below, plus ``zoomer.profile.kernel.attributed_time_us`` and ``.attributed_share``), the attributes of
+  the session's companions (the Python CPU profile: ``zoomer.profile.cpu.*``, see
+  :mod:`zoomer_serve.host.names`), and what the session cost: ``zoomer.profile.request.duration_p50_ms`` /
+  ``_p99_ms`` of the covered requests and
   ``zoomer.profile.annotation.cpu_us`` (mean thread CPU µs per request spent opening and closing its range
   and counting it; the profiler's own per-operator cost comes on top, see the benchmark).
   Status ERROR with the reason when the session failed.
@@ -83,6 +85,7 @@ def profile_attributes(session: Session, summary: TraceSummary | None, top_n: in
         "zoomer.profile.requests.incomplete": session.incomplete,
     }
     attrs.update({f"zoomer.profile.trigger.{k}": v for k, v in session.trigger_attributes.items()})
+    attrs.update(session.extra_attributes)
     if session.stop_reason:
         attrs["zoomer.profile.stop_reason"] = session.stop_reason
     if session.trace_path:

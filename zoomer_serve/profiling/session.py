@@ -3,6 +3,11 @@
 Request path (only while a session runs): :meth:`Session.enter` opens a ``record_function`` range named
 with the request's ids (:func:`~zoomer_serve.profiling.labels.request_label`) and :meth:`Session.leave`
 closes it, counts the request as covered, and advances ``KinetoStepTracker`` by one step.
+
+
+Companions (:class:`SessionCompanion`) record something else for the same window as the kernel profiler (the
+host telemetry's Python CPU sampler, :mod:`zoomer_serve.host.cpu_profile`); what they return goes onto the
+``zoomer.profile`` span (``Session.extra_attributes``).
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ import threading
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from zoomer_serve.profiling.config import SessionOptions
 from zoomer_serve.profiling.labels import request_label
@@ -44,6 +50,25 @@ class Result(str, Enum):
     NOT_RUNNING = "not_running"
     ALREADY_STOPPING = "already_stopping"
     STATUS = "status"
+
+
+class CompanionRun(Protocol):
+    """One session's recording by a companion. ``stop`` runs on the session thread right after the kernel
+    profiler stopped; ``finish`` after the trace was written and returns attributes for the ``zoomer.profile``
+    span. Neither may raise (failures become attributes)."""
+
+    def stop(self) -> None: ...
+
+    def finish(self) -> dict[str, Any]: ...
+
+
+class SessionCompanion(Protocol):
+    """Records alongside every profiling session: ``begin`` runs on the session thread right after the kernel
+    profiler started (before requests are covered) with the session id, the profiles folder its files go to
+    and the longest the session may last (ms); it returns a :class:`CompanionRun`, or None to sit this session
+    out. It may block briefly (the session's start waits) and must not raise."""
+
+    def begin(self, session_id: str, folder: Path, max_duration_ms: int) -> CompanionRun | None: ...
 
 
 @dataclass(frozen=True)
@@ -120,6 +145,7 @@ class Session:
         self.session_id = session_id
         self.trigger = trigger
         self.trigger_attributes = dict(trigger_attributes or {})
+        self.extra_attributes: dict[str, Any] = {}  # from the companions, onto the zoomer.profile span
         self.options = options
         self.max_requests = max_requests
         self.duration_ms = duration_ms
