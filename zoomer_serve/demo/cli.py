@@ -17,6 +17,9 @@ from zoomer_serve.config import ConfigError
 from zoomer_serve.profiling.serving import ServerProfiling, add_profiling_options
 
 READY_TIMEOUT_S = 120.0
+SLOW_PREPROCESS_HELP = ("add N iterations of a deliberately slow pure-Python step (hash_ids_slowly) to every "
+                        "request's preprocess phase (about 15 ms per 100000 on one core) to demonstrate a "
+                        "CPU-bound request (default 0: off)")
 
 
 def register(subparsers: Any) -> None:
@@ -33,6 +36,8 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--grace-s", type=float, default=5.0, help="drain time for in-flight calls on stop")
     serve.add_argument("--torch-threads", type=int, default=1,
                        help="torch intra-op threads (default 1: the gRPC worker threads already run in parallel)")
+    serve.add_argument("--slow-preprocess", type=int, default=0, metavar="N",
+                       help=SLOW_PREPROCESS_HELP)
     add_profiling_options(serve)
     serve.set_defaults(func=run_serve_demo)
 
@@ -48,6 +53,7 @@ def register(subparsers: Any) -> None:
     demo.add_argument("--server", choices=("sync", "aio"), default="sync", help="gRPC server flavour (default sync)")
     demo.add_argument("--transport", choices=("grpc", "thrift"), default="grpc",
                       help="gRPC or Thrift between the load and the server (default grpc)")
+    demo.add_argument("--slow-preprocess", type=int, default=0, metavar="N", help=SLOW_PREPROCESS_HELP)
     demo.set_defaults(func=run_demo)
 
 
@@ -59,9 +65,14 @@ def run_serve_demo(args: argparse.Namespace) -> int:
 
     import zoomer_serve
     from zoomer_serve.demo.model import build_model, pick_device
-    from zoomer_serve.demo.service import ServerBindError
+    from zoomer_serve.demo.service import ServerBindError, ServiceConfig
 
     torch.set_num_threads(max(1, args.torch_threads))
+    try:
+        config = ServiceConfig(slow_preprocess_iterations=args.slow_preprocess)
+    except ValueError as exc:
+        print(f"zoomer-serve serve-demo: --slow-preprocess: {exc}", file=sys.stderr)
+        return 2
     stop = _stop_on_signals()
     zoomer_serve.get_telemetry()  # configure from OTEL_* / ZOOMER_* before the first request
     try:
@@ -83,13 +94,14 @@ def run_serve_demo(args: argparse.Namespace) -> int:
             from zoomer_serve.demo.thrift_server import serve_thrift_forever
 
             serve_thrift_forever(args.host, args.port, stop, model=model, aio=args.server == "aio",
-                                 grace_s=args.grace_s, on_ready=ready)
+                                 grace_s=args.grace_s, on_ready=ready, config=config)
         elif args.server == "aio":
             from zoomer_serve.demo.aio_server import serve_aio_forever
 
-            serve_aio_forever(args.host, args.port, stop, model=model, grace_s=args.grace_s, on_ready=ready)
+            serve_aio_forever(args.host, args.port, stop, model=model, grace_s=args.grace_s, on_ready=ready,
+                              config=config)
         else:
-            _serve_sync(args, model, stop, ready, profiling)
+            _serve_sync(args, model, stop, ready, profiling, config)
     except ServerBindError as exc:
         print(f"zoomer-serve serve-demo: {exc}", file=sys.stderr)
         profiling.close()
@@ -102,13 +114,13 @@ def run_serve_demo(args: argparse.Namespace) -> int:
 
 
 def _serve_sync(args: argparse.Namespace, model: Any, stop: threading.Event, ready: Any,
-                profiling: ServerProfiling) -> None:
+                profiling: ServerProfiling, config: Any = None) -> None:
     from interceptors import ZoomerServerInterceptor
     from zoomer_serve.demo.service import build_server
 
     interceptor = ZoomerServerInterceptor(server_address=args.host, server_port=args.port or None)
     server, port = build_server(model, args.host, args.port, interceptors=[interceptor],
-                                extra_servicers=[profiling.mount])
+                                extra_servicers=[profiling.mount], config=config)
     interceptor.server_port = port
     ready(port)
     stop.wait()
@@ -171,8 +183,8 @@ def run_demo(args: argparse.Namespace) -> int:
         server_env = dict(env, OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{col['grpc_port']}",
                           OTEL_EXPORTER_OTLP_PROTOCOL="grpc", OTEL_SERVICE_NAME="zoomer-demo-ranker",
                           OTEL_BSP_SCHEDULE_DELAY="500", OTEL_METRIC_EXPORT_INTERVAL="5000")
-        server, srv = _start(["serve-demo", "--port", "0", "--server", args.server, "--transport", args.transport],
-                             server_env, "demo model server")
+        server, srv = _start(["serve-demo", "--port", "0", "--server", args.server, "--transport", args.transport,
+                              "--slow-preprocess", str(args.slow_preprocess)], server_env, "demo model server")
         procs.append(server)
         target = f"127.0.0.1:{srv['port']}"
         console.print(f"  demo Ranker (DLRM on {srv['device']}) with the zoomer interceptor on {target}")

@@ -3,7 +3,9 @@
 Every scored request runs three phases of the project's phase API, so the profiling
 middleware can attribute time within a request:
 
-* ``preprocess``: validate the request and build tensors on the model's device;
+* ``preprocess``: validate the request and build tensors on the model's device (plus, when
+  ``ServiceConfig.slow_preprocess_iterations`` is set, ``hash_ids_slowly``: a deliberately slow
+  pure-Python step that makes requests CPU-bound, for demonstrating CPU profiles);
 * ``forward``: the model call under ``torch.inference_mode()``, including copying the scores
   back to the CPU (so on CUDA the phase covers the kernels, not just their launch);
 * ``postprocess``: build the ``PredictResponse``.
@@ -48,18 +50,26 @@ class ServiceConfig:
         max_batch_size: most candidates accepted in one PredictRequest.
         max_ids_per_feature: most ids accepted for one sparse feature of one candidate.
         model_version: returned in every PredictResponse.model_version.
+        slow_preprocess_iterations: when > 0, every scored request also runs ``hash_ids_slowly``
+            with this many iterations in its preprocess phase (about 0.15 µs each on one core:
+            100000 adds about 15 ms of pure-Python CPU per request). 0 (the default) skips it.
     """
 
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     max_ids_per_feature: int = DEFAULT_MAX_IDS_PER_FEATURE
     model_version: str = "dlrm-demo-v1"
+    slow_preprocess_iterations: int = 0
 
     def __post_init__(self) -> None:
-        """Raise ValueError on a limit below 1."""
+        """Raise ValueError on a limit below 1 or a negative ``slow_preprocess_iterations``."""
         if self.max_batch_size < 1 or self.max_ids_per_feature < 1:
             raise ValueError(
                 f"limits must be >= 1, got max_batch_size={self.max_batch_size}, "
                 f"max_ids_per_feature={self.max_ids_per_feature}"
+            )
+        if self.slow_preprocess_iterations < 0:
+            raise ValueError(
+                f"slow_preprocess_iterations must be >= 0, got {self.slow_preprocess_iterations}"
             )
 
 
@@ -187,6 +197,19 @@ def request_to_batch(
     return Batch(dense=dense, ids=ids, offsets=offsets)
 
 
+def hash_ids_slowly(request: Any, iterations: int) -> int:
+    """The demo's deliberately slow preprocessing step (``ServiceConfig.slow_preprocess_iterations``):
+    ``iterations`` rounds of 32-bit FNV-1a over the request's sparse ids (cycling through them) in
+    pure Python, holding the interpreter lock throughout, as per-request feature engineering written
+    in Python loops does. Returns the hash (the model does not use it)."""
+    ids = [i for c in request.candidates or () for f in c.sparse or () for i in f.ids or ()] or [0]
+    n = len(ids)
+    h = 2166136261
+    for k in range(iterations):
+        h = ((h ^ ids[k % n]) * 16777619) & 0xFFFFFFFF
+    return h
+
+
 def _model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
@@ -220,6 +243,8 @@ class RankerCore:
         """
         with phase("preprocess"):
             batch = request_to_batch(request, self.model.config, self.config).to(self.device)
+            if self.config.slow_preprocess_iterations:
+                hash_ids_slowly(request, self.config.slow_preprocess_iterations)
         with phase("forward"), torch.inference_mode():
             scores = self.model(batch.dense, batch.ids, batch.offsets).float().cpu()
         with phase("postprocess"):
