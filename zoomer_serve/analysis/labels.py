@@ -31,6 +31,12 @@ attribute                                   meaning
 ``zoomer.gpu.memory.ooms``                  ``num_ooms`` during the request
 ==========================================  ===============================================================
 
+Host telemetry (names defined once in :mod:`zoomer_serve.host.names`): per request span,
+``zoomer.request.cpu_time_ns`` (thread CPU time of the request, ns; compared with its wall time), and on each
+``zoomer.profile`` span the Python CPU profile's top functions (``zoomer.profile.cpu.top.function`` /
+``.location`` / ``.self_share`` / ``.total_share``, parallel arrays, most own samples first), which name the
+function behind a CPU-bound phase.
+
 A request that failed with CUDA out-of-memory is also recognised from its ``error.type`` attribute (or an
 ``exception`` / ``zoomer.gpu.oom`` span event) containing ``OutOfMemoryError``. Metrics (``metric_points``):
 ``hw.gpu.utilization`` (ratio) and ``hw.gpu.memory.usage`` (bytes), per ``hw.id``, for the timelines.
@@ -40,6 +46,8 @@ from __future__ import annotations
 
 import re
 
+from zoomer_serve.host import names as _host
+from zoomer_serve.profiling import export as _export
 from zoomer_serve.profiling import labels as _profiling
 from zoomer_serve.telemetry import names as _gpu
 
@@ -59,6 +67,16 @@ OOM_ERROR_MARKER = "OutOfMemoryError"  # in error.type (torch.OutOfMemoryError) 
 METRIC_GPU_UTILIZATION = _gpu.HW_GPU_UTILIZATION
 METRIC_GPU_MEMORY_USAGE = _gpu.HW_GPU_MEMORY_USAGE
 METRIC_HW_ID = _gpu.HW_ID
+
+REQUEST_CPU_TIME = _host.REQUEST_CPU_TIME
+PROFILE_SPAN = _export.PROFILE_SPAN_NAME
+PROFILE_SESSION_ID = "zoomer.profile.session_id"
+CPU_PROFILE_PATH = _host.CPU_PATH
+CPU_PROFILE_SAMPLES = _host.CPU_SAMPLES
+CPU_TOP_FUNCTION = _host.CPU_TOP_FUNCTION
+CPU_TOP_LOCATION = _host.CPU_TOP_LOCATION
+CPU_TOP_SELF_SHARE = _host.CPU_TOP_SELF_SHARE
+CPU_TOP_TOTAL_SHARE = _host.CPU_TOP_TOTAL_SHARE
 
 PHASE_ATTRIBUTE = "zoomer.phase"
 """Span attribute naming a request phase (set by :func:`zoomer_serve.phase`)."""

@@ -1,6 +1,10 @@
 """Request-level analysis over the collector's DuckDB store: load requests, phases and GPU memory samples,
 and the detectors that work on them (tail latency, slow replicas, CPU-bound phases, GPU memory).
 
+The CPU-bound-phase finding names the function behind it from the Python CPU profile of a profiling session
+that covered those requests (the top functions on its ``zoomer.profile`` span, linked to the request spans),
+and says how much of the requests' wall time their thread spent on a CPU (``zoomer.request.cpu_time_ns``).
+
 Requests are SERVER-kind spans (de-duplicated on ``(trace_id, span_id)`` as the report does); their method
 is ``rpc.method`` (``pkg.Service/Method``), else the span name; their replica is the resource attribute
 ``service.instance.id``. Phases are the direct children of a request that carry ``zoomer.phase``.
@@ -96,6 +100,13 @@ WHERE {_ANY_MEMORY_ATTRIBUTE}
 ORDER BY end_ns
 """
 
+_CPU_PROFILES_SQL = _UNIQUE + f"""
+SELECT coalesce(service_name, 'unknown_service') AS service, attributes->>'$."{L.PROFILE_SESSION_ID}"' AS session,
+       CAST(links AS VARCHAR) AS links, CAST(attributes AS VARCHAR) AS attributes
+FROM uspans WHERE name = '{L.PROFILE_SPAN}' AND attributes->>'$."{L.CPU_TOP_FUNCTION}"' IS NOT NULL
+ORDER BY start_ns
+"""
+
 _METRICS_SQL = f"""
 SELECT metric_name, coalesce(service_instance_id, '') AS instance,
        coalesce(attributes->>'$."{L.METRIC_HW_ID}"', '') AS hw_id, time_ns, value
@@ -103,6 +114,36 @@ FROM metric_points WHERE metric_name IN ('{L.METRIC_GPU_UTILIZATION}', '{L.METRI
   AND value IS NOT NULL
 ORDER BY time_ns
 """
+
+
+@dataclass
+class CpuProfile:
+    """The Python CPU profile of one profiling session, as its ``zoomer.profile`` span tells it: ``service``,
+    ``session_id``, ``path`` (speedscope file), ``samples`` (active), ``top`` (dicts ``function``, ``location``,
+    ``self_share``, ``total_share``; most own samples first) and ``requests`` (the linked request spans'
+    ``(trace_id, span_id)`` as hex)."""
+
+    service: str
+    session_id: str
+    path: str
+    samples: int
+    top: list[dict[str, Any]]
+    requests: set[tuple[str, str]]
+
+
+def _cpu_profile(service: str, session: str | None, links: str | None, attributes: str | None) -> CpuProfile | None:
+    try:
+        attrs = json.loads(attributes or "{}")
+        linked = json.loads(links or "[]") or []
+    except ValueError:
+        return None
+    columns = [attrs.get(k) or [] for k in (L.CPU_TOP_FUNCTION, L.CPU_TOP_LOCATION, L.CPU_TOP_SELF_SHARE,
+                                            L.CPU_TOP_TOTAL_SHARE)]
+    top = [{"function": f, "location": loc, "self_share": float(s), "total_share": float(t)}
+           for f, loc, s, t in zip(*columns)]
+    requests = {(str(k.get("trace_id")), str(k.get("span_id"))) for k in linked if isinstance(k, dict)}
+    return CpuProfile(service, session or "", str(attrs.get(L.CPU_PROFILE_PATH, "")),
+                      int(attrs.get(L.CPU_PROFILE_SAMPLES) or 0), top, requests)
 
 
 @dataclass
@@ -120,6 +161,7 @@ class StoreData:
             ``allocated_bytes``, ``reserved_bytes``, ``peak_bytes`` (-1 when absent), ``alloc_retries``,
             ``ooms`` (0 when absent).
         gpu_metrics: ``hw.gpu.*`` metric points: ``metric``, ``instance``, ``hw_id``, ``time_ns``, ``value``.
+        cpu_profiles: one :class:`CpuProfile` per ``zoomer.profile`` span that carries a CPU profile's top-N.
     """
 
     path: Path
@@ -127,6 +169,7 @@ class StoreData:
     phases: Table
     memory: Table
     gpu_metrics: Table
+    cpu_profiles: list[CpuProfile] = field(default_factory=list)
     _attrs: list[dict[str, Any]] | None = field(default=None, repr=False, init=False)
     _parsed: np.ndarray | None = field(default=None, repr=False, init=False)
 
@@ -166,6 +209,7 @@ def load_store(store_path: str | os.PathLike[str]) -> StoreData:
         ph = con.execute(_PHASES_SQL).fetchall()
         mem = con.execute(_MEMORY_SQL).fetchall()
         met = con.execute(_METRICS_SQL).fetchall() if "metric_points" in tables else []
+        cpu = con.execute(_CPU_PROFILES_SQL).fetchall()
     except duckdb.Error as exc:
         raise StoreAnalysisError(f"cannot read {path}: {exc}") from exc
     finally:
@@ -197,7 +241,8 @@ def load_store(store_path: str | os.PathLike[str]) -> StoreData:
         "gpu_metrics", ("metric", "instance", "hw_id", "time_ns", "value"),
         [(r[0], r[1], r[2], int(r[3]), float(r[4])) for r in met], units={"time_ns": "ns"},
         dtypes={"metric": object, "instance": object, "hw_id": object, "time_ns": np.int64, "value": np.float64})
-    return StoreData(path, requests, phases, memory, metrics)
+    profiles = [p for p in (_cpu_profile(*row) for row in cpu) if p is not None]
+    return StoreData(path, requests, phases, memory, metrics, profiles)
 
 
 def _i(value: Any, default: int) -> int:
@@ -265,7 +310,7 @@ def _traits(data: StoreData, rows: np.ndarray, slow: np.ndarray) -> list[dict[st
     for a in attrs:
         keys.update(a.keys())
     for key, c in keys.items():
-        if key in (L.RPC_METHOD,) or c < n_all * 0.5:
+        if key in (L.RPC_METHOD, L.REQUEST_CPU_TIME) or c < n_all * 0.5:
             continue
         values = [a.get(key) for a in attrs]
         sample = next((v for v in values if v is not None), None)
@@ -466,24 +511,70 @@ def detect_cpu_bound_phases(data: StoreData) -> list[Finding]:
             if ratio < PHASE_RATIO:
                 continue
             severity = "high" if ratio >= 5 else "medium" if ratio >= 2 else "low"
+            cpu = _cpu_evidence(data, rows[has_fwd], service)
+            evidence = {"phase": name, "phase_mean_ms": mean, "forward_mean_ms": fwd_mean, "ratio": ratio,
+                        "request_mean_ms": total, "phase_share": mean / total if total > 0 else math.nan,
+                        "requests_count": int(has_fwd.sum()),
+                        "phase_p99_ms": float(np.quantile(v[has_fwd], 0.99)), **cpu}
+            hot = cpu.get("cpu_top_functions") or []
+            named = (f" The CPU profile of profiling session {cpu['cpu_profile_sessions'][0]} (covering "
+                     f"{cpu['cpu_profile_requests_count']} of these requests) spends {hot[0]['self_share']:.0%} "
+                     f"of its samples in {hot[0]['function']} ({hot[0]['location']})." if hot else "")
+            on_cpu = (f" The requests' threads are on a CPU for {cpu['request_cpu_share']:.0%} of their time."
+                      if "request_cpu_share" in cpu else "")
             out.append(Finding(
                 id="request.cpu-bound-phase", title=f"{name} outweighs the forward pass in {method}",
                 severity=severity,
                 summary=(f"{name} takes {mean:.2f} ms per request on average, {ratio:.1f}x the forward pass "
                          f"({fwd_mean:.2f} ms) and {mean / total:.0%} of the request time ({int(has_fwd.sum())} "
-                         "requests)."),
-                evidence={"phase": name, "phase_mean_ms": mean, "forward_mean_ms": fwd_mean, "ratio": ratio,
-                          "request_mean_ms": total, "phase_share": mean / total if total > 0 else math.nan,
-                          "requests_count": int(has_fwd.sum()),
-                          "phase_p99_ms": float(np.quantile(v[has_fwd], 0.99))},
+                         f"requests).{named}{on_cpu}"),
+                evidence=evidence,
                 items=[{"phase": p, "mean_ms": float(x[has_fwd].mean()), "p99_ms": float(np.quantile(x[has_fwd], 0.99))}
                        for p, x in sorted(phases.items(), key=lambda kv: -kv[1][has_fwd].mean())],
-                recommendation=(f"The GPU waits while {name} runs on the CPU. Vectorise it (tensor ops instead of "
+                recommendation=((f"Start with {hot[0]['function']} ({hot[0]['location']}), the hottest Python "
+                                 "function while these requests ran. " if hot else "")
+                                + f"The GPU waits while {name} runs on the CPU. Vectorise it (tensor ops instead of "
                                 "Python loops), move it to a pool of worker processes or threads that overlaps "
                                 "with the forward pass of other requests, batch it, cache repeated work "
                                 "(tokenisation, feature lookups), or move it onto the GPU; for postprocess, keep "
                                 "results on the GPU until one copy at the end."),
                 source=str(data.path), scope=_scope(service, method)))
+    return out
+
+
+def _cpu_evidence(data: StoreData, rows: np.ndarray, service: str) -> dict[str, Any]:
+    """CPU figures for the requests ``rows``: ``request_cpu_share`` (mean thread CPU time / wall time of those
+    carrying ``zoomer.request.cpu_time_ns``) and, from the CPU profiles of the service's profiling sessions
+    linked to any of them, ``cpu_top_functions`` (own-sample shares merged over those profiles, weighted by
+    their active samples), ``cpu_profile_sessions``, ``cpu_profile_paths``, ``cpu_profile_requests_count``."""
+    out: dict[str, Any] = {}
+    shares = []
+    for i in rows.tolist():
+        cpu_ns = data.attributes(int(i)).get(L.REQUEST_CPU_TIME)
+        wall_ms = float(data.requests["duration_ms"][i])
+        if isinstance(cpu_ns, (int, float)) and wall_ms > 0:
+            shares.append(min(float(cpu_ns) / NS_PER_MS / wall_ms, 1.0))
+    if shares:
+        out["request_cpu_share"] = float(np.mean(shares))
+    ids = {(data.requests["trace_id"][i], data.requests["span_id"][i]) for i in rows.tolist()}
+    profiles = [(p, len(p.requests & ids)) for p in data.cpu_profiles if p.service == service]
+    profiles = sorted([(p, k) for p, k in profiles if k > 0 and p.top], key=lambda pk: -pk[1])
+    if not profiles:
+        return out
+    weight = sum(max(p.samples, 1) for p, _ in profiles)
+    merged: dict[tuple[str, str], list[float]] = {}
+    for p, _ in profiles:
+        w = max(p.samples, 1) / weight
+        for row in p.top:
+            acc = merged.setdefault((row["function"], row["location"]), [0.0, 0.0])
+            acc[0] += row["self_share"] * w
+            acc[1] += row["total_share"] * w
+    top = sorted(merged.items(), key=lambda kv: (-kv[1][0], -kv[1][1], kv[0]))[:MAX_ITEMS]
+    out["cpu_top_functions"] = [{"function": f, "location": loc, "self_share": s, "total_share": t}
+                                for (f, loc), (s, t) in top]
+    out["cpu_profile_sessions"] = [p.session_id for p, _ in profiles]
+    out["cpu_profile_paths"] = [p.path for p, _ in profiles]
+    out["cpu_profile_requests_count"] = sum(k for _, k in profiles)
     return out
 
 

@@ -1,0 +1,272 @@
+"""Python CPU profiles of profiling sessions against the real demo Ranker under load, with its CPU-bound
+preprocessing step (``hash_ids_slowly``) switched on: py-spy attached from outside (where this machine lets it
+attach), the in-process fallback when py-spy is missing, no CPU profile (and the reason on the span) when py-spy
+cannot attach and no fallback is allowed; the ``zoomer.profile`` span in the real store, and
+``zoomer-serve analyze`` naming the function behind the CPU-bound phase."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from interceptors import ZoomerServerInterceptor
+from zoomer_serve.analysis import analyze_store
+from zoomer_serve.demo.load import drive_load
+from zoomer_serve.demo.model import DLRM, build_model
+from zoomer_serve.demo.service import ServiceConfig, build_server
+from zoomer_serve.host import (
+    CpuProfiler,
+    HostConfig,
+    InProcessSampler,
+    find_pyspy,
+    read_speedscope,
+    summarize,
+)
+from zoomer_serve.host import names as n
+from zoomer_serve.host.speedscope import IDLE_SUFFIX
+from zoomer_serve.profiling import ProfilerConfig, ProfilerController, SessionOptions
+
+SLOW_ITERATIONS = 40_000
+SLOW_FUNCTION = "hash_ids_slowly"
+LOAD = {"clients": 2, "batch_size": 4, "stream_share": 0.0, "invalid_share": 0.0}
+
+
+@pytest.fixture(scope="module")
+def model() -> DLRM:
+    torch.set_num_threads(1)
+    return build_model(device="cpu")
+
+
+@contextmanager
+def cpu_bound_server(telemetry: Any, model: DLRM, profiles_dir: Path,
+                     companions: list[Any] | None = None) -> Iterator[tuple[str, ProfilerController]]:
+    """The demo Ranker (slow preprocessing on) with a controller on ``telemetry``; ``companions`` replaces the
+    controller's default ones (the telemetry's CPU profiler)."""
+    controller = ProfilerController(ProfilerConfig(profiles_dir=profiles_dir), telemetry).attach()
+    if companions is not None:
+        controller.companions = companions
+    server, port = build_server(model, interceptors=[ZoomerServerInterceptor(telemetry.recorder)], max_workers=4,
+                                config=ServiceConfig(slow_preprocess_iterations=SLOW_ITERATIONS))
+    try:
+        yield f"127.0.0.1:{port}", controller
+    finally:
+        controller.close(timeout_s=60)
+        server.stop(None).wait(5)
+
+
+@contextmanager
+def background_load(target: str) -> Iterator[None]:
+    stop = threading.Event()
+
+    def run() -> None:
+        rounds = 0
+        while not stop.is_set() and rounds < 200:
+            assert drive_load(target, 0.5, seed=rounds, **LOAD).unexpected == 0
+            rounds += 1
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(30)
+
+
+def profile_session(controller: ProfilerController, target: str, requests: int = 24) -> Any:
+    with background_load(target):
+        controller.start(SessionOptions(max_requests=requests, cuda=False))
+        assert controller.wait_idle(60)
+    info = controller.last
+    assert info is not None and info.outcome == "done", info
+    assert info.trace_path and Path(info.trace_path).is_file()  # the kernel trace is there either way
+    return info
+
+
+def profile_span(rows: list[dict[str, Any]], session_id: str) -> dict[str, Any]:
+    spans = [r for r in rows if r["name"] == "zoomer.profile"
+             and r["attributes"]["zoomer.profile.session_id"] == session_id]
+    assert len(spans) == 1
+    return spans[0]["attributes"]  # type: ignore[no-any-return]
+
+
+def check_profile_files(attrs: dict[str, Any], session_id: str, folder: Path) -> dict[str, Any]:
+    """The speedscope and collapsed files are beside the kernel trace, non-empty, agree with the span, and the
+    demo's slow preprocessing is among the top functions. Returns the top row of that function."""
+    speedscope = Path(attrs[n.CPU_PATH])
+    collapsed = Path(attrs[n.CPU_COLLAPSED_PATH])
+    assert speedscope == (folder / f"{session_id}.cpu.speedscope.json").resolve()
+    assert collapsed == (folder / f"{session_id}.cpu.collapsed.txt").resolve()
+    data = read_speedscope(speedscope)
+    assert data["profiles"] and any(p["samples"] for p in data["profiles"])
+    lines = collapsed.read_text().splitlines()
+    assert lines and all(line.rsplit(" ", 1)[1].isdigit() for line in lines)
+    assert sum(int(line.rsplit(" ", 1)[1]) for line in lines) == attrs[n.CPU_SAMPLES] > 0
+    assert any(f";{SLOW_FUNCTION} (zoomer_serve/demo/service.py:" in line for line in lines)
+    top = dict(zip(attrs[n.CPU_TOP_FUNCTION], zip(attrs[n.CPU_TOP_LOCATION], attrs[n.CPU_TOP_SELF_SHARE],
+                                                  attrs[n.CPU_TOP_TOTAL_SHARE])))
+    assert SLOW_FUNCTION in top, attrs[n.CPU_TOP_FUNCTION]
+    location, own, total = top[SLOW_FUNCTION]
+    assert location.startswith("zoomer_serve/demo/service.py:")
+    assert 0 < own <= total <= 1
+    assert attrs[n.CPU_TOP_SELF_SHARE] == sorted(attrs[n.CPU_TOP_SELF_SHARE], reverse=True)
+    return {"location": location, "self_share": own}
+
+
+def _pyspy_blocker() -> str | None:
+    """Why py-spy cannot read a Python process on this machine, or None when it can (py-spy dump on a child)."""
+    binary = find_pyspy()
+    if binary is None:
+        return "no py-spy binary"
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(20)"])
+    try:
+        time.sleep(0.3)
+        done = subprocess.run([binary, "dump", "--pid", str(child.pid)], capture_output=True, text=True, timeout=30)
+    finally:
+        child.kill()
+        child.wait()
+    return None if done.returncode == 0 else f"py-spy dump failed here: {done.stderr.strip()[:200]}"
+
+
+def test_py_spy_profiles_the_session_and_analyze_names_the_cpu_bound_function(
+        model: DLRM, telemetry: Any, collector: Any, tmp_path: Path) -> None:
+    blocker = _pyspy_blocker()
+    if blocker is not None:
+        pytest.skip(f"py-spy cannot attach on this machine ({blocker}); the fallback tests below cover it")
+    folder = tmp_path / "profiles"
+    with cpu_bound_server(telemetry, model, folder) as (target, controller):
+        info = profile_session(controller, target)
+    rows = collector.spans()
+    attrs = profile_span(rows, info.session_id)
+    assert attrs[n.CPU_SAMPLER] == "py-spy" and n.CPU_UNAVAILABLE not in attrs
+    assert attrs[n.CPU_RATE_HZ] == 100 and attrs[n.CPU_SAMPLER_ERRORS] >= 0
+    assert n.CPU_IDLE_SAMPLES not in attrs  # py-spy does not record idle threads
+    hot = check_profile_files(attrs, info.session_id, folder)
+    assert attrs[n.CPU_TOP_FUNCTION][0] == SLOW_FUNCTION, attrs[n.CPU_TOP_FUNCTION]
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        f"{info.session_id}{suffix}" for suffix in (".cpu.collapsed.txt", ".cpu.speedscope.json", ".pt.trace.json.gz"))
+
+    findings = [f for f in analyze_store(collector.store_path) if f.id == "request.cpu-bound-phase"]
+    assert len(findings) == 1
+    finding = findings[0]
+    assert finding.evidence["phase"] == "preprocess" and "zoomer.demo.v1.Ranker/Predict" in finding.scope
+    assert finding.evidence["cpu_top_functions"][0]["function"] == SLOW_FUNCTION
+    assert finding.evidence["cpu_top_functions"][0]["location"] == hot["location"]
+    assert finding.evidence["cpu_profile_sessions"] == [info.session_id]
+    assert finding.evidence["cpu_profile_requests_count"] == info.requests
+    assert f"{SLOW_FUNCTION} ({hot['location']})" in finding.summary
+    assert finding.recommendation.startswith(f"Start with {SLOW_FUNCTION}")
+    assert 0 < finding.evidence["request_cpu_share"] <= 1.0
+
+
+def test_without_py_spy_the_in_process_sampler_profiles_and_the_reason_is_said_once(
+        model: DLRM, telemetry: Any, collector: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """py-spy missing (``ZOOMER_CPU_PROFILE_PYSPY`` names no binary): two sessions complete with their kernel
+    traces, each span says why py-spy was not used, the log says it once, and the in-process sampler writes a
+    CPU profile whose top functions include the demo's preprocessing; idle threads are kept apart."""
+    folder = tmp_path / "profiles"
+    profiler = CpuProfiler(HostConfig(cpu_profile_pyspy=str(tmp_path / "no-such-py-spy")))
+    caplog.set_level(logging.WARNING, logger="zoomer_serve.host")
+    with cpu_bound_server(telemetry, model, folder, companions=[profiler]) as (target, controller):
+        first = profile_session(controller, target)
+        second = profile_session(controller, target, requests=12)
+    rows = collector.spans()
+    said = [rec for rec in caplog.records if "py-spy cannot sample" in rec.getMessage()]
+    assert len(said) == 1 and "no-such-py-spy" in said[0].getMessage()
+    for info in (first, second):
+        attrs = profile_span(rows, info.session_id)
+        assert attrs[n.CPU_SAMPLER] == "in-process"
+        assert "py-spy binary was not found" in attrs[n.CPU_UNAVAILABLE]
+        assert attrs[n.CPU_DROPPED_SAMPLES] == 0
+        check_profile_files(attrs, info.session_id, folder)
+        assert attrs[n.CPU_IDLE_SAMPLES] > 0  # the server's waiting threads, counted apart
+        data = read_speedscope(Path(attrs[n.CPU_PATH]))
+        idle = [p for p in data["profiles"] if p["name"].endswith(IDLE_SUFFIX)]
+        assert idle and all(p["samples"] for p in idle)
+
+
+def test_py_spy_that_cannot_attach_leaves_the_session_with_its_kernel_trace_and_the_reason(
+        model: DLRM, telemetry: Any, collector: Any, tmp_path: Path) -> None:
+    """``ZOOMER_CPU_PROFILE=py-spy`` (no fallback) and a py-spy that fails to attach as it does without ptrace
+    permission: the session completes with its kernel trace; the span names the sampler ``none`` and quotes
+    py-spy's error; no CPU profile file is written."""
+    fake = tmp_path / "py-spy"
+    fake.write_text("#!/bin/sh\necho 'Error: Permission Denied: Try running again with elevated permissions' >&2\n"
+                    "exit 1\n")
+    fake.chmod(0o755)
+    folder = tmp_path / "profiles"
+    profiler = CpuProfiler(HostConfig(cpu_profile="py-spy", cpu_profile_pyspy=str(fake)))
+    with cpu_bound_server(telemetry, model, folder, companions=[profiler]) as (target, controller):
+        info = profile_session(controller, target, requests=8)
+    attrs = profile_span(collector.spans(), info.session_id)
+    assert attrs[n.CPU_SAMPLER] == "none"
+    assert attrs[n.CPU_UNAVAILABLE] == "Error: Permission Denied: Try running again with elevated permissions"
+    assert n.CPU_PATH not in attrs and n.CPU_TOP_FUNCTION not in attrs
+    assert [p.name for p in folder.iterdir()] == [Path(info.trace_path).name]
+
+
+def test_summary_counts_own_and_total_samples_and_leaves_idle_profiles_out(tmp_path: Path) -> None:
+    """A hand-made speedscope file: two threads, a recursive function, an idle profile."""
+    frames = [{"name": "main", "file": "/srv/app/main.py", "line": 1},
+              {"name": "walk", "file": "/srv/app/tree.py", "line": 10},
+              {"name": "Event.wait", "file": "/usr/lib/python3.11/threading.py", "line": 600}]
+    data = {"shared": {"frames": frames}, "profiles": [
+        {"type": "sampled", "name": 'Thread 1 "MainThread"', "samples": [[0, 1, 1], [0, 1], [0]],
+         "weights": [0.03, 0.01, 0.01]},
+        {"type": "sampled", "name": 'Thread 2 "worker"', "samples": [[0, 1]], "weights": [0.02]},
+        {"type": "sampled", "name": 'Thread 3 "waiter"' + IDLE_SUFFIX, "samples": [[2]], "weights": [0.05]},
+    ]}
+    summary, lines = summarize(data, 100.0, 5, prefixes=["/srv/app", "/usr/lib/python3.11"])
+    assert (summary.samples, summary.idle_samples, summary.threads) == (7, 5, 2)
+    assert [(t.function, t.location, t.self_samples, t.total_samples) for t in summary.top] == [
+        ("walk", "tree.py:10", 6, 6), ("main", "main.py:1", 1, 7)]
+    assert summary.top[0].self_share == pytest.approx(6 / 7, abs=1e-6) and summary.top[1].total_share == 1.0
+    assert lines == ['Thread 1 "MainThread";main (main.py:1);walk (tree.py:10);walk (tree.py:10) 3',
+                     'Thread 2 "worker";main (main.py:1);walk (tree.py:10) 2',
+                     'Thread 1 "MainThread";main (main.py:1) 1',
+                     'Thread 1 "MainThread";main (main.py:1);walk (tree.py:10) 1']
+
+
+def _spin_for(seconds: float) -> int:
+    end = time.monotonic() + seconds
+    x = 0
+    while time.monotonic() < end:
+        x += 1
+    return x
+
+
+def test_in_process_sampler_separates_a_busy_thread_from_a_waiting_one(tmp_path: Path) -> None:
+    release = threading.Event()
+    waiter = threading.Thread(target=release.wait, args=(10,), name="waiter")
+    busy = threading.Thread(target=_spin_for, args=(0.6,), name="busy")
+    waiter.start()
+    busy.start()
+    sampler = InProcessSampler(rate_hz=200, limit_s=5)
+    sampler.start()
+    busy.join(10)
+    sampler.stop()
+    release.set()
+    waiter.join(10)
+    path = tmp_path / "p.json"
+    sampler.write(path)
+    data = read_speedscope(path)
+    summary, lines = summarize(data, 200, 10)
+    names = {p["name"] for p in data["profiles"]}
+    assert f'Thread {waiter.native_id} "waiter"{IDLE_SUFFIX}' in names
+    assert f'Thread {waiter.native_id} "waiter"' not in names  # never on a CPU
+    assert any(line.startswith(f'Thread {busy.native_id} "busy";') and "_spin_for" in line for line in lines)
+    assert "_spin_for" in [t.function for t in summary.top]
+    assert summary.idle_samples > 0 and sampler.dropped == 0
+    assert not any("Event.wait" in line for line in lines)
+    assert os.path.getsize(path) > 0
