@@ -94,3 +94,49 @@ def test_environment_is_read_as_opentelemetry_defines_it():
     assert cfg.excluded_methods == ("a.B/*", "c.D/E")
     assert ZoomerConfig.from_env({"OTEL_SERVICE_NAME": "svc", "OTEL_RESOURCE_ATTRIBUTES": "service.name=x"}
                                  ).service_name == "svc"
+
+
+def test_rpc_histograms_use_upper_inclusive_buckets_and_bound_cardinality(monkeypatch):
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+
+    from zoomer_serve.export import rpc_metrics
+    from zoomer_serve.recording import records as r
+
+    def rec(duration_s, method="a.B/C", kind=r.KIND_SERVER, size=None):
+        attrs = {"rpc.method": method, "rpc.system.name": "grpc", "rpc.response.status_code": "OK"}
+        if size is not None:
+            attrs[rpc_metrics.REQUEST_BYTES] = size
+        return (1, 2, 0, False, 1, None, method, kind, 0, int(duration_s * 1e9), 0, None, attrs, None, None,
+                None, r.F_REQUEST)
+
+    m = rpc_metrics.RpcMetrics()
+    for d in (0.001, 0.005, 0.0051, 20.0):
+        m.record(rec(d, size=100))
+    m.record(rec(0.5, kind=r.KIND_CLIENT))
+    m.record(rec(0.5)[:16] + (0,))  # not a request record: not counted
+    req = ExportMetricsServiceRequest.FromString(m.encode({"service.name": "s"}, "zs", "1", 10, 20, {}))
+    metrics = {x.name: x for x in req.resource_metrics[0].scope_metrics[0].metrics}
+    (dp,) = metrics["rpc.server.call.duration"].histogram.data_points
+    assert dp.count == 4 and dp.bucket_counts[0] == 2 and dp.bucket_counts[1] == 1 and dp.bucket_counts[-1] == 1
+    assert dp.min == 0.001 and dp.max == 20.0 and abs(dp.sum - 20.0111) < 1e-9
+    assert list(metrics["rpc.server.request.size"].histogram.data_points[0].bucket_counts)[:2] == [0, 4]
+    assert metrics["rpc.client.call.duration"].histogram.data_points[0].count == 1
+    assert metrics["rpc.server.call.duration"].unit == "s" and metrics["rpc.server.request.size"].unit == "By"
+
+    monkeypatch.setattr(rpc_metrics, "_MAX_ATTRIBUTE_SETS", 3)
+    m2 = rpc_metrics.RpcMetrics()
+    for i in range(10):
+        m2.record(rec(0.01, method=f"m{i}"))
+    assert m2.dropped_attribute_sets == 7
+    req2 = ExportMetricsServiceRequest.FromString(m2.encode({}, "zs", "1", 10, 20, {}))
+    points = req2.resource_metrics[0].scope_metrics[0].metrics[0].histogram.data_points
+    assert sum(p.count for p in points) == 10
+
+
+def test_exporter_self_metrics_count_exported_spans(collector):
+    zoomer_serve.configure(service_name="self", endpoint=collector.grpc_endpoint, schedule_delay_ms=50,
+                           set_global_providers=False)
+    _record_spans(30)
+    points = collector.metric_points("otel.sdk.exporter.span.exported")
+    exported = [p for p in points if not p["attributes"]]
+    assert exported and max(p["value"] for p in exported) == 30

@@ -1,8 +1,10 @@
-"""Senders of pre-encoded OTLP trace requests: OTLP/gRPC and OTLP/HTTP (protobuf), with the OTLP retry rules.
+"""Senders of pre-encoded OTLP requests (traces or metrics): OTLP/gRPC and OTLP/HTTP (protobuf), with the
+OTLP retry rules.
 
-A sender takes the bytes of one ``ExportTraceServiceRequest`` and a deadline, retries retryable failures
-with exponential back-off until the deadline, and returns True when the collector accepted the request.
-It never raises for network or server errors; those are returned as False with ``last_error`` set.
+A sender takes the bytes of one ``ExportTraceServiceRequest`` (or ``ExportMetricsServiceRequest``) and a
+deadline, retries retryable failures with exponential back-off until the deadline, and returns True when the
+collector accepted the request. It never raises for network or server errors; those are returned as False
+with ``last_error`` set.
 """
 
 from __future__ import annotations
@@ -17,16 +19,22 @@ from typing import Any
 
 from zoomer_serve.config import ExportConfig
 
-_TRACE_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+_GRPC_METHODS = {
+    "traces": "/opentelemetry.proto.collector.trace.v1.TraceService/Export",
+    "metrics": "/opentelemetry.proto.collector.metrics.v1.MetricsService/Export",
+}
 _RETRYABLE_HTTP = {429, 502, 503, 504}
 
 
-class TraceSender:
-    """Base class: ``send(payload, deadline)`` (deadline on ``time.monotonic()``) and ``close()``."""
+class Sender:
+    """Base class: ``send(payload, deadline)`` (deadline on ``time.monotonic()``) and ``close()``;
+    ``signal`` is ``"traces"`` or ``"metrics"``."""
 
-    def __init__(self, cfg: ExportConfig, stop: threading.Event) -> None:
+    def __init__(self, cfg: ExportConfig, stop: threading.Event, signal: str = "traces") -> None:
         self.cfg = cfg
         self.stop = stop
+        self.signal = signal
+        self.endpoint = cfg.traces_endpoint if signal == "traces" else cfg.metrics_endpoint
         self.last_error: str | None = None
 
     def send(self, payload: bytes, deadline: float) -> bool:
@@ -49,15 +57,16 @@ class TraceSender:
         pass
 
 
-class GrpcTraceSender(TraceSender):
-    """OTLP/gRPC: ``TraceService/Export`` with the payload passed through as raw bytes."""
+class GrpcSender(Sender):
+    """OTLP/gRPC: ``TraceService/Export`` (or ``MetricsService/Export``) with the payload passed through as
+    raw bytes."""
 
-    def __init__(self, cfg: ExportConfig, stop: threading.Event) -> None:
-        super().__init__(cfg, stop)
+    def __init__(self, cfg: ExportConfig, stop: threading.Event, signal: str = "traces") -> None:
+        super().__init__(cfg, stop, signal)
         import grpc
 
         self._grpc = grpc
-        url = urllib.parse.urlparse(cfg.traces_endpoint)
+        url = urllib.parse.urlparse(self.endpoint)
         target = f"{url.hostname}:{url.port or (443 if url.scheme == 'https' else 4317)}"
         if url.hostname and ":" in url.hostname:
             target = f"[{url.hostname}]:{url.port or 4317}"
@@ -65,7 +74,8 @@ class GrpcTraceSender(TraceSender):
             self._channel = grpc.secure_channel(target, grpc.ssl_channel_credentials())
         else:
             self._channel = grpc.insecure_channel(target)
-        self._call = self._channel.unary_unary(_TRACE_METHOD, request_serializer=None, response_deserializer=None)
+        self._call = self._channel.unary_unary(_GRPC_METHODS[signal], request_serializer=None,
+                                               response_deserializer=None)
         self._metadata = tuple((k.lower(), v) for k, v in cfg.headers.items())
         self._compression = grpc.Compression.Gzip if cfg.compression == "gzip" else None
         self._retryable = {
@@ -90,7 +100,7 @@ class GrpcTraceSender(TraceSender):
         self._channel.close()
 
 
-class HttpTraceSender(TraceSender):
+class HttpSender(Sender):
     """OTLP/HTTP with ``Content-Type: application/x-protobuf`` (and gzip when configured)."""
 
     def _attempt(self, payload: bytes, deadline: float) -> tuple[bool, bool]:
@@ -99,7 +109,7 @@ class HttpTraceSender(TraceSender):
         if self.cfg.compression == "gzip":
             body = gzip.compress(payload)
             headers["Content-Encoding"] = "gzip"
-        req = urllib.request.Request(self.cfg.traces_endpoint, data=body, headers=headers, method="POST")
+        req = urllib.request.Request(self.endpoint, data=body, headers=headers, method="POST")
         timeout = max(0.05, deadline - time.monotonic())
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -113,11 +123,11 @@ class HttpTraceSender(TraceSender):
             return False, True
 
 
-def make_sender(cfg: ExportConfig, stop: threading.Event) -> TraceSender:
-    """The sender for ``cfg.protocol``."""
+def make_sender(cfg: ExportConfig, stop: threading.Event, signal: str = "traces") -> Sender:
+    """The sender of ``signal`` (``"traces"`` or ``"metrics"``) for ``cfg.protocol``."""
     if cfg.protocol == "grpc":
-        return GrpcTraceSender(cfg, stop)
-    return HttpTraceSender(cfg, stop)
+        return GrpcSender(cfg, stop, signal)
+    return HttpSender(cfg, stop, signal)
 
 
 def sdk_metric_exporter(cfg: ExportConfig) -> Any:

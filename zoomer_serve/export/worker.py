@@ -28,7 +28,7 @@ from typing import Any
 from zoomer_serve.config import ExportConfig
 from zoomer_serve.export.otlp_wire import SpanEncoder
 from zoomer_serve.export.rpc_metrics import RpcMetrics
-from zoomer_serve.export.transport import make_sender, sdk_metric_exporter
+from zoomer_serve.export.transport import make_sender
 from zoomer_serve.recording import records as r
 
 logger = logging.getLogger("zoomer_serve.export")
@@ -61,46 +61,30 @@ def _span_count(batch: list[tuple[Any, ...]]) -> int:
 class ExportWorker:
     """Consumes record batches (``put``), encodes sampled spans, exports them in batches of at most
     ``cfg.max_export_batch_size`` every ``cfg.schedule_delay_ms`` (or sooner when a batch is full), and
-    records the RPC metrics of every request record on an SDK ``MeterProvider`` with ``resource``."""
+    aggregates the RPC metrics of every request record, exported every ``cfg.metric_export_interval_ms``
+    and at shutdown (see :mod:`zoomer_serve.export.rpc_metrics`)."""
 
     def __init__(self, cfg: ExportConfig, resource: dict[str, Any], version: str = "0") -> None:
         self.cfg = cfg
         self.stats = ExportStats()
         self.parent_dropped = 0
+        self._resource = resource
+        self._version = version
         self._stop = threading.Event()
         self._queue: queue.Queue[list[tuple[Any, ...]] | None] = queue.Queue(
             maxsize=max(4, cfg.max_queue_size // 16))
         self._encoder = SpanEncoder(resource, SCOPE_NAME, version)
-        self._sender = make_sender(cfg, self._stop)
+        self._sender = make_sender(cfg, self._stop, "traces")
+        self._metric_sender = make_sender(cfg, self._stop, "metrics")
         self._pending: list[bytes] = []
         self._last_flush = time.monotonic()
-        self._meter_provider = self._make_meter_provider(resource)
-        self._metrics = RpcMetrics(self._meter_provider.get_meter(SCOPE_NAME, version))
+        self._metrics = RpcMetrics()
+        self._metrics_lock = threading.Lock()
+        self._metrics_start_ns = time.time_ns()
+        self._last_metrics = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="zoomer-export", daemon=True)
         self._logged_failure = False
-
-    def _make_meter_provider(self, resource: dict[str, Any]) -> Any:
-        from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-        from opentelemetry.sdk.resources import Resource
-
-        reader = PeriodicExportingMetricReader(sdk_metric_exporter(self.cfg),
-                                               export_interval_millis=self.cfg.metric_export_interval_ms,
-                                               export_timeout_millis=self.cfg.timeout_ms)
-        provider = MeterProvider(resource=Resource(resource), metric_readers=[reader])
-        meter = provider.get_meter(SCOPE_NAME)
-        meter.create_observable_counter(
-            "otel.sdk.exporter.span.exported", unit="{span}",
-            description="Spans the zoomer-serve exporter sent (error.type set when they were lost)",
-            callbacks=[self._observe_exported])
-        return provider
-
-    def _observe_exported(self, options: Any) -> Any:
-        from opentelemetry.metrics import Observation
-
-        return [Observation(self.stats.exported, {}),
-                Observation(self.stats.dropped_export, {"error.type": "export_failed"}),
-                Observation(self.stats.dropped_queue + self.parent_dropped, {"error.type": "queue_full"})]
+        self._logged_metrics_failure = False
 
     def start(self) -> None:
         self._thread.start()
@@ -114,8 +98,10 @@ class ExportWorker:
 
     def _run(self) -> None:
         delay = self.cfg.schedule_delay_ms / 1000
+        metric_interval = self.cfg.metric_export_interval_ms / 1000
         while True:
-            timeout = max(0.0, self._last_flush + delay - time.monotonic())
+            now = time.monotonic()
+            timeout = max(0.0, min(self._last_flush + delay, self._last_metrics + metric_interval) - now)
             try:
                 batch = self._queue.get(timeout=timeout)
             except queue.Empty:
@@ -123,18 +109,26 @@ class ExportWorker:
             if batch is None:
                 return
             self._ingest(batch)
-            due = time.monotonic() - self._last_flush >= delay
+            now = time.monotonic()
+            due = now - self._last_flush >= delay
             if len(self._pending) >= self.cfg.max_export_batch_size or (due and self._pending):
-                self._flush(time.monotonic() + self.cfg.timeout_ms / 1000)
+                self._flush(now + self.cfg.timeout_ms / 1000)
             elif due:
-                self._last_flush = time.monotonic()
+                self._last_flush = now
+            if now - self._last_metrics >= metric_interval:
+                self._export_metrics(now + self.cfg.timeout_ms / 1000)
 
     def _ingest(self, batch: list[tuple[Any, ...]]) -> None:
+        with self._metrics_lock:
+            for rec in batch:
+                try:
+                    self._metrics.record(rec)
+                except Exception as exc:  # a malformed record must not stop the exporter
+                    logger.warning("zoomer-serve: could not aggregate a request record: %r", exc)
         encode = self._encoder.encode_span
         for rec in batch:
             self.stats.records += 1
             try:
-                self._metrics.record(rec)
                 if rec[r.R_FLAGS] & r.F_SAMPLED:
                     self._pending.append(encode(rec))
                     for child in rec[r.R_CHILDREN] or ():
@@ -163,6 +157,27 @@ class ExportWorker:
                                    "them (logged once)", self.cfg.traces_endpoint, self._sender.last_error)
         self._last_flush = time.monotonic()
 
+    def _counters(self) -> dict[str, dict[tuple[tuple[str, str], ...], int]]:
+        return {"otel.sdk.exporter.span.exported": {
+            (): self.stats.exported,
+            (("error.type", "export_failed"),): self.stats.dropped_export,
+            (("error.type", "queue_full"),): self.stats.dropped_queue + self.parent_dropped,
+        }}
+
+    def _export_metrics(self, deadline: float) -> bool:
+        """Send the cumulative metrics once; failures are logged once (the next export carries the totals)."""
+        self._last_metrics = time.monotonic()
+        with self._metrics_lock:
+            payload = self._metrics.encode(self._resource, SCOPE_NAME, self._version, self._metrics_start_ns,
+                                           time.time_ns(), self._counters())
+        if self._metric_sender.send(payload, deadline):
+            return True
+        if not self._logged_metrics_failure:
+            self._logged_metrics_failure = True
+            logger.warning("zoomer-serve: could not export metrics to %s (%s); the next export carries the "
+                           "totals (logged once)", self.cfg.metrics_endpoint, self._metric_sender.last_error)
+        return False
+
     def shutdown(self, timeout_s: float) -> ExportStats:
         """Export what is queued, then stop; returns within about ``timeout_s`` seconds whatever the
         collector does. Spans not sent by then are counted as dropped."""
@@ -174,17 +189,16 @@ class ExportWorker:
         self._thread.join(max(0.0, deadline - time.monotonic()))
         self._stop.set()
         alive = self._thread.is_alive()
-        if not alive:
-            self._drain_queue()  # every record is now counted in the metrics ...
-        metrics_done = threading.Thread(target=self._shutdown_metrics,  # ... before their final collection
-                                        args=(max(0.0, deadline - time.monotonic()),), daemon=True)
-        metrics_done.start()
-        if not alive:
-            self._flush(deadline)
-        metrics_done.join(max(0.0, deadline - time.monotonic()))
         if alive:
             self.stats.dropped_export += len(self._pending)
+        else:
+            self._drain_queue()  # every record is now counted in the metrics ...
+            self._flush(deadline)  # ... and every span in the exporter's own counters
+        metrics_done = threading.Thread(target=self._export_metrics, args=(deadline,), daemon=True)
+        metrics_done.start()
+        metrics_done.join(max(0.0, deadline - time.monotonic()))
         self._sender.close()
+        self._metric_sender.close()
         return self.stats
 
     def _drain_queue(self) -> None:
@@ -195,12 +209,6 @@ class ExportWorker:
                 return
             if batch:
                 self._ingest(batch)
-
-    def _shutdown_metrics(self, timeout_s: float) -> None:
-        try:
-            self._meter_provider.shutdown(timeout_millis=timeout_s * 1000)
-        except Exception as exc:
-            logger.warning("zoomer-serve: metric export at shutdown failed: %r", exc)
 
 
 def _read_exact(stream: Any, n: int) -> bytes | None:
