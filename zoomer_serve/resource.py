@@ -19,7 +19,7 @@ _INSTANCE_ID = str(uuid.uuid4())
 def build_resource_attributes(cfg: ZoomerConfig) -> dict[str, Any]:
     """Resource attributes: ``service.name``, ``service.instance.id`` (a UUID per process unless
     ``OTEL_RESOURCE_ATTRIBUTES`` sets one), ``host.name``, ``process.pid``, ``process.runtime.*``,
-    ``telemetry.sdk.*``, ``zoomer.torch.version`` (when torch is importable) and, when CUDA is available,
+    ``telemetry.sdk.*``, ``zoomer.torch.version`` (when this process has imported torch) and, when CUDA is available,
     ``zoomer.gpu.model`` (``torch.cuda.get_device_name``), ``zoomer.gpu.count`` and
     ``zoomer.gpu.driver_version`` (NVML ``nvmlSystemGetDriverVersion``). Attributes from
     ``OTEL_RESOURCE_ATTRIBUTES`` win over detected ones, except ``service.name`` which comes from the config.
@@ -43,9 +43,8 @@ def build_resource_attributes(cfg: ZoomerConfig) -> dict[str, Any]:
 
 
 def _torch_attributes() -> dict[str, Any]:
-    try:
-        import torch
-    except ImportError:
+    torch = sys.modules.get("torch")  # only a process that already uses torch; never import it here
+    if torch is None:
         return {}
     out: dict[str, Any] = {"zoomer.torch.version": torch.__version__}
     try:

@@ -195,7 +195,9 @@ def _sdk_providers(cfg: ZoomerConfig, resource: dict[str, Any], set_global: bool
 
     res = Resource(resource)
     exp = cfg.export
-    tracer_provider = TracerProvider(resource=res, sampler=ParentBased(TraceIdRatioBased(cfg.sampler_ratio)))
+    # shutdown_on_exit=False: Telemetry.shutdown (registered with atexit) shuts them down, within its budget
+    tracer_provider = TracerProvider(resource=res, sampler=ParentBased(TraceIdRatioBased(cfg.sampler_ratio)),
+                                     shutdown_on_exit=False)
     if exp.mode != "none":
         tracer_provider.add_span_processor(BatchSpanProcessor(
             sdk_span_exporter(exp), max_queue_size=exp.max_queue_size, schedule_delay_millis=exp.schedule_delay_ms,
@@ -205,7 +207,7 @@ def _sdk_providers(cfg: ZoomerConfig, resource: dict[str, Any], set_global: bool
         readers.append(PeriodicExportingMetricReader(sdk_metric_exporter(exp),
                                                      export_interval_millis=exp.metric_export_interval_ms,
                                                      export_timeout_millis=exp.timeout_ms))
-    meter_provider = MeterProvider(resource=res, metric_readers=readers)
+    meter_provider = MeterProvider(resource=res, metric_readers=readers, shutdown_on_exit=False)
     if set_global:
         if type(trace.get_tracer_provider()).__name__ == "ProxyTracerProvider":
             trace.set_tracer_provider(tracer_provider)
