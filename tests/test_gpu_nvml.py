@@ -183,7 +183,9 @@ def test_nvml_that_cannot_initialise_is_unavailable_with_its_reason():
 def test_no_driver_means_one_warning_no_sampler_and_no_observer(caplog):
     """C09, for real: nvidia-ml-py is installed here, there is no NVIDIA driver and torch is a CPU build.
     GPU telemetry is off with one clear warning, no thread is started and no observer is on the request
-    path."""
+    path. (torch is imported first, as in a PyTorch server: the probe never imports it itself.)"""
+    import torch  # noqa: F401
+
     rec = RequestRecorder(otel_context=False)
     with caplog.at_level(logging.DEBUG, logger="zoomer_serve"):
         gpu = install_gpu_telemetry(GpuTelemetryConfig(), rec, None)
