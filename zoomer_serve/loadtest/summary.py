@@ -87,7 +87,8 @@ class ProfileSummary:
     """The run's profiling session, as the trigger saw it and as the trace says.
 
     ``state`` / ``reason``: from the trigger (``finished``, ``failed``, ``warming``, ``off`` ...);
-    ``started_after_s``: seconds from spawning complete to the Start call; ``session``: the final
+    ``started_after_s``: seconds from spawning complete to the Start call; ``requests_before_start``: locust's
+    count in that time; ``rolling_cv``: the stability check's last CV (None when it is off); ``session``: the final
     ``SessionInfo`` (dict); ``trace_file``: the trace as read here (None when not readable);
     ``top_kernels``: by total GPU time; ``per_request``: over the covered requests found in the trace:
     ``requests``, ``kernel_time_us_mean`` / ``_p50`` / ``_p99``, ``cpu_ops_mean``, ``range_ms_p50`` (the
@@ -99,6 +100,7 @@ class ProfileSummary:
     target: str | None = None
     started_after_s: float | None = None
     requests_before_start: int | None = None
+    rolling_cv: float | None = None
     session: dict[str, Any] | None = None
     trace_file: str | None = None
     top_kernels: list[KernelRow] = field(default_factory=list)
@@ -246,7 +248,8 @@ def profile_summary(record: dict[str, Any], profiles_dir: Path | None = None, to
     it is readable here (a trace that cannot be parsed is reported in ``reason``, not raised)."""
     session = record.get("session")
     base = ProfileSummary(state=record["state"], reason=record.get("reason"), target=record.get("target"),
-                          started_after_s=record.get("warmup_elapsed_s"), requests_before_start=record.get("requests_before_start"),
+                          started_after_s=record.get("warmup_elapsed_s"), rolling_cv=record.get("rolling_cv"),
+                          requests_before_start=record.get("requests_before_start"),
                           session=session)
     trace = readable_trace(session.get("trace_path") if session else None, profiles_dir)
     if trace is None:
@@ -323,6 +326,8 @@ def _render_profile(profile: ProfileSummary | None, console: Any) -> None:
     head = f"profile: {profile.state}"
     if profile.started_after_s is not None:
         head += f", started {profile.started_after_s:.1f} s after spawning completed"
+        if profile.rolling_cv is not None:
+            head += f" (rolling-median CV {profile.rolling_cv:.3f})"
     if session:
         head += (f"; session {session.get('session_id')} {session.get('outcome') or 'active'}: "
                  f"{session.get('requests')} requests, stop reason {session.get('stop_reason')}")
