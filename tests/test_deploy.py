@@ -488,7 +488,7 @@ def test_volumes_hold_the_store_and_the_profile_traces(services: dict[str, Any])
     report = zoomer_args(services["report"])
     assert report.store == store and mounts("report")[str(store.parent)] == "zoomer-data"
     for name in ("model-server", "locust"):
-        profile_dir = services[name]["environment"]["ZOOMER_PROFILE_DIR"]
+        profile_dir = services[name]["environment"]["ZOOMER_PROFILES_DIR"]
         assert mounts(name)[profile_dir] == "profile-traces", name
 
 
@@ -818,3 +818,11 @@ def test_healthcheck_http_and_wait(http_server: Any, healthcheck_module: ModuleT
 def test_healthcheck_rejects_a_malformed_target(bad: str) -> None:
     done = subprocess.run([sys.executable, str(HEALTHCHECK), bad], capture_output=True, text=True, timeout=30)
     assert done.returncode == 2 and f"target {bad!r}" in done.stderr
+
+
+def test_model_server_admin_service_needs_a_token(services: dict[str, Any]) -> None:
+    """The profiler admin service is closed by default: compose refuses to start without a token (an empty
+    one would make serve-demo refuse to start), and the profiles go to the shared volume."""
+    env = services["model-server"]["environment"]
+    assert env["ZOOMER_ADMIN_TOKEN"].startswith("${ZOOMER_ADMIN_TOKEN:?")
+    assert env["ZOOMER_PROFILES_DIR"] == "/profiles"
