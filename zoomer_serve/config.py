@@ -21,7 +21,7 @@ environment. A bad value raises :class:`ConfigError` naming the variable and the
 | old RPC names too | ``OTEL_SEMCONV_STABILITY_OPT_IN`` containing ``rpc/dup`` | off |
 | SDK off | ``OTEL_SDK_DISABLED=true`` | false |
 | export mode | ``ZOOMER_EXPORT_MODE``: ``process`` (a helper process encodes and sends), ``thread``, ``none`` | ``process`` |
-| excluded methods | ``ZOOMER_EXCLUDED_METHODS`` (comma-separated globs over ``pkg.Service/Method``) | health and reflection |
+| excluded methods | ``ZOOMER_EXCLUDED_METHODS`` (comma-separated globs over ``pkg.Service/Method``) | health, reflection, the profiler admin service |
 | store | ``ZOOMER_STORE`` | ``./zoomer-data/zoomer.duckdb`` |
 | GPU telemetry | ``ZOOMER_GPU`` and ``ZOOMER_GPU_*`` (see :mod:`zoomer_serve.telemetry.config`) | ``auto`` |
 | host telemetry | ``ZOOMER_HOST``, ``ZOOMER_HOST_*`` and ``ZOOMER_CPU_PROFILE*`` (see :mod:`zoomer_serve.host.config`) | ``on`` |
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from zoomer_serve.host.config import HostConfig
     from zoomer_serve.telemetry.config import GpuTelemetryConfig
 
-DEFAULT_EXCLUDED_METHODS = ("grpc.health.v1.Health/*", "grpc.reflection.*")
+DEFAULT_EXCLUDED_METHODS = ("grpc.health.v1.Health/*", "grpc.reflection.*", "zoomer.profiling.v1.ProfilerControl/*")
 PROTOCOLS = ("grpc", "http/protobuf")
 EXPORT_MODES = ("process", "thread", "none")
 

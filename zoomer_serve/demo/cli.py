@@ -82,8 +82,9 @@ def run_serve_demo(args: argparse.Namespace) -> int:
         return 2
     device = pick_device()
     model = build_model(device=device)
-    # the aio demo server takes no extra services: there the admin service gets its own loopback port
-    admin_port = profiling.serve_own_port() if args.server == "aio" else None
+    # the aio and Thrift demo servers take no extra gRPC services: there the admin service gets its own port
+    own_port = args.server == "aio" or args.transport == "thrift"
+    admin_port = profiling.serve_own_port() if own_port else None
 
     def ready(port: int) -> None:
         print(json.dumps({"event": "ready", "host": args.host, "port": port, "device": str(device),
