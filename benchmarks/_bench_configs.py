@@ -16,11 +16,18 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 BARE = "bare"
 CONTRIB = "contrib"
 ZOOMER = "zoomer"
+
+# Transports: how a configuration plugs into a server kind.
+GRPC = "grpc"  # interceptors are grpc.ServerInterceptor objects for grpc.server(interceptors=...)
+GRPC_AIO = "grpc_aio"  # grpc.aio.ServerInterceptor objects for grpc.aio.server(interceptors=...)
+THRIFT = "thrift"  # thriftpy2 has no interceptor chain: the one "interceptor" is the server builder to use
+ALL_TRANSPORTS = (GRPC, GRPC_AIO, THRIFT)
 
 
 # -- instrumentation (runs in the server process) ------------------------------------------------------
@@ -28,7 +35,8 @@ ZOOMER = "zoomer"
 class Instrumentation:
     """What a configuration installs in a server process.
 
-    ``interceptors``: handed to the server kind's ``start``. ``shutdown``: flushes and stops the
+    ``interceptors``: handed to the server kind's ``start`` (for :data:`THRIFT`: at most one, a callable with
+    ``interceptors.make_thrift_server``'s signature that builds the server instead of thriftpy2's plain one). ``shutdown``: flushes and stops the
     instrumentation before the server stops (bounded in time); returns counters for the report.
     ``helper_pids``: processes the instrumentation runs besides the server (their CPU counts too; children
     of the server are found anyway, this names any that are not).
@@ -39,17 +47,34 @@ class Instrumentation:
     helper_pids: Callable[[], list[int]] = lambda: []
 
 
-def no_instrumentation() -> Instrumentation:
+def no_instrumentation(transport: str = GRPC) -> Instrumentation:
     return Instrumentation()
 
 
-def zoomer_interceptor() -> Instrumentation:
-    """``ZoomerServerInterceptor()`` on zoomer-serve's default path: configured from the environment on
-    construction, records to the bounded queue, exports through the helper process over OTLP/gRPC."""
+def _zoomer_adapter(transport: str) -> Any:
+    """zoomer-serve's adapter for ``transport``, on the process's telemetry (configured from the environment
+    on first use; the export helper has said it is ready when this returns)."""
+    import interceptors
     import zoomer_serve
-    from interceptors import ZoomerServerInterceptor
 
-    interceptor = ZoomerServerInterceptor()
+    zoomer_serve.get_telemetry()
+    if transport == GRPC:
+        return interceptors.ZoomerServerInterceptor()
+    if transport == GRPC_AIO:
+        return interceptors.ZoomerAioServerInterceptor()
+    if transport == THRIFT:
+        return interceptors.make_thrift_server
+    raise ValueError(f"unknown transport {transport!r}; known: {', '.join(ALL_TRANSPORTS)}")
+
+
+def zoomer_interceptor(transport: str = GRPC) -> Instrumentation:
+    """zoomer-serve's adapter for the transport on zoomer-serve's default path: configured from the environment,
+    records to the bounded queue, exports through the helper process over OTLP/gRPC. gRPC:
+    ``ZoomerServerInterceptor()``; grpc.aio: ``ZoomerAioServerInterceptor()``; Thrift:
+    ``interceptors.make_thrift_server`` (a ``TracedProcessor`` behind metered transports)."""
+    import zoomer_serve
+
+    interceptor = _zoomer_adapter(transport)
 
     def shutdown() -> dict[str, Any]:
         stats = zoomer_serve.shutdown(timeout_s=10.0)
@@ -64,28 +89,28 @@ def zoomer_interceptor() -> Instrumentation:
     return Instrumentation([interceptor], shutdown, helper_pids)
 
 
-def zoomer_record_only() -> Instrumentation:
+def zoomer_record_only(transport: str = GRPC) -> Instrumentation:
     """The zoomer-serve interceptor with ``ZOOMER_EXPORT_MODE=none``: the request path records and drops each
     record (no queue, no writer thread, no helper). Isolates the recording cost."""
     os.environ["ZOOMER_EXPORT_MODE"] = "none"
-    return zoomer_interceptor()
+    return zoomer_interceptor(transport)
 
 
-def zoomer_thread_export() -> Instrumentation:
+def zoomer_thread_export(transport: str = GRPC) -> Instrumentation:
     """The zoomer-serve interceptor with ``ZOOMER_EXPORT_MODE=thread``: encoding and OTLP export in a thread
     of the server process instead of the helper process."""
     os.environ["ZOOMER_EXPORT_MODE"] = "thread"
-    return zoomer_interceptor()
+    return zoomer_interceptor(transport)
 
 
-def contrib_interceptor() -> Instrumentation:
-    """``opentelemetry-instrumentation-grpc``'s ``server_interceptor()`` set up as its documentation shows:
-    an SDK ``TracerProvider`` with a ``BatchSpanProcessor`` over ``OTLPSpanExporter``, and a ``MeterProvider``
+def contrib_interceptor(transport: str = GRPC) -> Instrumentation:
+    """``opentelemetry-instrumentation-grpc``'s ``server_interceptor()`` (grpc.aio: ``aio_server_interceptor()``)
+    set up as its documentation shows: an SDK ``TracerProvider`` with a ``BatchSpanProcessor`` over ``OTLPSpanExporter``, and a ``MeterProvider``
     with a ``PeriodicExportingMetricReader`` over ``OTLPMetricExporter`` (SDK defaults otherwise)."""
     from opentelemetry import metrics, trace
     from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    from opentelemetry.instrumentation.grpc import server_interceptor
+    from opentelemetry.instrumentation.grpc import aio_server_interceptor, server_interceptor
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
     from opentelemetry.sdk.resources import Resource
@@ -107,31 +132,45 @@ def contrib_interceptor() -> Instrumentation:
         meter_provider.shutdown(timeout_millis=5_000)
         return {"flushed": bool(flushed)}
 
-    return Instrumentation([server_interceptor()], shutdown)
+    if transport not in (GRPC, GRPC_AIO):
+        raise ValueError(f"the contrib interceptor has no {transport!r} form")
+    return Instrumentation([server_interceptor() if transport == GRPC else aio_server_interceptor()], shutdown)
 
 
 @dataclass(frozen=True)
 class Configuration:
-    """One instrumentation setup: ``name`` (a JSON key), ``label`` (for tables), ``instrument`` (factory
-    run in the server process before the server is built), ``exports`` (one SERVER span per request should
-    reach the collector), ``default`` (measured unless ``--configs`` names the configurations to run)."""
+    """One instrumentation setup: ``name`` (a JSON key), ``label`` (for tables), ``instrument`` (factory run
+    in the server process before the server is built, given the server kind's transport), ``exports`` (one
+    SERVER span per request should reach the collector), ``default`` (measured unless ``--configs`` names the
+    configurations to run), ``transports`` (the server kinds it applies to; other kinds skip it)."""
 
     name: str
     label: str
-    instrument: Callable[[], Instrumentation]
+    instrument: Callable[[str], Instrumentation]
     exports: bool = True
     default: bool = True
+    transports: tuple[str, ...] = ALL_TRANSPORTS
 
 
 CONFIGURATIONS: tuple[Configuration, ...] = (
     Configuration(BARE, "bare (no interceptor)", no_instrumentation, exports=False),
     Configuration(ZOOMER, "zoomer-serve interceptor, helper-process OTLP export", zoomer_interceptor),
-    Configuration(CONTRIB, "OTel contrib interceptor + SDK BatchSpanProcessor + OTLP", contrib_interceptor),
+    Configuration(CONTRIB, "OTel contrib interceptor + SDK BatchSpanProcessor + OTLP", contrib_interceptor,
+                  transports=(GRPC, GRPC_AIO)),
     Configuration("zoomer_record_only", "zoomer-serve interceptor, records dropped (ZOOMER_EXPORT_MODE=none)",
                   zoomer_record_only, exports=False, default=False),
     Configuration("zoomer_thread", "zoomer-serve interceptor, in-process export thread (ZOOMER_EXPORT_MODE=thread)",
                   zoomer_thread_export, default=False),
 )
+
+
+def _with_gpu_rows(configs: tuple[Configuration, ...]) -> tuple[Configuration, ...]:
+    from _bench_gpu import gpu_configurations  # its rows are built on Configuration (defined above)
+
+    return configs + tuple(gpu_configurations())
+
+
+CONFIGURATIONS = _with_gpu_rows(CONFIGURATIONS)
 
 
 # -- server kinds ----------------------------------------------------------------------------------------
@@ -188,6 +227,113 @@ def start_model(interceptors: list[Any]) -> RunningServer:
     return RunningServer(port, lambda: server.stop(1.0).wait(5.0))
 
 
+def start_echo_aio(interceptors: list[Any]) -> RunningServer:
+    """A ``grpc.aio`` server with the same raw-bytes unary echo (an ``async def`` handler), served by an event
+    loop that runs in a thread of the server process (the process's only event loop)."""
+    import asyncio
+    import threading
+
+    import grpc
+
+    async def echo(request: bytes, context: Any) -> bytes:
+        return request
+
+    loop = asyncio.new_event_loop()
+    ready: dict[str, Any] = {}
+    started = threading.Event()
+
+    async def serve() -> None:
+        server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            ECHO_SERVICE, {"Echo": grpc.unary_unary_rpc_method_handler(echo)}),))
+        ready["port"] = server.add_insecure_port("127.0.0.1:0")
+        ready["stop"] = asyncio.Event()
+        await server.start()
+        started.set()
+        await ready["stop"].wait()
+        await server.stop(1.0)
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(serve())
+        except BaseException as exc:  # reported to the starting thread
+            ready["error"] = exc
+            started.set()
+        finally:
+            loop.close()
+
+    thread = threading.Thread(target=run, name="bench-aio-loop", daemon=True)
+    thread.start()
+    if not started.wait(60) or "error" in ready:
+        raise RuntimeError(f"the grpc.aio echo server did not start: {ready.get('error', 'timeout')}")
+
+    def stop() -> None:
+        loop.call_soon_threadsafe(ready["stop"].set)
+        thread.join(10.0)
+
+    return RunningServer(ready["port"], stop)
+
+
+THRIFT_IDL = Path(__file__).resolve().parent / "bench_echo.thrift"
+
+
+def _echo_thrift() -> Any:
+    import thriftpy2
+
+    return thriftpy2.load(str(THRIFT_IDL), module_name="bench_echo_thrift")
+
+
+class _ThriftEcho:
+    def echo(self, payload: bytes) -> bytes:
+        return payload
+
+
+def _plain_thrift_server(service: Any, handler: object, host: str, port: int) -> Any:
+    """thriftpy2's own server as ``thriftpy2.rpc.make_server`` builds it (``TThreadedServer`` over a
+    ``TProcessor``, its default binary protocol and buffered transport, 3 s client timeout), except that the
+    socket binds to port 0 before serving (thriftpy2's helper refuses port 0)."""
+    from thriftpy2.server import TThreadedServer
+    from thriftpy2.thrift import TProcessor
+
+    from interceptors.thrift_server import BoundServerSocket
+
+    sock = BoundServerSocket(host=host, port=port, client_timeout=3000)
+    sock.listen()
+    return TThreadedServer(TProcessor(service, handler), sock, daemon=True)
+
+
+def start_thrift_echo(interceptors: list[Any]) -> RunningServer:
+    """A thriftpy2 threaded server (a thread per connection) with one method, ``Echo.echo(binary) -> binary``
+    (``benchmarks/bench_echo.thrift``). Bare: thriftpy2's plain processor; zoomer: the builder the
+    configuration hands over (``interceptors.make_thrift_server``)."""
+    import threading
+
+    if len(interceptors) > 1:
+        raise ValueError("a Thrift server kind takes at most one server builder")
+    service = _echo_thrift().Echo
+    if interceptors:
+        server = interceptors[0](service, _ThriftEcho(), "127.0.0.1", 0)
+        server.start()
+        return RunningServer(int(server.port), server.stop)
+    server = _plain_thrift_server(service, _ThriftEcho(), "127.0.0.1", 0)
+    thread = threading.Thread(target=server.serve, name="bench-thrift-accept", daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        import socket
+
+        server.close()
+        try:  # wake the blocked accept() so that the loop sees ``closed``
+            socket.create_connection(("127.0.0.1", server.trans.port), timeout=1.0).close()
+        except OSError:
+            pass
+        thread.join(5.0)
+        server.trans.close()
+
+    return RunningServer(int(server.trans.port), stop)
+
+
 def echo_payloads() -> list[bytes]:
     return [bytes([i]) * ECHO_PAYLOAD_BYTES for i in range(8)]
 
@@ -220,17 +366,32 @@ def grpc_unary_caller(method: str) -> Callable[[str], tuple[Callable[[bytes], An
     return make
 
 
+def thrift_echo_caller(target: str) -> tuple[Callable[[bytes], Any], Callable[[], None]]:
+    """A thriftpy2 client (``thriftpy2.rpc.make_client``, its default protocol and transport) of the echo."""
+    from thriftpy2.rpc import make_client
+
+    host, port = target.rsplit(":", 1)
+    client = make_client(_echo_thrift().Echo, host, int(port), timeout=10_000)
+    return client.echo, client.close
+
+
 @dataclass(frozen=True)
 class ServerKind:
     """A service under test: ``start`` (server process: interceptors -> RunningServer), ``payloads``
     (client process: the request bodies, sent round-robin), ``caller`` (client process, one per client
-    thread: target -> (call(payload), close()); a failed call raises)."""
+    thread: target -> (call(payload), close()); a failed call raises), ``transport`` (what the
+    configurations' instrumentation must produce for ``start``; configurations without it are skipped)."""
 
     name: str
     label: str
     start: Callable[[list[Any]], RunningServer]
     payloads: Callable[[], list[bytes]]
     caller: Callable[[str], tuple[Callable[[bytes], Any], Callable[[], None]]]
+    transport: str = GRPC
+
+    def runs(self, config: Configuration) -> bool:
+        """Whether ``config`` applies to this kind."""
+        return self.transport in config.transports
 
 
 SERVER_KINDS: tuple[ServerKind, ...] = (
@@ -238,6 +399,10 @@ SERVER_KINDS: tuple[ServerKind, ...] = (
                grpc_unary_caller(ECHO_METHOD)),
     ServerKind("model", f"demo DLRM Ranker.Predict, {MODEL_CANDIDATES} candidates, 1 torch thread", start_model,
                model_payloads, grpc_unary_caller(MODEL_METHOD)),
+    ServerKind("echo_aio", f"grpc.aio unary echo, {ECHO_PAYLOAD_BYTES} B raw bytes, async handler", start_echo_aio,
+               echo_payloads, grpc_unary_caller(ECHO_METHOD), GRPC_AIO),
+    ServerKind("thrift_echo", f"thriftpy2 threaded server, Echo.echo({ECHO_PAYLOAD_BYTES} B binary)",
+               start_thrift_echo, echo_payloads, thrift_echo_caller, THRIFT),
 )
 
 

@@ -27,7 +27,7 @@ def _fakes() -> Any:
     return _fake_gpu
 
 
-def zoomer_gpu_fake_interceptor() -> Any:
+def zoomer_gpu_fake_interceptor(transport: str = "grpc") -> Any:
     """The ``zoomer`` configuration plus GPU telemetry over the fake sources: per-request memory attributes,
     peak resets, OOM observer, NVML sampler (1 s) and the per-request utilization attribute."""
     from _bench_configs import zoomer_interceptor
@@ -36,18 +36,19 @@ def zoomer_gpu_fake_interceptor() -> Any:
     from zoomer_serve.telemetry import GpuTelemetryConfig, attach_gpu_telemetry
 
     fakes = _fakes()
-    instrumentation = zoomer_interceptor()
+    instrumentation = zoomer_interceptor(transport)
     attach_gpu_telemetry(zoomer_serve.get_telemetry(), GpuTelemetryConfig(mode="on"),
                          memory_source=fakes.FakeCudaMemory(), nvml=fakes.FakeNvml())
     return instrumentation
 
 
 def gpu_configurations() -> tuple[Any, ...]:
-    """Rows for ``_bench_configs.CONFIGURATIONS``."""
-    from _bench_configs import Configuration
+    """Rows for ``_bench_configs.CONFIGURATIONS``: not in the default run (``overhead.py --gpu`` or
+    ``--configs`` adds them), sync gRPC kinds only."""
+    from _bench_configs import GRPC, Configuration
 
     return (Configuration(GPU_FAKE, "zoomer-serve + GPU telemetry (fake CUDA/NVML, CPU)",
-                          zoomer_gpu_fake_interceptor),)
+                          zoomer_gpu_fake_interceptor, default=False, transports=(GRPC,)),)
 
 
 def observer_cost(number: int = 100_000, repeat: int = 7) -> dict[str, float]:

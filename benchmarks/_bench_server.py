@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
         print("usage: _bench_server.py KIND CONFIG", file=sys.stderr)
         return 2
     kind, config = server_kind(argv[0]), configuration(argv[1])
-    instrumentation = config.instrument()
+    instrumentation = config.instrument(kind.transport)
     server = kind.start(instrumentation.interceptors)
     helpers = descendants(os.getpid())
     helpers += [p for p in instrumentation.helper_pids() if p not in helpers]

@@ -1,11 +1,17 @@
-"""Overhead benchmark: what zoomer-serve's gRPC interceptor costs a server, against a bare server and against
+"""Overhead benchmark: what zoomer-serve's interceptors cost a server, against a bare server and against
 the OpenTelemetry contrib gRPC interceptor, both exporting over real OTLP to the same embedded collector.
+
+Server kinds: sync gRPC echo, the demo DLRM model server, grpc.aio echo, thriftpy2 echo (no contrib row: the
+contrib project has no Thrift interceptor). Extra rows (``--extras``, ``{"what", "value", "unit"}`` each, under
+``extra_rows`` in the JSON): GPU telemetry over fake sources (``_bench_gpu.py``), the profiler idle and inside
+a session (``_bench_profiling.py``), host telemetry and the CPU samplers (``_bench_host.py``).
 
 Usage::
 
-    python benchmarks/overhead.py            # full run (about 8 minutes on 2 cores)
-    python benchmarks/overhead.py --quick    # under 2 minutes
+    python benchmarks/overhead.py            # full run with the extra rows
+    python benchmarks/overhead.py --quick    # under 2 minutes, no extra rows
     python benchmarks/overhead.py --quick --json   # one JSON object on stdout, progress on stderr
+    python benchmarks/overhead.py --gpu      # + the zoomer_gpu_fake row on the sync gRPC kinds
 
 Method (see benchmarks/RESULTS.md for figures):
 
@@ -49,11 +55,25 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _bench_configs import BARE, CONFIGURATIONS, CONTRIB, SERVER_KINDS, ZOOMER, configuration  # noqa: E402
+from _bench_configs import (  # noqa: E402
+    BARE,
+    CONFIGURATIONS,
+    CONTRIB,
+    SERVER_KINDS,
+    THRIFT,
+    ZOOMER,
+    configuration,
+    server_kind,
+)
+from _bench_gpu import GPU_FAKE  # noqa: E402
 
 TARGET_OVERHEAD_RATIO_VS_CONTRIB = 0.5
 TARGET_P99_RATIO_VS_BARE = 1.3
 TARGET_P99_THREADS = 8
+TARGET_THRIFT_OVERHEAD_RATIO_VS_GRPC = 1.1  # Thrift zoomer overhead within 10 % of the sync gRPC echo's
+GRPC_REFERENCE_KIND = "echo"  # the gRPC interceptor's overhead the Thrift row is compared with
+EXTRA_SECTIONS = ("gpu", "profiling", "host")  # _bench_extras.py sections (--extras)
+EXTRA_TIMEOUT_S = 600.0
 SCHEMA = "zoomer-serve/benchmarks/overhead/v1"
 
 
@@ -70,6 +90,12 @@ class Plan:
     kinds: tuple[str, ...]
     configs: tuple[str, ...]
     collector_nice: int = 0
+    extras: tuple[str, ...] = ()  # sections of extra rows to measure (--extras, --extra-sections)
+
+    def kind_configs(self, kind: str) -> tuple[str, ...]:
+        """The configurations that apply to ``kind`` (a Thrift server has no contrib row), in plan order."""
+        k = server_kind(kind)
+        return tuple(c for c in self.configs if k.runs(configuration(c)))
 
 
 MODES = {  # mode -> (rounds, warmup_s, slice_s, cycles)
@@ -210,6 +236,7 @@ class Results:
     instrumentation: dict[str, dict[str, Any]] = field(default_factory=dict)
     helper_pids: dict[str, list[int]] = field(default_factory=dict)  # service name -> helper processes counted
     collector_stats: dict[str, Any] = field(default_factory=dict)
+    extra_rows: dict[str, list[dict[str, Any]]] | None = None  # --extras: section -> {"what","value","unit"} rows
     started: str = ""
     load_before: tuple[float, ...] = ()
     load_after: tuple[float, ...] = ()
@@ -245,9 +272,36 @@ def measure(plan: Plan) -> Results:
             for child in reversed(children):
                 child.close()
         res.stored_server_spans = _stored_server_spans(store)
+    if plan.extras:
+        res.extra_rows = extra_rows(plan.extras, plan.mode != "full")
     res.load_after = os.getloadavg()
     res.elapsed_s = time.monotonic() - t_start
     return res
+
+
+
+def extra_rows(sections: Sequence[str], quick: bool) -> dict[str, list[dict[str, Any]]]:
+    """The extra rows (``--extras``): each section of ``_bench_extras.py`` in its own process, one after the
+    other, after the servers have stopped (``quick``: fewer calls and rounds). A section that fails gives one
+    row saying why (the run goes on)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for section in sections:
+        _log(f"extra rows: {section} ...")
+        args = _python("_bench_extras.py") + [section] + (["--quick"] if quick else [])
+        try:
+            proc = subprocess.run(args, capture_output=True, text=True, timeout=EXTRA_TIMEOUT_S, cwd=str(HERE))
+        except subprocess.TimeoutExpired:
+            out[section] = [{"what": f"{section} rows not measured", "value": f"timed out after {EXTRA_TIMEOUT_S:.0f} s",
+                             "unit": ""}]
+            continue
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
+        if proc.returncode != 0 or not lines:
+            _log(proc.stderr[-2000:])
+            out[section] = [{"what": f"{section} rows not measured",
+                             "value": f"exit code {proc.returncode}: {proc.stderr.strip()[-300:]}", "unit": ""}]
+            continue
+        out[section] = json.loads(lines[-1])
+    return out
 
 
 def _one_round(res: Results, kind: str, rnd: int, col: dict[str, Any], client: Child,
@@ -255,8 +309,9 @@ def _one_round(res: Results, kind: str, rnd: int, col: dict[str, Any], client: C
     """One round of one server kind: a fresh server process per configuration, then one interleaved phase
     per client thread count (their order alternates between rounds), then the servers stop."""
     plan = res.plan
-    shift = rnd % len(plan.configs)
-    order = plan.configs[shift:] + plan.configs[:shift]
+    configs = plan.kind_configs(kind)
+    shift = rnd % len(configs)
+    order = configs[shift:] + configs[:shift]
     servers: dict[str, tuple[Child, dict[str, Any], str]] = {}
     started: dict[str, tuple[Child, str]] = {}
     try:
@@ -336,7 +391,7 @@ def summarise(res: Results) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for kind in plan.kinds:
         configs: dict[str, Any] = {}
-        for config in plan.configs:
+        for config in plan.kind_configs(kind):
             threads: dict[str, Any] = {}
             for n in plan.threads:
                 threads[str(n)] = _cell_summary(res, kind, config, n)
@@ -359,8 +414,36 @@ def summarise(res: Results) -> dict[str, Any]:
             kind_out["p99_ratio_vs_bare"] = {n: zt[n]["p99_ratio_vs_bare"] for n in zt}
             kind_out["targets"] = _targets(kind_out)
         out[kind] = kind_out
+    for kind in plan.kinds:
+        if server_kind(kind).transport == THRIFT and ZOOMER in out[kind]["configs"]:
+            _thrift_targets(out[kind], out.get(GRPC_REFERENCE_KIND))
+    if res.extra_rows is not None:
+        out["extra_rows"] = res.extra_rows
     out["meta"] = _meta(res)
     return out
+
+
+def _thrift_targets(kind_out: dict[str, Any], grpc_out: dict[str, Any] | None) -> None:
+    """Thrift: contrib has no Thrift interceptor, so ``overhead_ratio_vs_contrib`` is null; the target is the
+    zoomer overhead (µs) within 10 % of the sync gRPC echo's zoomer overhead of the same run
+    (``overhead_ratio_vs_grpc`` ≤ 1.1; null when the gRPC echo kind was not run or its overhead was not
+    positive, which only noise makes)."""
+    zt = kind_out["configs"][ZOOMER]["threads"]
+    ref = grpc_out["configs"].get(ZOOMER, {}).get("threads", {}) if grpc_out else {}
+    ref_us = {n: ref.get(n, {}).get("overhead_us") for n in zt}
+    ratios = {n: _ratio(zt[n]["overhead_us"], ref_us[n]) if (ref_us[n] or 0) > 0 else None for n in zt}
+    kind_out["overhead_ratio_vs_grpc"] = ratios
+    kind_out["overhead_us_grpc"] = ref_us
+    known = [v for v in ratios.values() if v is not None]
+    kind_out["targets"] = {
+        "overhead_ratio_vs_contrib_max": None, "overhead_ratio_vs_grpc_max": TARGET_THRIFT_OVERHEAD_RATIO_VS_GRPC,
+        "p99_ratio_vs_bare_max": TARGET_P99_RATIO_VS_BARE, "p99_threads": TARGET_P99_THREADS,
+        "overhead_met": bool(known) and len(known) == len(ratios)
+        and max(known) <= TARGET_THRIFT_OVERHEAD_RATIO_VS_GRPC,
+        "p99_met": kind_out["targets"]["p99_met"],
+        "note": "no contrib Thrift interceptor: overhead_ratio_vs_contrib is null; the overhead target compares "
+                f"with the '{GRPC_REFERENCE_KIND}' kind's zoomer overhead",
+    }
 
 
 def _cell_summary(res: Results, kind: str, config: str, n: int) -> dict[str, Any]:
@@ -444,6 +527,7 @@ def _meta(res: Results) -> dict[str, Any]:
         "cycles": plan.cycles,
         "threads": list(plan.threads),
         "collector_nice": plan.collector_nice,
+        "extras": list(plan.extras),
         "configs": {c.name: c.label for c in CONFIGURATIONS if c.name in plan.configs},
         "kinds": {k.name: k.label for k in SERVER_KINDS if k.name in plan.kinds},
         "machine": {"cpus": os.cpu_count(), "cpu_model": _cpu_model(), "kernel": platform.release(),
@@ -488,7 +572,17 @@ def markdown(summary: dict[str, Any]) -> str:
                     f" | {_fmt(t['p50_us'])} | {_fmt(t['p99_us'])} | {_fmt(t.get('p99_ratio_vs_bare'), '.2f')}"
                     f" | {cpu} | {overhead} | {_fmt(t.get('overhead_ratio_vs_contrib'), '.2f')}"
                     f" | {_fmt(c['spans_lost'], 'd')} |")
-        if "targets" in k:
+        if "overhead_ratio_vs_grpc" in k:
+            tg = k["targets"]
+            ratios = ", ".join(f"{n} thr: {_fmt(v, '.2f')} ({_fmt(k['configs'][ZOOMER]['threads'][n]['overhead_us'], '+.0f')}"
+                               f" vs {_fmt(k['overhead_us_grpc'][n], '+.0f')} µs)"
+                               for n, v in k["overhead_ratio_vs_grpc"].items())
+            p99s = ", ".join(f"{n} thr: {_fmt(v, '.2f')}" for n, v in k["p99_ratio_vs_bare"].items())
+            lines += ["", f"- zoomer overhead ÷ the {GRPC_REFERENCE_KIND} kind's zoomer overhead: {ratios} (target ≤ "
+                          f"{tg['overhead_ratio_vs_grpc_max']}: {'met' if tg['overhead_met'] else 'MISSED'})",
+                      "- no contrib row: OpenTelemetry contrib has no Thrift interceptor (ratio vs contrib: null)",
+                      f"- zoomer p99 ÷ bare p99: {p99s}"]
+        elif "targets" in k:
             tg = k["targets"]
             ratios = ", ".join(f"{n} thr: {_fmt(v, '.2f')}" for n, v in k["overhead_ratio_vs_contrib"].items())
             p99s = ", ".join(f"{n} thr: {_fmt(v, '.2f')}" for n, v in k["p99_ratio_vs_bare"].items())
@@ -496,6 +590,10 @@ def markdown(summary: dict[str, Any]) -> str:
                           f"{tg['overhead_ratio_vs_contrib_max']}: {'met' if tg['overhead_met'] else 'MISSED'})",
                       f"- zoomer p99 ÷ bare p99: {p99s} (target ≤ {tg['p99_ratio_vs_bare_max']} at "
                       f"{tg['p99_threads']} threads: {'met' if tg['p99_met'] else 'MISSED'})"]
+        lines.append("")
+    for section, rows in summary.get("extra_rows", {}).items():
+        lines += [f"### extra rows: {section}", "", "| what | value | unit |", "| --- | ---: | --- |"]
+        lines += [f"| {r['what']} | {r['value']} | {r['unit']} |" for r in rows]
         lines.append("")
     m = meta["machine"]
     lines.append(f"{meta['date']}, mode {meta['mode']} ({meta['rounds']} rounds; per round and thread count "
@@ -522,6 +620,13 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
     p.add_argument("--slice", type=float, help="seconds of one measured slice")
     p.add_argument("--cycles", type=int, help="measured slices per configuration per phase")
     p.add_argument("--threads", default="1,8", help="client thread counts (default 1,8)")
+    p.add_argument("--extras", action=argparse.BooleanOptionalAction, default=None,
+                   help="also measure the extra rows (GPU telemetry, profiler, host telemetry; "
+                        "default: on in the full run, off with --quick and --smoke)")
+    p.add_argument("--extra-sections", default=",".join(EXTRA_SECTIONS),
+                   help="which extra rows --extras measures (default: %(default)s)")
+    p.add_argument("--gpu", action="store_true",
+                   help=f"add the '{GPU_FAKE}' configuration (GPU telemetry over fake sources) to the sync gRPC kinds")
     p.add_argument("--collector-nice", type=int, default=0,
                    help="niceness of the collector process (default 0, as the reported results)")
     p.add_argument("--kinds", default=",".join(k.name for k in SERVER_KINDS),
@@ -535,6 +640,11 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
     rounds, warmup, slice_s, cycles = MODES[name]
     known_kinds, known_configs = {k.name for k in SERVER_KINDS}, {c.name for c in CONFIGURATIONS}
     kinds, configs = _csv(args.kinds), _csv(args.configs)
+    sections = _csv(args.extra_sections)
+    if not sections or any(x not in EXTRA_SECTIONS for x in sections):
+        p.error(f"unknown --extra-sections {args.extra_sections!r}; known: {', '.join(EXTRA_SECTIONS)}")
+    if args.gpu and GPU_FAKE not in configs:
+        configs += (GPU_FAKE,)
     for given, known, what in ((kinds, known_kinds, "server kind"), (configs, known_configs, "configuration")):
         unknown = [x for x in given if x not in known]
         if unknown or not given:
@@ -546,7 +656,11 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
     if not threads or min(threads) < 1 or max(threads) > 64:
         p.error(f"--threads must be between 1 and 64, got {args.threads!r}")
     plan = Plan(name, args.rounds or rounds, args.warmup if args.warmup is not None else warmup,
-                args.slice or slice_s, args.cycles or cycles, threads, kinds, configs, args.collector_nice)
+                args.slice or slice_s, args.cycles or cycles, threads, kinds, configs, args.collector_nice,
+                sections if (name == "full" if args.extras is None else args.extras) else ())
+    empty = [k for k in kinds if not plan.kind_configs(k)]
+    if empty:
+        p.error(f"no configuration in --configs applies to server kind(s) {', '.join(empty)}")
     if not (1 <= plan.rounds <= 20 and 0 <= plan.warmup_s <= 60 and 0 < plan.slice_s <= 30
             and 1 <= plan.cycles <= 100 and 0 <= plan.collector_nice <= 19):
         p.error("need 1 <= --rounds <= 20, 0 <= --warmup <= 60, 0 < --slice <= 30, 1 <= --cycles <= 100, "

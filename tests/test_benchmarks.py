@@ -28,9 +28,15 @@ def _run(*args: str, timeout_s: float = 240) -> subprocess.CompletedProcess[str]
                           timeout=timeout_s, cwd=str(BENCH.parent))
 
 
+KINDS = ("echo", "model", "echo_aio", "thrift_echo")
+GRPC_KINDS = ("echo", "model", "echo_aio")
+SYNC_GRPC_KINDS = ("echo", "model")
+
+
 @pytest.fixture(scope="module")
 def smoke() -> dict:
-    proc = _run("--smoke", "--json")
+    """One smoke run of every server kind, with the GPU-telemetry row and the GPU extra rows (the cheap ones)."""
+    proc = _run("--smoke", "--gpu", "--extras", "--extra-sections", "gpu", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert len(lines) == 1, f"stdout must hold only the JSON line, got {len(lines)} lines"
@@ -38,10 +44,12 @@ def smoke() -> dict:
 
 
 def test_smoke_json_has_every_kind_config_and_thread_count(smoke: dict) -> None:
-    assert set(smoke) == {"echo", "model", "meta"}
-    for kind in ("echo", "model"):
+    assert set(smoke) == {*KINDS, "extra_rows", "meta"}
+    for kind in KINDS:
         configs = smoke[kind]["configs"]
-        assert set(configs) == {"bare", "zoomer", "contrib"}
+        expected = {"bare", "zoomer", "contrib", "zoomer_gpu_fake"} if kind in SYNC_GRPC_KINDS else \
+            {"bare", "zoomer", "contrib"} if kind in GRPC_KINDS else {"bare", "zoomer"}
+        assert set(configs) == expected, kind
         for name, config in configs.items():
             assert set(config["threads"]) == {"1", "8"}
             for n, cell in config["threads"].items():
@@ -52,16 +60,62 @@ def test_smoke_json_has_every_kind_config_and_thread_count(smoke: dict) -> None:
             assert config["requests_answered"] > 0
         bare = configs["bare"]["threads"]["8"]
         assert bare["overhead_us"] == 0 and bare["overhead_ratio_vs_contrib"] is None
-        assert configs["contrib"]["threads"]["8"]["overhead_ratio_vs_contrib"] in (1.0, None)  # None: 0 overhead
+        if kind in GRPC_KINDS:
+            assert configs["contrib"]["threads"]["8"]["overhead_ratio_vs_contrib"] in (1.0, None)  # None: 0 overhead
         assert set(smoke[kind]["overhead_ratio_vs_contrib"]) == {"1", "8"}
         assert set(smoke[kind]["p99_ratio_vs_bare"]) == {"1", "8"}
         assert smoke[kind]["targets"]["p99_threads"] == 8
         assert set(smoke[kind]["phases"]) == {"1", "8"}
 
 
+def test_thrift_kind_has_no_contrib_ratio_and_is_compared_with_the_grpc_echo(smoke: dict) -> None:
+    thrift = smoke["thrift_echo"]
+    assert all(t["overhead_ratio_vs_contrib"] is None for t in thrift["configs"]["zoomer"]["threads"].values())
+    assert thrift["overhead_ratio_vs_contrib"] == {"1": None, "8": None}
+    assert thrift["overhead_us_grpc"] == {n: smoke["echo"]["configs"]["zoomer"]["threads"][n]["overhead_us"]
+                                          for n in ("1", "8")}
+    for n, ratio in thrift["overhead_ratio_vs_grpc"].items():
+        grpc_us = thrift["overhead_us_grpc"][n]
+        if grpc_us > 0:
+            assert ratio == round(thrift["configs"]["zoomer"]["threads"][n]["overhead_us"] / grpc_us, 3)
+        else:
+            assert ratio is None
+    targets = thrift["targets"]
+    assert targets["overhead_ratio_vs_grpc_max"] == 1.1 and targets["overhead_ratio_vs_contrib_max"] is None
+    assert "contrib" in targets["note"]
+
+
+def test_gpu_extra_rows_are_measured_per_request(smoke: dict) -> None:
+    rows = {r["what"]: r for r in smoke["extra_rows"]["gpu"]}
+    assert set(smoke["extra_rows"]) == {"gpu"}
+    assert all(r["unit"] == "µs" and r["value"] > 0 for r in rows.values() if not r["what"].startswith("added"))
+    off = rows["recorder start+end, GPU telemetry off"]["value"]
+    on = rows["recorder start+end, GPU memory observer attached"]["value"]
+    assert rows["added per request by GPU telemetry (on - off)"]["value"] == pytest.approx(on - off, abs=0.002)
+    assert smoke["meta"]["extras"] == ["gpu"]
+    assert "### extra rows: gpu" in overhead.markdown(smoke)
+
+
+def test_extras_are_on_in_the_full_run_only_and_gpu_row_only_when_asked() -> None:
+    full, quick, smoke = overhead.parse_args([]), overhead.parse_args(["--quick"]), overhead.parse_args(["--smoke"])
+    assert full.extras == ("gpu", "profiling", "host") and quick.extras == () and smoke.extras == ()
+    assert overhead.parse_args(["--no-extras"]).extras == ()
+    assert "zoomer_gpu_fake" not in full.configs
+    assert "zoomer_gpu_fake" in overhead.parse_args(["--gpu"]).configs
+    assert full.kind_configs("thrift_echo") == ("bare", "zoomer")
+    assert overhead.parse_args(["--gpu"]).kind_configs("echo_aio") == ("bare", "zoomer", "contrib")
+
+
+def test_a_kind_without_any_applicable_configuration_is_refused() -> None:
+    proc = _run("--smoke", "--kinds", "thrift_echo", "--configs", "contrib", timeout_s=60)
+    assert proc.returncode == 2 and "thrift_echo" in proc.stderr
+
+
 def test_smoke_every_request_reaches_the_collector_as_one_server_span(smoke: dict) -> None:
-    for kind in ("echo", "model"):
-        for name in ("zoomer", "contrib"):
+    for kind in KINDS:
+        for name in ("zoomer", "contrib", "zoomer_gpu_fake"):
+            if name not in smoke[kind]["configs"]:
+                continue
             config = smoke[kind]["configs"][name]
             assert config["spans_lost"] == 0, (kind, name, config)
             assert config["server_spans_stored"] == config["requests_answered"]
@@ -72,10 +126,10 @@ def test_zoomer_export_helper_cpu_is_counted(smoke: dict) -> None:
     meta = smoke["meta"]
     assert meta["machine"]["cpus"] >= 1 and meta["mode"] == "smoke"
     counters = meta["instrumentation_counters"]
-    zoomer = [v for k, v in counters.items() if "-zoomer-" in k]
+    zoomer = [v for k, v in counters.items() if "-zoomer" in k]
     assert zoomer and all(c["dropped"] == 0 and c["exported"] > 0 for c in zoomer)
     helpers = meta["helper_processes"]
-    assert all(n >= 1 for s, n in helpers.items() if "-zoomer-" in s), helpers  # the export helper
+    assert all(n >= 1 for s, n in helpers.items() if "-zoomer" in s), helpers  # the export helper
     assert all(n == 0 for s, n in helpers.items() if "-bare-" in s or "-contrib-" in s), helpers
     # the helper process is a child of the server: its CPU shows up apart from the server's
     assert smoke["echo"]["configs"]["zoomer"]["threads"]["8"]["helpers_cpu_us_per_request"] >= 0
