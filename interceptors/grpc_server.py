@@ -30,15 +30,23 @@ def _counting(iterator: Iterator[Any], counts: list[int]) -> Iterator[Any]:
         yield message
 
 
+def _open_call(tracer: ServerCallTracer, request: Any, context: grpc.ServicerContext, streaming_request: bool
+               ) -> tuple[RequestSpan | None, Any, list[int]]:
+    """Start the call's span; ``counts`` = [request messages, request bytes, response messages, response
+    bytes], with a streamed request wrapped so that its messages are counted as the handler reads them."""
+    span = tracer.start(context)
+    counts = [0, 0, 0, 0]
+    if streaming_request:
+        request = _counting(request, counts)
+    else:
+        counts[0], counts[1] = 1, message_size(request)
+    return span, request, counts
+
+
 def _wrap_unary_response(tracer: ServerCallTracer, behavior: Callable[..., Any], streaming_request: bool
                          ) -> Callable[[Any, grpc.ServicerContext], Any]:
     def call(request: Any, context: grpc.ServicerContext) -> Any:
-        span = tracer.start(context)
-        counts = [0, 0, 0, 0]
-        if streaming_request:
-            request = _counting(request, counts)
-        else:
-            counts[0], counts[1] = 1, message_size(request)
+        span, request, counts = _open_call(tracer, request, context, streaming_request)
         if span is not None:
             span.activate()
         try:
@@ -61,12 +69,7 @@ def _wrap_unary_response(tracer: ServerCallTracer, behavior: Callable[..., Any],
 def _wrap_stream_response(tracer: ServerCallTracer, behavior: Callable[..., Any], streaming_request: bool
                           ) -> Callable[[Any, grpc.ServicerContext], Iterator[Any]]:
     def call(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        span = tracer.start(context)
-        counts = [0, 0, 0, 0]
-        if streaming_request:
-            request = _counting(request, counts)
-        else:
-            counts[0], counts[1] = 1, message_size(request)
+        span, request, counts = _open_call(tracer, request, context, streaming_request)
         if span is not None:
             try:
                 context.add_callback(lambda: tracer.finish(span, context, None, counts))

@@ -84,7 +84,7 @@ def background_load(target: str) -> Iterator[None]:
         thread.join(30)
 
 
-def profile_session(controller: ProfilerController, target: str, requests: int = 24) -> Any:
+def profile_session(controller: ProfilerController, target: str, requests: int = 60) -> Any:
     with background_load(target):
         controller.start(SessionOptions(max_requests=requests, cuda=False))
         assert controller.wait_idle(60)
@@ -180,7 +180,7 @@ def test_without_py_spy_the_in_process_sampler_profiles_and_the_reason_is_said_o
     caplog.set_level(logging.WARNING, logger="zoomer_serve.host")
     with cpu_bound_server(telemetry, model, folder, companions=[profiler]) as (target, controller):
         first = profile_session(controller, target)
-        second = profile_session(controller, target, requests=12)
+        second = profile_session(controller, target, requests=30)
     rows = collector.spans()
     said = [rec for rec in caplog.records if "py-spy cannot sample" in rec.getMessage()]
     assert len(said) == 1 and "no-such-py-spy" in said[0].getMessage()

@@ -32,3 +32,34 @@ def wait_for_event(proc: subprocess.Popen[bytes], event: str, timeout_s: float) 
     reader.start()
     reader.join(timeout_s)
     return found[0] if found else None
+
+
+def start_zoomer_command(argv: list[str], env: dict[str, str], what: str, timeout_s: float = 120.0
+                         ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    """Start ``python -m zoomer_serve ARGV...`` (a collector, a demo server) and wait for its ready event.
+
+    Raises:
+        RuntimeError: naming ``what``, when it exits or stays silent for ``timeout_s`` seconds (it is killed).
+    """
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "zoomer_serve", *argv], stdout=subprocess.PIPE, env=env)
+    ready = wait_for_event(proc, "ready", timeout_s)
+    if ready is None:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"the {what} did not start (exit code {proc.poll()}); see its messages above")
+    return proc, ready
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
+    """SIGTERM ``proc`` (if still running) and wait up to ``timeout_s`` seconds, then kill it; its exit code."""
+    import signal
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()

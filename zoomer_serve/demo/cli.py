@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from zoomer_serve.config import ConfigError
+from zoomer_serve.processes import start_zoomer_command, stop_process
 from zoomer_serve.profiling.serving import ServerProfiling, add_profiling_options
 
-READY_TIMEOUT_S = 120.0
 SLOW_PREPROCESS_HELP = ("add N iterations of a deliberately slow pure-Python step (hash_ids_slowly) to every "
                         "request's preprocess phase (about 15 ms per 100000 on one core) to demonstrate a "
                         "CPU-bound request (default 0: off)")
@@ -144,26 +144,6 @@ def _default_store() -> Path:
     return Path("zoomer-data") / time.strftime("demo-%Y%m%d-%H%M%S.duckdb")
 
 
-def _start(args: list[str], env: dict[str, str], what: str) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
-    from zoomer_serve.processes import wait_for_event
-
-    proc = subprocess.Popen([sys.executable, "-m", "zoomer_serve", *args], stdout=subprocess.PIPE, env=env)
-    ready = wait_for_event(proc, "ready", READY_TIMEOUT_S)
-    if ready is None:
-        proc.kill()
-        raise RuntimeError(f"the {what} did not start (exit code {proc.poll()}); see its messages above")
-    return proc, ready
-
-
-def _stop(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait()
-
-
 def run_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -176,23 +156,24 @@ def run_demo(args: argparse.Namespace) -> int:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         console.print(f"[bold]zoomer-serve demo[/]: store [cyan]{store}[/]")
-        collector, col = _start(["collector", "--store", str(store), "--grpc-port", "0", "--http-port", "0"],
-                                env, "embedded collector")
+        collector, col = start_zoomer_command(
+            ["collector", "--store", str(store), "--grpc-port", "0", "--http-port", "0"], env, "embedded collector")
         procs.append(collector)
         console.print(f"  embedded OTLP collector on 127.0.0.1:{col['grpc_port']} (gRPC), "
                       f":{col['http_port']} (HTTP)")
         server_env = dict(env, OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{col['grpc_port']}",
                           OTEL_EXPORTER_OTLP_PROTOCOL="grpc", OTEL_SERVICE_NAME="zoomer-demo-ranker",
                           OTEL_BSP_SCHEDULE_DELAY="500", OTEL_METRIC_EXPORT_INTERVAL="5000")
-        server, srv = _start(["serve-demo", "--port", "0", "--server", args.server, "--transport", args.transport,
-                              "--slow-preprocess", str(args.slow_preprocess)], server_env, "demo model server")
+        server, srv = start_zoomer_command(
+            ["serve-demo", "--port", "0", "--server", args.server, "--transport", args.transport,
+             "--slow-preprocess", str(args.slow_preprocess)], server_env, "demo model server")
         procs.append(server)
         target = f"127.0.0.1:{srv['port']}"
         console.print(f"  demo Ranker (DLRM on {srv['device']}) with the zoomer interceptor on {target}")
         result = _drive(console, target, args)
         console.print("  stopping the server (drain, flush telemetry) and the collector (flush store)")
-        server_rc = _stop(server, 30)
-        collector_rc = _stop(collector, 30)
+        server_rc = stop_process(server, 30)
+        collector_rc = stop_process(collector, 30)
         procs.clear()
     finally:
         for proc in procs:

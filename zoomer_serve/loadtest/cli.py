@@ -22,7 +22,6 @@ import dataclasses
 import json
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,8 +31,8 @@ from typing import Any
 
 from zoomer_serve.config import ConfigError
 from zoomer_serve.loadtest.config import LoadTestOptions, add_arguments, grpc_target, to_locust_args
+from zoomer_serve.processes import start_zoomer_command, stop_process
 
-READY_TIMEOUT_S = 120.0
 DEFAULT_LOCUSTFILE = Path(__file__).with_name("ranker_users.py")
 
 
@@ -85,28 +84,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 # -- processes -----------------------------------------------------------------------------------------------
-def _start(argv: list[str], env: dict[str, str], what: str) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
-    from zoomer_serve.processes import wait_for_event
-
-    proc = subprocess.Popen([sys.executable, "-m", "zoomer_serve", *argv], stdout=subprocess.PIPE, env=env)
-    ready = wait_for_event(proc, "ready", READY_TIMEOUT_S)
-    if ready is None:
-        proc.kill()
-        proc.wait()
-        raise RuntimeError(f"the {what} did not start (exit code {proc.poll()}); see its messages above")
-    return proc, ready
-
-
-def _stop(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait()
-
-
 def _run_demo(args: argparse.Namespace, options: LoadTestOptions, plugin_json: Path) -> int:
     data = Path("zoomer-data")
     store = (options.store or data / time.strftime("loadtest-%Y%m%d-%H%M%S.duckdb")).resolve()
@@ -122,15 +99,15 @@ def _run_demo(args: argparse.Namespace, options: LoadTestOptions, plugin_json: P
     procs: list[subprocess.Popen[bytes]] = []
     say = _say(args.json)
     try:
-        collector, col = _start(["collector", "--store", str(store), "--grpc-port", "0", "--http-port", "0"], env,
-                                "embedded collector")
+        collector, col = start_zoomer_command(
+            ["collector", "--store", str(store), "--grpc-port", "0", "--http-port", "0"], env, "embedded collector")
         procs.append(collector)
         endpoint = f"http://127.0.0.1:{col['grpc_port']}"
         env.update(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
                    OTEL_BSP_SCHEDULE_DELAY="500")
-        server, srv = _start(["serve-demo", "--port", "0", "--transport", args.transport, "--server", args.server,
-                              "--profiles-dir", str(profiles)], dict(env, OTEL_SERVICE_NAME="zoomer-demo-ranker"),
-                             "demo model server")
+        server, srv = start_zoomer_command(
+            ["serve-demo", "--port", "0", "--transport", args.transport, "--server", args.server,
+             "--profiles-dir", str(profiles)], dict(env, OTEL_SERVICE_NAME="zoomer-demo-ranker"), "demo model server")
         procs.append(server)
         host = f"127.0.0.1:{srv['port']}"
         options = dataclasses.replace(options, target=f"127.0.0.1:{srv['admin_port']}")
@@ -182,7 +159,7 @@ def _run_against(args: argparse.Namespace, options: LoadTestOptions, host: str, 
         locust_rc = -1
     stopped_ok = True
     for proc in reversed(procs):  # the server first (a session still running is finished), then the collector
-        stopped_ok = _stop(proc, 60) == 0 and stopped_ok
+        stopped_ok = stop_process(proc, 60) == 0 and stopped_ok
     procs.clear()
     if not plugin_json.is_file():
         print(f"zoomer-serve loadtest: locust wrote no summary (exit code {locust_rc})", file=sys.stderr)
