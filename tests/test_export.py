@@ -140,3 +140,22 @@ def test_exporter_self_metrics_count_exported_spans(collector):
     points = collector.metric_points("otel.sdk.exporter.span.exported")
     exported = [p for p in points if not p["attributes"]]
     assert exported and max(p["value"] for p in exported) == 30
+
+
+def test_shutdown_budget_shorter_than_the_export_timeout_is_kept(caplog):
+    """C03: shutdown(timeout_s) bounds the whole shutdown (helper process and SDK providers) even when the
+    OTLP timeout is longer and the collector is unreachable, and the helper still reports its counters."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    zoomer_serve.configure(service_name="c03b", endpoint=f"http://127.0.0.1:{closed}", timeout_ms=10_000,
+                           schedule_delay_ms=100, set_global_providers=False)
+    _record_spans(50)
+    start = time.monotonic()
+    stats = zoomer_serve.shutdown(timeout_s=2.0)
+    assert time.monotonic() - start < 2.0 + 1.0 + 0.5
+    assert stats is not None and stats.last_error != "the export helper did not report"
+    assert stats.exported == 0 and stats.dropped == 50

@@ -12,6 +12,7 @@ import atexit
 import dataclasses
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,7 @@ class Telemetry:
         if self._stats is not None:
             return self._stats
         budget = self.config.export.timeout_ms / 1000 if timeout_s is None else timeout_s
+        deadline = time.monotonic() + budget + 1.0  # one deadline for every part, whatever the collector does
         if self.gpu is not None:  # first: it sends its last allocation totals through the pipeline
             self.gpu.shutdown()
         if self.host is not None:
@@ -58,9 +60,10 @@ class Telemetry:
                    for p in (self.tracer_provider, self.meter_provider) if p is not None]
         for t in threads:
             t.start()
-        stats = self.pipeline.shutdown(budget) if self.pipeline is not None else ExportStats()
-        for t in threads:
-            t.join(budget + 1.0)
+        remaining = max(0.1, deadline - time.monotonic() - 1.0)  # the pipeline adds its own second
+        stats = self.pipeline.shutdown(remaining) if self.pipeline is not None else ExportStats()
+        for t in threads:  # SDK providers still retrying past the deadline are left behind (daemon threads)
+            t.join(max(0.0, deadline - time.monotonic()))
         self.recorder.sink = lambda record: None
         self._stats = stats
         return stats

@@ -25,7 +25,7 @@ from dataclasses import asdict
 from typing import Any
 
 from zoomer_serve.config import ExportConfig
-from zoomer_serve.export.worker import ExportStats, ExportWorker
+from zoomer_serve.export.worker import SHUTDOWN_FRAME, ExportStats, ExportWorker
 from zoomer_serve.processes import wait_for_event
 from zoomer_serve.recording import records as r
 
@@ -169,6 +169,9 @@ class ExportPipeline:
         assert proc is not None
         try:
             if proc.stdin is not None:
+                budget_s = max(0.1, deadline - time.monotonic() - 0.5)  # leave time to report and exit
+                payload = pickle.dumps((SHUTDOWN_FRAME, budget_s), protocol=pickle.HIGHEST_PROTOCOL)
+                proc.stdin.write(_FRAME_HEADER.pack(len(payload)) + payload)
                 proc.stdin.close()
         except OSError:
             pass

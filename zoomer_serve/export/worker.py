@@ -7,7 +7,7 @@ not fit is dropped and counted, never blocking the sender.
 
 Protocol of the helper process (``python -m zoomer_serve.export.helper``): the configuration is JSON in
 the environment variable ``ZOOMER_WORKER_CONFIG``; stdin carries frames of a 4-byte big-endian length and a
-pickled ``(parent_dropped_total, [record, ...])``; stdout carries JSON lines: ``{"event": "ready"}`` once
+pickled ``(parent_dropped_total, [record, ...])``, and last ``(SHUTDOWN_FRAME, budget_s)``; stdout carries JSON lines: ``{"event": "ready"}`` once
 started, ``{"event": "stats", ...}`` when stdin closes and everything is flushed (or the deadline passed).
 """
 
@@ -35,6 +35,7 @@ logger = logging.getLogger("zoomer_serve.export")
 _FRAME_HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 SCOPE_NAME = "zoomer_serve"
+SHUTDOWN_FRAME = -1  # a frame ``(SHUTDOWN_FRAME, budget_s)``: flush within budget_s seconds and exit
 
 
 @dataclass
@@ -238,6 +239,7 @@ def main() -> None:
     worker.start()
     _emit({"event": "ready", "pid": os.getpid()})
     stdin = sys.stdin.buffer
+    budget_s = spec["export"]["timeout_ms"] / 1000  # when stdin just closes (the parent died)
     while True:
         header = _read_exact(stdin, _FRAME_HEADER.size)
         if header is None:
@@ -250,9 +252,12 @@ def main() -> None:
         if payload is None:
             break
         parent_dropped, batch = pickle.loads(payload)
+        if parent_dropped == SHUTDOWN_FRAME:  # the parent's last frame: the time left for the shutdown, s
+            budget_s = float(batch)
+            break
         worker.parent_dropped = parent_dropped
         worker.put(batch)
-    stats = worker.shutdown(spec["export"]["timeout_ms"] / 1000)
+    stats = worker.shutdown(budget_s)
     _emit({"event": "stats", **asdict(stats)})
     sys.stdout.flush()
     os._exit(0)  # do not wait for SDK threads still retrying against an unreachable collector
