@@ -100,7 +100,7 @@ class Plan:
 
 MODES = {  # mode -> (rounds, warmup_s, slice_s, cycles)
     "full": (4, 1.0, 1.0, 6),
-    "quick": (2, 0.5, 0.5, 3),
+    "quick": (2, 0.3, 0.4, 3),
     "smoke": (1, 0.2, 0.2, 1),
 }
 
