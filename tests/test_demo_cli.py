@@ -60,3 +60,22 @@ def test_serve_demo_drains_and_flushes_on_sigterm(collector, tmp_path, server):
     spans = collector.spans("SERVER")
     assert len(spans) == result.total_calls > 0
     assert {s["service_name"] for s in spans} == {"ranker-t"}
+
+
+@pytest.mark.parametrize("argv", [
+    ["demo", "--duration-s", "-1"], ["demo", "--clients", "0"], ["demo", "--max-requests", "-1"],
+    ["serve-demo", "--port", "99999"], ["serve-demo", "--port", "-5"], ["serve-demo", "--grace-s", "-3"],
+    ["profile", "start", "--target", "127.0.0.1:1", "--requests", "-3"],
+])
+def test_bad_command_line_values_are_refused_before_anything_starts(argv):
+    proc = subprocess.run([sys.executable, "-m", "zoomer_serve", *argv], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and "is not" in proc.stderr
+
+
+def test_demo_with_an_unusable_store_says_why_without_a_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "zoomer_serve", "demo", "--store", str(tmp_path),
+                           "--duration-s", "1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert "did not start" in proc.stdout and str(tmp_path) in proc.stderr

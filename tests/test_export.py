@@ -67,6 +67,10 @@ def test_sdk_disabled_records_nothing(monkeypatch):
     ({"OTEL_EXPORTER_OTLP_COMPRESSION": "zstd"}, "OTEL_EXPORTER_OTLP_COMPRESSION"),
     ({"ZOOMER_EXPORT_MODE": "carrier-pigeon"}, "ZOOMER_EXPORT_MODE"),
     ({"OTEL_BSP_MAX_QUEUE_SIZE": "10", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "20"}, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://[::1"}, "OTEL_EXPORTER_OTLP_ENDPOINT is not a valid URL"),
+    ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://[::1"}, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
+    ({"OTEL_EXPORTER_OTLP_HEADERS": "bad header=x"}, "not a valid header name"),
+    ({"OTEL_EXPORTER_OTLP_HEADERS": "a=line1%0Aline2"}, "cannot carry"),
 ])
 def test_bad_configuration_names_the_variable(env, needle):
     with pytest.raises(ConfigError, match=needle):

@@ -30,6 +30,7 @@ environment. A bad value raises :class:`ConfigError` naming the variable and the
 from __future__ import annotations
 
 import os
+import re
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -157,6 +158,20 @@ def parse_key_values(value: str, variable: str) -> dict[str, str]:
     return out
 
 
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an RFC 9110 token
+
+
+def _check_headers(headers: dict[str, str]) -> dict[str, str]:
+    """Headers that HTTP and gRPC metadata both accept: token names, printable values (no CR/LF)."""
+    for name, value in headers.items():
+        if not _HEADER_NAME.match(name):
+            raise ConfigError(f"OTEL_EXPORTER_OTLP_HEADERS: {name!r} is not a valid header name")
+        if not all(" " <= ch <= "~" or ch == "\t" for ch in value):
+            raise ConfigError(f"OTEL_EXPORTER_OTLP_HEADERS: the value of {name!r} has characters a header "
+                              "cannot carry (control characters or non-ASCII)")
+    return headers
+
+
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
@@ -206,7 +221,10 @@ def _endpoint(env: Mapping[str, str], signal: str, protocol: str) -> str:
 
 
 def _check_url(url: str, variable: str) -> str:
-    parsed = urllib.parse.urlparse(url.strip())
+    try:
+        parsed = urllib.parse.urlparse(url.strip())
+    except ValueError as exc:
+        raise ConfigError(f"{variable} is not a valid URL ({exc}): {url!r}") from None
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise ConfigError(f"{variable} must be an http:// or https:// URL with a host, got {url!r}")
     try:
@@ -228,7 +246,7 @@ def _export_from_env(env: Mapping[str, str]) -> ExportConfig:
         protocol=protocol,
         traces_endpoint=_endpoint(env, "TRACES", protocol),
         metrics_endpoint=_endpoint(env, "METRICS", protocol),
-        headers=parse_key_values(_signal(env, "TRACES", "HEADERS") or "", "OTEL_EXPORTER_OTLP_HEADERS"),
+        headers=_check_headers(parse_key_values(_signal(env, "TRACES", "HEADERS") or "", "OTEL_EXPORTER_OTLP_HEADERS")),
         timeout_ms=_int({"OTEL_EXPORTER_OTLP_TIMEOUT": timeout} if timeout else {}, "OTEL_EXPORTER_OTLP_TIMEOUT",
                         10_000),
         compression=compression,

@@ -72,18 +72,10 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
     except (TraceFormatError, StoreAnalysisError) as exc:
         return _error(str(exc))
     console = console or Console()
-    notes = []
-    if args.html is not None:
-        from zoomer_serve.analysis.html import write_html
-
-        write_html(result, args.html)
-        notes.append(f"HTML report: {args.html}")
-    if args.perfetto is not None:
-        from zoomer_serve.analysis.perfetto import write_perfetto
-
-        counts = write_perfetto(args.perfetto, [r.trace for r in result.traces], result.store)
-        notes.append(f"Perfetto trace: {args.perfetto} ({counts['events']} events, {counts['requests']} requests, "
-                     f"{counts['linked_requests']} linked to trace ranges; open in https://ui.perfetto.dev)")
+    try:
+        notes = _write_outputs(args, result)
+    except OSError as exc:
+        return _error(f"cannot write the output: {exc}")
     if args.json:
         out = result.to_dict(rows=max(args.rows, 0))
         out["outputs"] = notes
@@ -130,3 +122,20 @@ def render_summary(result: AnalysisResult, console: Console, rows: int = 10) -> 
         console.print(rich_table(result.store_tables["request_percentiles"], limit=rows, title="Requests"))
     console.rule(Text("findings"))
     render_findings(result.findings, console)
+
+
+def _write_outputs(args: argparse.Namespace, result: Any) -> list[str]:
+    """Write the --html / --perfetto files; the notes that say where they are. Raises OSError."""
+    notes: list[str] = []
+    if args.html is not None:
+        from zoomer_serve.analysis.html import write_html
+
+        write_html(result, args.html)
+        notes.append(f"HTML report: {args.html}")
+    if args.perfetto is not None:
+        from zoomer_serve.analysis.perfetto import write_perfetto
+
+        counts = write_perfetto(args.perfetto, [r.trace for r in result.traces], result.store)
+        notes.append(f"Perfetto trace: {args.perfetto} ({counts['events']} events, {counts['requests']} requests, "
+                     f"{counts['linked_requests']} linked to trace ranges; open in https://ui.perfetto.dev)")
+    return notes

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from zoomer_serve.cli_types import non_negative_float, non_negative_int, port_number, positive_int
 from zoomer_serve.config import ConfigError
 from zoomer_serve.processes import start_zoomer_command, stop_process
 from zoomer_serve.profiling.serving import ServerProfiling, add_profiling_options
@@ -28,15 +29,15 @@ def register(subparsers: Any) -> None:
         description="Serve the demo Ranker until SIGINT/SIGTERM, exporting wherever the OTEL_* variables "
         "say; then drain in-flight calls and flush telemetry.")
     serve.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=50051, help="listen port, 0 = any free port (default 50051)")
+    serve.add_argument("--port", type=port_number, default=50051, help="listen port, 0 = any free port (default 50051)")
     serve.add_argument("--server", choices=("sync", "aio"), default="sync",
                        help="grpc.server with a thread pool (sync) or grpc.aio (default sync)")
     serve.add_argument("--transport", choices=("grpc", "thrift"), default="grpc",
                        help="serve the Ranker over gRPC (ranker.proto) or Thrift (ranker.thrift) (default grpc)")
-    serve.add_argument("--grace-s", type=float, default=5.0, help="drain time for in-flight calls on stop")
-    serve.add_argument("--torch-threads", type=int, default=1,
+    serve.add_argument("--grace-s", type=non_negative_float, default=5.0, help="drain time for in-flight calls on stop")
+    serve.add_argument("--torch-threads", type=positive_int, default=1,
                        help="torch intra-op threads (default 1: the gRPC worker threads already run in parallel)")
-    serve.add_argument("--slow-preprocess", type=int, default=0, metavar="N",
+    serve.add_argument("--slow-preprocess", type=non_negative_int, default=0, metavar="N",
                        help=SLOW_PREPROCESS_HELP)
     add_profiling_options(serve)
     serve.set_defaults(func=run_serve_demo)
@@ -47,13 +48,13 @@ def register(subparsers: Any) -> None:
         "(unary and streaming, a few invalid requests) for a bounded time, shut down cleanly, print the report.")
     demo.add_argument("--store", type=Path, default=None,
                       help="DuckDB store to write (default: a new zoomer-data/demo-<time>.duckdb)")
-    demo.add_argument("--duration-s", type=float, default=20.0, help="how long to send load (default 20 s)")
-    demo.add_argument("--clients", type=int, default=4, help="concurrent client threads (default 4)")
-    demo.add_argument("--max-requests", type=int, default=None, help="stop after this many calls")
+    demo.add_argument("--duration-s", type=non_negative_float, default=20.0, help="how long to send load (default 20 s)")
+    demo.add_argument("--clients", type=positive_int, default=4, help="concurrent client threads (default 4)")
+    demo.add_argument("--max-requests", type=positive_int, default=None, help="stop after this many calls")
     demo.add_argument("--server", choices=("sync", "aio"), default="sync", help="gRPC server flavour (default sync)")
     demo.add_argument("--transport", choices=("grpc", "thrift"), default="grpc",
                       help="gRPC or Thrift between the load and the server (default grpc)")
-    demo.add_argument("--slow-preprocess", type=int, default=0, metavar="N", help=SLOW_PREPROCESS_HELP)
+    demo.add_argument("--slow-preprocess", type=non_negative_int, default=0, metavar="N", help=SLOW_PREPROCESS_HELP)
     demo.set_defaults(func=run_demo)
 
 
@@ -175,6 +176,9 @@ def run_demo(args: argparse.Namespace) -> int:
         server_rc = stop_process(server, 30)
         collector_rc = stop_process(collector, 30)
         procs.clear()
+    except RuntimeError as exc:  # a child did not start; it said why on stderr
+        console.print(f"[red]zoomer-serve demo[/]: {exc}")
+        return 1
     finally:
         for proc in procs:
             proc.kill()

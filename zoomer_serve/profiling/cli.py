@@ -12,6 +12,8 @@ import json
 import sys
 from typing import Any
 
+from zoomer_serve.cli_types import positive_float, positive_int
+
 DEFAULT_STOP_WAIT_S = 60.0
 
 
@@ -23,13 +25,13 @@ def register(subparsers: Any) -> None:
     sub = profile.add_subparsers(dest="profile_command", metavar="ACTION", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--target", required=True, help="the server's admin address, HOST:PORT")
-    common.add_argument("--timeout-s", type=float, default=30.0, help="deadline of each call (default 30 s)")
+    common.add_argument("--timeout-s", type=positive_float, default=30.0, help="deadline of each call (default 30 s)")
     common.add_argument("--json", action="store_true", help="print the reply as JSON")
 
     start = sub.add_parser("start", parents=[common], help="start a session")
-    start.add_argument("--requests", type=int, default=None, help="requests to cover (default 100 when "
+    start.add_argument("--requests", type=positive_int, default=None, help="requests to cover (default 100 when "
                        "--duration-ms is not given either; hard cap 1000)")
-    start.add_argument("--duration-ms", type=int, default=None, help="session length in ms (hard cap 60000)")
+    start.add_argument("--duration-ms", type=positive_int, default=None, help="session length in ms (hard cap 60000)")
     start.add_argument("--cuda", choices=("auto", "on", "off"), default="auto",
                        help="capture CUDA kernels (auto: when the server has CUDA)")
     for flag in ("record-shapes", "profile-memory", "with-stack", "with-flops"):

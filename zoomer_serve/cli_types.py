@@ -1,0 +1,40 @@
+"""argparse value types shared by the subcommands: each rejects a bad value with a message naming the rule."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _number(text: str, kind: type, rule: str, ok: object) -> float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {rule}") from None
+    if not ok(value):  # type: ignore[operator]
+        raise argparse.ArgumentTypeError(f"{text!r} is not {rule}")
+    return value  # type: ignore[no-any-return]
+
+
+def positive_int(text: str) -> int:
+    """An int >= 1."""
+    return int(_number(text, int, "an integer >= 1", lambda v: v >= 1))
+
+
+def non_negative_int(text: str) -> int:
+    """An int >= 0."""
+    return int(_number(text, int, "an integer >= 0", lambda v: v >= 0))
+
+
+def non_negative_float(text: str) -> float:
+    """A finite float >= 0."""
+    return _number(text, float, "a number >= 0", lambda v: 0 <= v < float("inf"))
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 0..65535 (0 = any free port)."""
+    return int(_number(text, int, "a port number in 0..65535", lambda v: 0 <= v <= 65535))
+
+
+def positive_float(text: str) -> float:
+    """A finite float > 0."""
+    return _number(text, float, "a number > 0", lambda v: 0 < v < float("inf"))
