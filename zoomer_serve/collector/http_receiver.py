@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
 PATHS = {f"/v1/{s.value}": s for s in Signal}
-DRAIN_LIMIT_BYTES = 64 * 1024 * 1024  # an over-large body up to this size is read and discarded
+DRAIN_LIMIT_BYTES = 4 * 1024 * 1024  # after an error answer, at most this much of the body is read and dropped
+DRAIN_TIMEOUT_S = 1.0  # ... waiting at most this long for each piece of it
 IDLE_TIMEOUT_S = 30.0  # a connection silent this long is closed
 MAX_CONCURRENT_BODIES = 8  # requests reading/decoding a body at once; bounds memory to ~2x this x max size
 _HEX_ID_KEYS = frozenset({"traceId", "spanId", "parentSpanId", "trace_id", "span_id", "parent_span_id"})
@@ -254,6 +255,7 @@ class _Handler(BaseHTTPRequestHandler):
         reset it before the client has read our answer."""
         self._body_read = True
         try:
+            self.connection.settimeout(DRAIN_TIMEOUT_S)
             left = min(int(self.headers.get("Content-Length") or 0), DRAIN_LIMIT_BYTES)
             while left > 0:
                 chunk = self.rfile.read(min(left, 1 << 16))
@@ -292,11 +294,13 @@ class _Handler(BaseHTTPRequestHandler):
             ingestor.count("rejected_invalid")
         elif exc.status == 413:
             ingestor.count("rejected_too_large")
-        close = exc.close
-        if not self._body_read:
-            self._discard_body()
-            close = True
-        self._send_status(exc.status, exc.message, self._reply_type(), close=close)
+        if self._body_read:
+            self._send_status(exc.status, exc.message, self._reply_type(), close=exc.close)
+            return
+        # answer at once (a client may declare gigabytes and send nothing), then drain briefly so that closing
+        # does not reset the connection before the client has read the answer
+        self._send_status(exc.status, exc.message, self._reply_type(), close=True)
+        self._discard_body()
 
     def _reply_type(self) -> str:
         raw = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()

@@ -91,6 +91,10 @@ from typing import Any
 import duckdb
 import numpy as np
 
+# Never let DuckDB fetch or load extensions on its own (a SQLite file would make it download sqlite_scanner):
+# a store is plain DuckDB, and this process must not reach the network because of a file it was given.
+NO_EXTENSION_DOWNLOADS = {"autoinstall_known_extensions": False, "autoload_known_extensions": False}
+
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
@@ -184,7 +188,7 @@ def open_readonly(path: str | os.PathLike[str]) -> duckdb.DuckDBPyConnection:
     if not p.is_file():
         raise FileNotFoundError(f"store not found: {p}")
     try:
-        return duckdb.connect(str(p), read_only=True)
+        return duckdb.connect(str(p), read_only=True, config=NO_EXTENSION_DOWNLOADS)
     except duckdb.Error as exc:
         raise StoreError(f"cannot open store {p} read-only: {exc}") from exc
 
@@ -254,7 +258,7 @@ class Store:
     def _open(path: Path) -> duckdb.DuckDBPyConnection:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            con = duckdb.connect(str(path))
+            con = duckdb.connect(str(path), config=NO_EXTENSION_DOWNLOADS)
             con.execute(SCHEMA)
             con.execute(
                 "INSERT OR IGNORE INTO zoomer_meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)]

@@ -1,0 +1,37 @@
+"""Bad input found by trying the project as a new user: each case is answered at once, clearly, without a
+traceback and without side effects."""
+
+from __future__ import annotations
+
+import socket
+import sqlite3
+import subprocess
+import sys
+
+
+def test_collector_answers_a_huge_declared_body_at_once(collector):
+    """A client that declares gigabytes and sends one byte gets 413 without the collector waiting for the
+    body (it used to drain until its 30 s idle timeout); the next request is served."""
+    with socket.create_connection(("127.0.0.1", collector.collector.http_port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+                     b"Content-Length: 99999999999\r\n\r\nx")
+        answer = sock.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 413")
+    with socket.create_connection(("127.0.0.1", collector.collector.http_port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+                     b"Content-Length: 0\r\n\r\n")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+
+
+def test_report_on_a_sqlite_file_does_not_reach_for_the_network(tmp_path):
+    """DuckDB would try to download its sqlite extension to read such a file; zoomer-serve turns that off."""
+    path = tmp_path / "other.db"
+    con = sqlite3.connect(path)
+    con.execute("CREATE TABLE t (x)")
+    con.commit()
+    con.close()
+    proc = subprocess.run([sys.executable, "-m", "zoomer_serve", "report", "--store", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "download" not in proc.stderr.lower() and "Traceback" not in proc.stderr
+    assert str(path) in proc.stderr
