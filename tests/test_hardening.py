@@ -35,3 +35,16 @@ def test_report_on_a_sqlite_file_does_not_reach_for_the_network(tmp_path):
     assert proc.returncode == 2
     assert "download" not in proc.stderr.lower() and "Traceback" not in proc.stderr
     assert str(path) in proc.stderr
+
+
+def test_report_on_a_duckdb_file_with_other_columns_says_so(tmp_path):
+    import duckdb
+
+    path = tmp_path / "other.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE spans (x INTEGER)")
+    con.close()
+    proc = subprocess.run([sys.executable, "-m", "zoomer_serve", "report", "--store", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "is not a zoomer-serve store" in proc.stderr

@@ -144,6 +144,8 @@ def build_report(store_path: str | os.PathLike[str], slowest: int = 10) -> Repor
         phases = _phases(con, request_ns)
         slow = [SlowTrace(t, s, m, d / NS_PER_MS, st)
                 for t, s, m, d, st in con.execute(_SLOWEST_SQL, [slowest]).fetchall()]
+    except duckdb.Error as exc:  # a DuckDB file, but not a zoomer-serve store (other columns)
+        raise ReportError(f"{path} is not a zoomer-serve store: {str(exc).splitlines()[0]}") from None
     finally:
         con.close()
     methods = [_method_stats(r, statuses[(r[0], r[1])], phases.get((r[0], r[1]), [])) for r in rows]
