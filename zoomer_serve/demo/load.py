@@ -301,6 +301,44 @@ def _client(index: int, seed: int, plan: _Plan, tally: _Tally, stop: threading.E
             _one_call(stub, rng, plan, tally)
 
 
+def run_clients(clients: int, client: Callable[[int, threading.Event], None],
+                snapshot: Callable[[float], LoadProgress], start: float,
+                progress: Callable[[LoadProgress], None] | None, progress_interval_s: float, name: str) -> float:
+    """Run ``client(index, stop)`` on ``clients`` threads until all return; report ``snapshot(elapsed_s)`` to
+    ``progress`` about every ``progress_interval_s`` and once at the end, on this thread. An exception in a
+    client stops the others and is re-raised here. Returns the elapsed seconds since ``start``
+    (``time.monotonic()``)."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
+        try:
+            client(index, stop)
+        except BaseException as exc:  # re-raised on the caller's thread below
+            errors.append(exc)
+            stop.set()
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"{name}-{i}", daemon=True) for i in range(clients)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive():
+                t.join(progress_interval_s)
+                if progress is not None and t.is_alive():
+                    progress(snapshot(time.monotonic() - start))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    elapsed = time.monotonic() - start
+    if errors:
+        raise errors[0]
+    if progress is not None:
+        progress(snapshot(elapsed))
+    return elapsed
+
+
 def drive_load(
     target: str,
     duration_s: float,
@@ -362,36 +400,8 @@ def drive_load(
         metadata,
     )
     tally = _Tally(max_requests)
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def run(index: int) -> None:
-        try:
-            _client(index, seed, plan, tally, stop)
-        except BaseException as exc:
-            errors.append(exc)
-            stop.set()
-
-    threads = [
-        threading.Thread(target=run, args=(i,), name=f"load-client-{i}", daemon=True) for i in range(clients)
-    ]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            while t.is_alive():
-                t.join(progress_interval_s)
-                if progress is not None and t.is_alive():
-                    progress(tally.progress(time.monotonic() - start))
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
-    elapsed = time.monotonic() - start
-    if errors:
-        raise errors[0]
-    if progress is not None:
-        progress(tally.progress(elapsed))
+    elapsed = run_clients(clients, lambda i, stop: _client(i, seed, plan, tally, stop), tally.progress, start,
+                          progress, progress_interval_s, "load-client")
     return LoadResult(
         duration_s=elapsed,
         counts=dict(tally.counts),

@@ -25,7 +25,7 @@ from thriftpy2.transport import TTransportException
 
 from interceptors.thrift_client import make_client as make_tracked_client
 
-from .load import PREDICT, InvalidKind, LatencyStats, LoadProgress, LoadResult, make_request
+from .load import PREDICT, InvalidKind, LatencyStats, LoadProgress, LoadResult, make_request, run_clients
 from .model import DLRMConfig
 from .service import DEFAULT_MAX_BATCH_SIZE
 from .thrift_server import ranker_thrift
@@ -181,35 +181,8 @@ def drive_thrift_load(
     plan = _Plan(host, port, start + duration_s, invalid_share, batch_size, config or DLRMConfig(),
                  max_batch_size, max(1, int(rpc_timeout_s * 1000)), tracked)
     tally = _Tally(max_requests)
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def run(index: int) -> None:
-        try:
-            _client(index, seed, plan, tally, stop)
-        except BaseException as exc:  # re-raised on the caller's thread below
-            errors.append(exc)
-            stop.set()
-
-    threads = [threading.Thread(target=run, args=(i,), name=f"thrift-load-{i}", daemon=True)
-               for i in range(clients)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            while t.is_alive():
-                t.join(progress_interval_s)
-                if progress is not None and t.is_alive():
-                    progress(tally.progress(time.monotonic() - start))
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
-    elapsed = time.monotonic() - start
-    if errors:
-        raise errors[0]
-    if progress is not None:
-        progress(tally.progress(elapsed))
+    elapsed = run_clients(clients, lambda i, stop: _client(i, seed, plan, tally, stop), tally.progress, start,
+                          progress, progress_interval_s, "thrift-load")
     return LoadResult(duration_s=elapsed, counts=dict(tally.counts),
                       latency_ms={PREDICT: LatencyStats.from_samples(tally.samples)},
                       unexpected=tally.unexpected, stream_messages=0)
