@@ -15,6 +15,7 @@ import argparse
 import re
 import sys
 import tempfile
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
@@ -43,10 +44,12 @@ def make_imports_relative(source: str) -> str:
     return _ABSOLUTE_IMPORT.sub(r"from . import \1 as \2", source)
 
 
-def generate(out_dir: Path, proto_dir: Path = DEMO_DIR) -> list[Path]:
-    """Run protoc on ``proto_dir/ranker.proto`` and write the three generated files to ``out_dir``.
+def protoc_generate(proto_dir: Path, proto_name: str, generated_names: tuple[str, str, str],
+                    out_dir: Path) -> list[Path]:
+    """Run protoc on ``proto_dir/proto_name`` and write ``generated_names`` (``*_pb2.py``, ``*_pb2.pyi``,
+    ``*_pb2_grpc.py``) to ``out_dir``, the grpc module's imports made package-relative.
 
-    Returns the written paths in ``GENERATED_NAMES`` order.
+    Returns the written paths in ``generated_names`` order.
     Raises ImportError if grpcio-tools is not installed, CodegenError if protoc fails.
     """
     from grpc_tools import protoc
@@ -59,12 +62,12 @@ def generate(out_dir: Path, proto_dir: Path = DEMO_DIR) -> list[Path]:
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",
-        str(proto_dir / PROTO_NAME),
+        str(proto_dir / proto_name),
     ]
     code = protoc.main(args)
     if code != 0:
-        raise CodegenError(f"protoc exited with {code} for {proto_dir / PROTO_NAME}")
-    paths = [out_dir / name for name in GENERATED_NAMES]
+        raise CodegenError(f"protoc exited with {code} for {proto_dir / proto_name}")
+    paths = [out_dir / name for name in generated_names]
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise CodegenError(f"protoc did not write {', '.join(missing)}")
@@ -77,10 +80,10 @@ def generate(out_dir: Path, proto_dir: Path = DEMO_DIR) -> list[Path]:
     return paths
 
 
-def stale_files(committed_dir: Path = DEMO_DIR) -> list[str]:
+def stale_generated(generate_into: Callable[[Path], list[Path]], committed_dir: Path) -> list[str]:
     """Regenerate into a temp dir; return names of files in ``committed_dir`` that differ or are missing."""
     with tempfile.TemporaryDirectory() as tmp:
-        fresh = generate(Path(tmp))
+        fresh = generate_into(Path(tmp))
         return [
             path.name
             for path in fresh
@@ -89,22 +92,39 @@ def stale_files(committed_dir: Path = DEMO_DIR) -> list[str]:
         ]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; returns the process exit code."""
-    parser = argparse.ArgumentParser(prog="python -m zoomer_serve.demo.codegen", description=__doc__)
+def codegen_main(prog: str, description: str | None, default_dir: Path,
+                 generate_into: Callable[[Path], list[Path]], argv: list[str] | None = None) -> int:
+    """The ``python -m ...codegen [--check] [--out DIR]`` command line; returns the exit code."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--check", action="store_true", help="only verify the committed files are current")
-    parser.add_argument("--out", type=Path, default=DEMO_DIR, help="output folder (default: next to proto)")
+    parser.add_argument("--out", type=Path, default=default_dir, help="output folder (default: next to proto)")
     args = parser.parse_args(argv)
     if args.check:
-        stale = stale_files(args.out)
+        stale = stale_generated(generate_into, args.out)
         if stale:
             print(f"stale generated files in {args.out}: {', '.join(stale)}", file=sys.stderr)
             return 1
         print("generated files are up to date")
         return 0
-    for path in generate(args.out):
+    for path in generate_into(args.out):
         print(f"wrote {path}")
     return 0
+
+
+def generate(out_dir: Path, proto_dir: Path = DEMO_DIR) -> list[Path]:
+    """Run protoc on ``proto_dir/ranker.proto`` and write the three generated files to ``out_dir``
+    (see :func:`protoc_generate`)."""
+    return protoc_generate(proto_dir, PROTO_NAME, GENERATED_NAMES, out_dir)
+
+
+def stale_files(committed_dir: Path = DEMO_DIR) -> list[str]:
+    """Regenerate into a temp dir; return names of files in ``committed_dir`` that differ or are missing."""
+    return stale_generated(generate, committed_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns the process exit code."""
+    return codegen_main("python -m zoomer_serve.demo.codegen", __doc__, DEMO_DIR, generate, argv)
 
 
 if __name__ == "__main__":

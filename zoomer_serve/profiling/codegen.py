@@ -10,12 +10,10 @@ importing this module does not.
 
 from __future__ import annotations
 
-import argparse
 import sys
-import tempfile
 from pathlib import Path
 
-from zoomer_serve.demo.codegen import CodegenError, _grpc_tools_include, make_imports_relative
+from zoomer_serve.demo.codegen import codegen_main, protoc_generate, stale_generated
 
 PROFILING_DIR = Path(__file__).resolve().parent
 PROTO_NAME = "profiler_control.proto"
@@ -27,49 +25,17 @@ def generate(out_dir: Path, proto_dir: Path = PROFILING_DIR) -> list[Path]:
 
     Returns the written paths in ``GENERATED_NAMES`` order. Raises ImportError without grpcio-tools,
     CodegenError when protoc fails or its output is not the expected one."""
-    from grpc_tools import protoc
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    code = protoc.main(["grpc_tools.protoc", f"-I{proto_dir}", f"-I{_grpc_tools_include()}",
-                        f"--python_out={out_dir}", f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}",
-                        str(proto_dir / PROTO_NAME)])
-    if code != 0:
-        raise CodegenError(f"protoc exited with {code} for {proto_dir / PROTO_NAME}")
-    paths = [out_dir / name for name in GENERATED_NAMES]
-    missing = [str(p) for p in paths if not p.is_file()]
-    if missing:
-        raise CodegenError(f"protoc did not write {', '.join(missing)}")
-    source = paths[2].read_text(encoding="utf-8")
-    rewritten = make_imports_relative(source)
-    if rewritten == source:
-        raise CodegenError(f"no 'import ..._pb2 as ...' line to rewrite in {paths[2]}")
-    paths[2].write_text(rewritten, encoding="utf-8")
-    return paths
+    return protoc_generate(proto_dir, PROTO_NAME, GENERATED_NAMES, out_dir)
 
 
 def stale_files(committed_dir: Path = PROFILING_DIR) -> list[str]:
     """Regenerate into a temp dir; names of files in ``committed_dir`` that differ or are missing."""
-    with tempfile.TemporaryDirectory() as tmp:
-        return [p.name for p in generate(Path(tmp))
-                if not (committed_dir / p.name).is_file() or (committed_dir / p.name).read_bytes() != p.read_bytes()]
+    return stale_generated(generate, committed_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="python -m zoomer_serve.profiling.codegen", description=__doc__)
-    parser.add_argument("--check", action="store_true", help="only verify the committed files are current")
-    parser.add_argument("--out", type=Path, default=PROFILING_DIR, help="output folder (default: next to proto)")
-    args = parser.parse_args(argv)
-    if args.check:
-        stale = stale_files(args.out)
-        if stale:
-            print(f"stale generated files in {args.out}: {', '.join(stale)}", file=sys.stderr)
-            return 1
-        print("generated files are up to date")
-        return 0
-    for path in generate(args.out):
-        print(f"wrote {path}")
-    return 0
+    return codegen_main("python -m zoomer_serve.profiling.codegen", __doc__, PROFILING_DIR, generate, argv)
 
 
 if __name__ == "__main__":
