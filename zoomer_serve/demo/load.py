@@ -196,8 +196,9 @@ class LoadResult:
 
 
 @dataclass
-class _Tally:
-    """Thread-safe accumulation shared by the client threads."""
+class CallTally:
+    """Thread-safe outcome counts, latencies and call budget shared by the client threads (gRPC and Thrift
+    load drivers)."""
 
     max_calls: int | None
     started: int = 0
@@ -262,7 +263,7 @@ def _call_stream(
     return "OK" if counts_match else "WRONG_SCORE_COUNT"
 
 
-def _one_call(stub: ranker_pb2_grpc.RankerStub, rng: np.random.Generator, plan: _Plan, tally: _Tally) -> None:
+def _one_call(stub: ranker_pb2_grpc.RankerStub, rng: np.random.Generator, plan: _Plan, tally: CallTally) -> None:
     """Build and send one unary or streaming call, and record its outcome."""
     is_stream = rng.random() < plan.stream_share
     kind = None
@@ -292,7 +293,7 @@ def _one_call(stub: ranker_pb2_grpc.RankerStub, rng: np.random.Generator, plan: 
     tally.record(method, code, latency_ms, expected, n_messages)
 
 
-def _client(index: int, seed: int, plan: _Plan, tally: _Tally, stop: threading.Event) -> None:
+def _client(index: int, seed: int, plan: _Plan, tally: CallTally, stop: threading.Event) -> None:
     """One client thread: its own channel, calls until the deadline, the budget or ``stop``."""
     rng = np.random.default_rng([seed, index])
     with grpc.insecure_channel(plan.target) as channel:
@@ -399,7 +400,7 @@ def drive_load(
         rpc_timeout_s,
         metadata,
     )
-    tally = _Tally(max_requests)
+    tally = CallTally(max_requests)
     elapsed = run_clients(clients, lambda i, stop: _client(i, seed, plan, tally, stop), tally.progress, start,
                           progress, progress_interval_s, "load-client")
     return LoadResult(

@@ -13,9 +13,8 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,7 +24,16 @@ from thriftpy2.transport import TTransportException
 
 from interceptors.thrift_client import make_client as make_tracked_client
 
-from .load import PREDICT, InvalidKind, LatencyStats, LoadProgress, LoadResult, make_request, run_clients
+from .load import (
+    PREDICT,
+    CallTally,
+    InvalidKind,
+    LatencyStats,
+    LoadProgress,
+    LoadResult,
+    make_request,
+    run_clients,
+)
 from .model import DLRMConfig
 from .service import DEFAULT_MAX_BATCH_SIZE
 from .thrift_server import ranker_thrift
@@ -46,37 +54,6 @@ def _split_target(target: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise ValueError(f"target must be 'host:port', got {target!r}")
     return host.strip("[]"), int(port)
-
-
-@dataclass
-class _Tally:
-    max_calls: int | None
-    started: int = 0
-    counts: Counter[tuple[str, str]] = field(default_factory=Counter)
-    samples: list[float] = field(default_factory=list)
-    ok: int = 0
-    unexpected: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def take(self) -> bool:
-        with self.lock:
-            if self.max_calls is not None and self.started >= self.max_calls:
-                return False
-            self.started += 1
-            return True
-
-    def record(self, code: str, latency_ms: float, expected: str) -> None:
-        with self.lock:
-            self.counts[(PREDICT, code)] += 1
-            if code == "OK":
-                self.ok += 1
-                self.samples.append(latency_ms)
-            if code != expected:
-                self.unexpected += 1
-
-    def progress(self, elapsed_s: float) -> LoadProgress:
-        with self.lock:
-            return LoadProgress(elapsed_s, sum(self.counts.values()), self.ok, self.unexpected)
 
 
 @dataclass(frozen=True)
@@ -108,7 +85,7 @@ def _call(client: Any, request: Any) -> str:
     return "OK" if len(response.scores or ()) == len(request.candidates) else "WRONG_SCORE_COUNT"
 
 
-def _client(index: int, seed: int, plan: _Plan, tally: _Tally, stop: threading.Event) -> None:
+def _client(index: int, seed: int, plan: _Plan, tally: CallTally, stop: threading.Event) -> None:
     """One client thread: one connection (re-opened after a transport failure), one call at a time."""
     rng = np.random.default_rng([seed, index])
     kinds = list(InvalidKind)
@@ -130,7 +107,8 @@ def _client(index: int, seed: int, plan: _Plan, tally: _Tally, stop: threading.E
                 if client is not None:
                     client.close()
                 client = None
-            tally.record(code, (time.perf_counter() - start) * 1e3, "OK" if kind is None else "INVALID_ARGUMENT")
+            tally.record(PREDICT, code, (time.perf_counter() - start) * 1e3,
+                         "OK" if kind is None else "INVALID_ARGUMENT", 0)
     finally:
         if client is not None:
             client.close()
@@ -180,9 +158,9 @@ def drive_thrift_load(
     start = time.monotonic()
     plan = _Plan(host, port, start + duration_s, invalid_share, batch_size, config or DLRMConfig(),
                  max_batch_size, max(1, int(rpc_timeout_s * 1000)), tracked)
-    tally = _Tally(max_requests)
+    tally = CallTally(max_requests)
     elapsed = run_clients(clients, lambda i, stop: _client(i, seed, plan, tally, stop), tally.progress, start,
                           progress, progress_interval_s, "thrift-load")
     return LoadResult(duration_s=elapsed, counts=dict(tally.counts),
-                      latency_ms={PREDICT: LatencyStats.from_samples(tally.samples)},
+                      latency_ms={PREDICT: LatencyStats.from_samples(tally.samples[PREDICT])},
                       unexpected=tally.unexpected, stream_messages=0)
