@@ -37,6 +37,7 @@ from thriftpy2.thrift import TApplicationException
 
 from interceptors.thrift_common import (
     DISPATCHED,
+    BoundServerInfo,
     Connection,
     MeteredTransportFactory,
     RequestHeader,
@@ -118,7 +119,7 @@ class BoundAsyncServerSocket(TAsyncServerSocket):
             self.port = self.raw_sock.getsockname()[1]
 
 
-class TracedAsyncServer(TAsyncServer):
+class TracedAsyncServer(BoundServerInfo, TAsyncServer):
     """``TAsyncServer`` that knows its bound port, serves on a loop of its own and stops cleanly.
 
     ``serve_forever()`` runs the event loop on the calling thread until :meth:`stop`; ``start()`` runs it on a
@@ -132,16 +133,6 @@ class TracedAsyncServer(TAsyncServer):
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._grace_s = 0.0
-
-    @property
-    def port(self) -> int | None:
-        """The bound TCP port (None for a unix socket)."""
-        return self.trans.port
-
-    @property
-    def metered(self) -> MeteredTransportFactory | None:
-        factory = self.itrans_factory
-        return factory if isinstance(factory, MeteredTransportFactory) else None
 
     def serve_forever(self) -> None:
         """Run the server's event loop on this thread until :meth:`stop`; then close it."""

@@ -857,3 +857,22 @@ class MeteredTransportFactory:
                 meter.shutdown()  # type: ignore[attr-defined]
             except Exception as exc:
                 internal_error("thrift_server.shutdown", exc)
+
+
+class BoundServerInfo:
+    """What the sync and asyncio traced Thrift servers tell about themselves (mixed into both; they hold
+    thriftpy2's ``trans`` (the server socket) and ``itrans_factory``)."""
+
+    trans: Any
+    itrans_factory: Any
+
+    @property
+    def port(self) -> int | None:
+        """The bound TCP port (None for a unix socket)."""
+        return self.trans.port  # type: ignore[no-any-return]
+
+    @property
+    def metered(self) -> MeteredTransportFactory | None:
+        """The metered transport factory counting bytes and protocol errors, when the server has one."""
+        factory = self.itrans_factory
+        return factory if isinstance(factory, MeteredTransportFactory) else None

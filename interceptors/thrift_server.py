@@ -38,6 +38,7 @@ from thriftpy2.thrift import TMultiplexedProcessor, TProcessor
 from thriftpy2.transport import TBufferedTransportFactory, TServerSocket, TSSLServerSocket
 
 from interceptors.thrift_common import (
+    BoundServerInfo,
     Connection,
     MeteredTransportFactory,
     RequestHeader,
@@ -164,7 +165,7 @@ class BoundSSLServerSocket(_BindOnce, TSSLServerSocket):
     """``TSSLServerSocket`` with :class:`_BindOnce` behaviour."""
 
 
-class TracedThreadedServer(TThreadedServer):
+class TracedThreadedServer(BoundServerInfo, TThreadedServer):
     """``TThreadedServer`` (a thread per connection) that knows its bound port and stops cleanly.
 
     ``serve_forever()`` serves on the calling thread; ``start()`` serves on a daemon thread and returns;
@@ -174,16 +175,6 @@ class TracedThreadedServer(TThreadedServer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._thread: threading.Thread | None = None
-
-    @property
-    def port(self) -> int | None:
-        """The bound TCP port (None for a unix socket)."""
-        return self.trans.port
-
-    @property
-    def metered(self) -> MeteredTransportFactory | None:
-        factory = self.itrans_factory
-        return factory if isinstance(factory, MeteredTransportFactory) else None
 
     def serve_forever(self) -> None:
         """Serve until :meth:`stop` (blocks)."""
