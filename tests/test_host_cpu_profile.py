@@ -101,9 +101,9 @@ def profile_span(rows: list[dict[str, Any]], session_id: str) -> dict[str, Any]:
     return spans[0]["attributes"]  # type: ignore[no-any-return]
 
 
-def check_profile_files(attrs: dict[str, Any], session_id: str, folder: Path) -> dict[str, Any]:
-    """The speedscope and collapsed files are beside the kernel trace, non-empty, agree with the span, and the
-    demo's slow preprocessing is among the top functions. Returns the top row of that function."""
+def check_profile_files(attrs: dict[str, Any], session_id: str, folder: Path) -> None:
+    """The speedscope and collapsed files are beside the kernel trace, non-empty, agree with the span, the
+    demo's slow preprocessing was sampled on a busy (not idle) thread, and the top list is well formed."""
     speedscope = Path(attrs[n.CPU_PATH])
     collapsed = Path(attrs[n.CPU_COLLAPSED_PATH])
     assert speedscope == (folder / f"{session_id}.cpu.speedscope.json").resolve()
@@ -113,14 +113,19 @@ def check_profile_files(attrs: dict[str, Any], session_id: str, folder: Path) ->
     lines = collapsed.read_text().splitlines()
     assert lines and all(line.rsplit(" ", 1)[1].isdigit() for line in lines)
     assert sum(int(line.rsplit(" ", 1)[1]) for line in lines) == attrs[n.CPU_SAMPLES] > 0
-    assert any(f";{SLOW_FUNCTION} (zoomer_serve/demo/service.py:" in line for line in lines)
-    top = dict(zip(attrs[n.CPU_TOP_FUNCTION], zip(attrs[n.CPU_TOP_LOCATION], attrs[n.CPU_TOP_SELF_SHARE],
-                                                  attrs[n.CPU_TOP_TOTAL_SHARE])))
-    assert SLOW_FUNCTION in top, attrs[n.CPU_TOP_FUNCTION]
-    location, own, total = top[SLOW_FUNCTION]
-    assert location.startswith("zoomer_serve/demo/service.py:")
-    assert 0 < own <= total <= 1
+    assert any(f";{SLOW_FUNCTION} (zoomer_serve/demo/service.py:" in line
+               and not line.split(";", 1)[0].endswith(IDLE_SUFFIX) for line in lines)
+    shares = list(zip(attrs[n.CPU_TOP_SELF_SHARE], attrs[n.CPU_TOP_TOTAL_SHARE]))
+    assert shares and all(0 < own <= total <= 1 for own, total in shares)
     assert attrs[n.CPU_TOP_SELF_SHARE] == sorted(attrs[n.CPU_TOP_SELF_SHARE], reverse=True)
+
+
+def slow_function_row(attrs: dict[str, Any]) -> dict[str, Any]:
+    """The top-list row of the demo's slow preprocessing (it must be there)."""
+    top = dict(zip(attrs[n.CPU_TOP_FUNCTION], zip(attrs[n.CPU_TOP_LOCATION], attrs[n.CPU_TOP_SELF_SHARE])))
+    assert SLOW_FUNCTION in top, attrs[n.CPU_TOP_FUNCTION]
+    location, own = top[SLOW_FUNCTION]
+    assert location.startswith("zoomer_serve/demo/service.py:")
     return {"location": location, "self_share": own}
 
 
@@ -152,7 +157,8 @@ def test_py_spy_profiles_the_session_and_analyze_names_the_cpu_bound_function(
     assert attrs[n.CPU_SAMPLER] == "py-spy" and n.CPU_UNAVAILABLE not in attrs
     assert attrs[n.CPU_RATE_HZ] == 100 and attrs[n.CPU_SAMPLER_ERRORS] >= 0
     assert n.CPU_IDLE_SAMPLES not in attrs  # py-spy does not record idle threads
-    hot = check_profile_files(attrs, info.session_id, folder)
+    check_profile_files(attrs, info.session_id, folder)
+    hot = slow_function_row(attrs)
     assert attrs[n.CPU_TOP_FUNCTION][0] == SLOW_FUNCTION, attrs[n.CPU_TOP_FUNCTION]
     assert sorted(p.name for p in folder.iterdir()) == sorted(
         f"{info.session_id}{suffix}" for suffix in (".cpu.collapsed.txt", ".cpu.speedscope.json", ".pt.trace.json.gz"))
@@ -174,7 +180,11 @@ def test_without_py_spy_the_in_process_sampler_profiles_and_the_reason_is_said_o
         model: DLRM, telemetry: Any, collector: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """py-spy missing (``ZOOMER_CPU_PROFILE_PYSPY`` names no binary): two sessions complete with their kernel
     traces, each span says why py-spy was not used, the log says it once, and the in-process sampler writes a
-    CPU profile whose top functions include the demo's preprocessing; idle threads are kept apart."""
+    CPU profile that caught the demo's preprocessing on a busy thread; idle threads are kept apart.
+
+    Where the slow function ranks is not asserted here: the in-process sampler runs under the same interpreter
+    lock as the server, so on a 2-core machine its few dozen samples per session rank functions unsteadily
+    (a CI run had it 11th). py-spy, sampling from outside, is held to ranking it first above."""
     folder = tmp_path / "profiles"
     profiler = CpuProfiler(HostConfig(cpu_profile_pyspy=str(tmp_path / "no-such-py-spy")))
     caplog.set_level(logging.WARNING, logger="zoomer_serve.host")
