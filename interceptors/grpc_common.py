@@ -42,7 +42,10 @@ REQUEST_MESSAGES = "zoomer.rpc.request.messages"
 REQUEST_BYTES = "zoomer.rpc.request.bytes"
 RESPONSE_MESSAGES = "zoomer.rpc.response.messages"
 RESPONSE_BYTES = "zoomer.rpc.response.bytes"
+STATUS_CODE = "rpc.response.status_code"
 _MAX_PEERS = 4096
+_OK = grpc.StatusCode.OK
+_NO_PARENT: tuple[None, None] = (None, None)
 
 
 @dataclass(frozen=True)
@@ -164,7 +167,7 @@ def apply_status(span: Any, code: grpc.StatusCode, details: str | None, dup: boo
     """Set ``rpc.response.status_code`` (and ``error.type`` / ERROR status for the codes in ``error_codes``:
     :data:`SERVER_ERROR_CODES` for server spans, :data:`CLIENT_ERROR_CODES` for client spans)."""
     attrs = span.attributes
-    attrs["rpc.response.status_code"] = code.name
+    attrs[STATUS_CODE] = code.name
     if dup:
         attrs["rpc.grpc.status_code"] = code.value[0]
     if code in error_codes:
@@ -237,7 +240,7 @@ class ServerCallTracer:
     the sync API asks ``context.is_active()``, grpc.aio sees ``asyncio.CancelledError``.
     """
 
-    __slots__ = ("recorder", "dup", "peers", "static", "name", "call_over", "place")
+    __slots__ = ("recorder", "dup", "peers", "static", "name", "call_over", "place", "_by_peer")
 
     def __init__(self, core: ServerInterceptorCore, names: MethodNames, call_over: CallOver) -> None:
         self.recorder = core.recorder
@@ -247,21 +250,33 @@ class ServerCallTracer:
         self.name = names.rpc_method
         self.call_over = call_over
         self.place = core.place
+        self._by_peer: dict[str | None, dict[str, Any]] = {}  # static + peer attributes, per peer string
 
     def start(self, context: Any) -> RequestSpan | None:
         """Open the span of a call that just arrived (caller's W3C context and baggage, peer); None if that
         failed (counted; the call goes on untraced)."""
         try:
-            parent, baggage = parent_from_metadata(context.invocation_metadata())
-            attrs = dict(self.static)
-            attrs.update(self.peers(context.peer()))
-            span = self.recorder.start(self.name, attributes=attrs, parent=parent)
+            metadata = context.invocation_metadata()
+            parent, baggage = parent_from_metadata(metadata) if metadata else _NO_PARENT
+            peer = context.peer()
+            base = self._by_peer.get(peer)
+            if base is None:
+                base = self._base_attributes(peer)
+            span = self.recorder.start(self.name, r.KIND_SERVER, base.copy(), parent)
             if baggage:
                 span.otel_parent_context = baggage_context(baggage)
             return span
         except Exception as exc:
             internal_error(self.place + ".start", exc)
             return None
+
+    def _base_attributes(self, peer: str | None) -> dict[str, Any]:
+        """The method's static attributes with the peer's (cached for up to ``_MAX_PEERS`` peers)."""
+        base = dict(self.static)
+        base.update(self.peers(peer))
+        if len(self._by_peer) < _MAX_PEERS:
+            self._by_peer[peer] = base
+        return base
 
     def finish(self, span: RequestSpan | None, context: Any, exc: BaseException | None, counts: list[int],
                call_over: bool | None = None,
@@ -283,7 +298,10 @@ class ServerCallTracer:
             attrs = span.attributes
             attrs[REQUEST_MESSAGES], attrs[REQUEST_BYTES] = counts[0], counts[1]
             attrs[RESPONSE_MESSAGES], attrs[RESPONSE_BYTES] = counts[2], counts[3]
-            apply_status(span, code, details, self.dup, error_type)
+            if code is _OK and not self.dup:
+                attrs[STATUS_CODE] = "OK"  # the common path: what apply_status sets for OK
+            else:
+                apply_status(span, code, details, self.dup, error_type)
             span.end()
         except Exception as err:
             internal_error(self.place + ".finish", err)

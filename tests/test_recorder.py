@@ -138,3 +138,44 @@ def test_observers_see_start_and_end_and_their_failures_are_contained():
     rec.remove_observer(bad)
     rec.start("x").end()
     assert len(good.events) == 2
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct-contextvar", "otel-api"])
+def test_activation_makes_the_request_the_current_otel_span_and_restores_the_caller_context(direct: bool) -> None:
+    """Both ways of attaching the request span to OpenTelemetry's context (setting OpenTelemetry's context
+    variable directly, and the ``context.attach`` API used where the runtime context is not the default one)
+    make the request the current span with the caller's baggage visible, nest, and restore what was there."""
+    from opentelemetry import baggage, trace
+    from opentelemetry import context as otel_context
+
+    recorder = RequestRecorder()
+    if not direct:
+        recorder = RequestRecorder(otel_context=False)
+        recorder._setup_otel_bridge()
+        from zoomer_serve.recording import recorder as module
+
+        assert module._direct_otel_context(module._otel_bridge_class()) is not None  # the default runtime
+        set_span, attach = trace.set_span_in_context, otel_context.attach
+        recorder.otel_attach = lambda span: attach(set_span(module._otel_bridge_class()(span),
+                                                            span.otel_parent_context))
+        recorder.otel_detach = otel_context.detach
+    outer_token = otel_context.attach(baggage.set_baggage("tenant", "outer"))
+    try:
+        before = otel_context.get_current()
+        outer = recorder.start("svc/Outer")
+        outer.otel_parent_context = baggage.set_baggage("tenant", "acme", otel_context.Context())
+        outer.activate()
+        assert trace.get_current_span().get_span_context().span_id == outer.span_id
+        assert trace.get_current_span().get_span_context().trace_id == outer.trace_id
+        assert baggage.get_baggage("tenant") == "acme"
+        inner = recorder.start("svc/Inner")
+        inner.activate()
+        assert trace.get_current_span().get_span_context().span_id == inner.span_id
+        assert baggage.get_baggage("tenant") == "acme"  # no caller context: the current one (outer's) is the base
+        inner.deactivate()
+        assert trace.get_current_span().get_span_context().span_id == outer.span_id
+        outer.deactivate()
+        assert otel_context.get_current() is before
+        assert not trace.get_current_span().get_span_context().is_valid
+    finally:
+        otel_context.detach(outer_token)

@@ -11,9 +11,9 @@ insert and pop per request (about 1 µs; see ``benchmarks/_bench_host.py``).
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from asyncio import _get_running_loop as _running_loop  # C function: this thread's running loop or None
+from threading import get_ident as _thread_id
+from time import thread_time_ns as _thread_time_ns
 
 from zoomer_serve.host.names import REQUEST_CPU_TIME
 from zoomer_serve.recording import RequestSpan
@@ -53,16 +53,16 @@ class RequestCpuTimeObserver:
                 logger.warning("zoomer-serve: %d request spans are open at once; new ones get no %s (counted)",
                                MAX_OPEN, REQUEST_CPU_TIME)
             return
-        self._open[span] = (threading.get_ident(), time.thread_time_ns())
+        self._open[span] = (_thread_id(), _thread_time_ns())
 
     def on_end(self, span: RequestSpan) -> None:
         entry = self._open.pop(span, None)
         if entry is None:
             return
-        if entry[0] != threading.get_ident():
+        if entry[0] != _thread_id():
             self.skipped_other_thread += 1
             return
-        span.attributes[REQUEST_CPU_TIME] = time.thread_time_ns() - entry[1]
+        span.attributes[REQUEST_CPU_TIME] = _thread_time_ns() - entry[1]
 
     @property
     def open_spans(self) -> int:
