@@ -85,3 +85,18 @@ def test_any_value_of_unknown_type_is_its_string():
 
     assert AnyValue.FromString(encode_any_value(object)).string_value == str(object)
     assert AnyValue.FromString(encode_any_value({"a": 1})).kvlist_value.values[0].value.int_value == 1
+
+
+def test_int_attributes_round_trip_at_the_varint_edges_and_are_not_cached():
+    """Large and negative int values take their own path (key prefix cached, value encoded fresh, not cached):
+    every varint length, negative int64s and a key whose encoded form is long round-trip; bools stay bools."""
+    values = [0, 1, 127, 128, 300, 16_383, 16_384, 2**31, 2**63 - 1, -1, -(2**63), 1_700_000_000_123_456_789]
+    enc = SpanEncoder({}, "s", "v")
+    long_key = "k" * 200
+    spans = [enc.encode_span(_record(R_ATTRS={"n": v, long_key: v, "flag": v == 0})) for v in values]
+    got = [_attrs(s.attributes) for s in
+           ExportTraceServiceRequest.FromString(enc.encode_request(spans)).resource_spans[0].scope_spans[0].spans]
+    assert got == [{"n": v, long_key: v, "flag": v == 0} for v in values]
+    assert all(type(g["flag"]) is bool for g in got)
+    cached_ints = {key[1] for key in enc._attr_cache if type(key[1]) is int}
+    assert cached_ints == {v for v in values if 0 <= v < 1 << 16}  # small ones (counts, sizes, ports) only

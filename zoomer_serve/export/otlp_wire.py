@@ -41,14 +41,20 @@ from zoomer_serve.recording.records import (
 _pack_q = struct.Struct("<Q").pack
 _pack_d = struct.Struct("<d").pack
 _pack_i = struct.Struct("<I").pack
+_CACHED_INT_LIMIT = 1 << 16  # int attribute values below it (counts, sizes, ports) are cached; larger ones not
 _MAX_CACHE = 50_000  # attribute encodings kept; bounded so unique values cannot grow memory forever
 
 _FLAG_HAS_IS_REMOTE = 0x100
 _FLAG_IS_REMOTE = 0x200
 
 
+_SMALL_VARINTS = tuple(bytes((i,)) for i in range(128))
+
+
 def varint(value: int) -> bytes:
     """Encode a non-negative int (or a negative int64, two's complement) as a protobuf varint."""
+    if 0 <= value < 128:
+        return _SMALL_VARINTS[value]
     if value < 0:
         value += 1 << 64
     out = bytearray()
@@ -111,9 +117,12 @@ class SpanEncoder:
         scope = _ld(0x0A, scope_name.encode()) + _ld(0x12, scope_version.encode())
         self._scope_field = _ld(0x0A, scope)  # ScopeSpans.scope
         self._attr_cache: dict[tuple[str, Any], bytes] = {}
+        self._key_cache: dict[str, bytes] = {}
         self._name_cache: dict[str, bytes] = {}
 
     def _attr(self, key: str, value: Any) -> bytes:
+        if type(value) is int and not 0 <= value < _CACHED_INT_LIMIT:  # ns, ids: unique, so never cached
+            return self._int_attr(key, value)
         cache_key = (key, value) if not isinstance(value, (list, dict)) else None
         if cache_key is not None:
             try:
@@ -126,6 +135,17 @@ class SpanEncoder:
         if cache_key is not None and len(self._attr_cache) < _MAX_CACHE:
             self._attr_cache[cache_key] = encoded
         return encoded
+
+    def _int_attr(self, key: str, value: int) -> bytes:
+        """``Span.attributes`` entry of an int value: the key's encoded prefix (cached) and the varint."""
+        prefix = self._key_cache.get(key)
+        if prefix is None:
+            prefix = _ld(0x0A, key.encode("utf-8", "replace"))
+            if len(self._key_cache) < _MAX_CACHE:
+                self._key_cache[key] = prefix
+        number = varint(value)  # AnyValue.int_value (field 3), at most 10 bytes: lengths fit one byte
+        body = prefix + bytes((0x12, len(number) + 1, 0x18)) + number
+        return bytes((0x4A,)) + varint(len(body)) + body
 
     def _name(self, name: str) -> bytes:
         hit = self._name_cache.get(name)
