@@ -23,7 +23,7 @@ from typing import Any
 
 import pynvml
 
-from zoomer_serve.telemetry.memory_source import MemoryCounters
+from zoomer_serve.telemetry.memory_source import MemoryCounters, counters_of
 
 SEGMENT = 2 << 20  # the fake allocator reserves memory in 2 MiB segments
 
@@ -149,7 +149,7 @@ class FakeCudaMemory:
 
     def counters(self, device: int) -> MemoryCounters:
         d = self.devices[device]
-        return MemoryCounters(d.allocated, d.peak, d.reserved, d.alloc_retries, d.ooms, d.device_allocs)
+        return counters_of((d.allocated, d.peak, d.reserved, d.alloc_retries, d.ooms, d.device_allocs))
 
     def memory_allocated(self, device: int) -> int:
         return self.devices[device].allocated

@@ -165,6 +165,78 @@ def test_several_devices_give_sums_and_per_device_lists():
     fake.free(x1, device=1)
 
 
+def _overlapping_script(devices: int, peak: bool) -> dict[str, dict]:
+    """Overlapping sampled requests, an unsampled one, a cudaMalloc, an allocator retry and an OOM, all on
+    device 0 of a fake with ``devices`` devices, watched with ``devices=range(devices)``. Returns the
+    attributes by span name."""
+    fake = FakeCudaMemory(devices=devices, limit_bytes=63 * MiB)
+    rec, got = _recorder()
+    obs = GpuMemoryObserver(fake, tuple(range(devices)), peak=peak)
+    obs.utilization = {0: 0.25}
+    rec.add_observer(obs)
+    keep = fake.allocate(MiB)                      # before any request: 1 MiB in one 2 MiB segment
+    a = rec.start("svc/A")
+    xa = fake.allocate(10 * MiB)                   # a new segment
+    rec.sampler = Sampler("traceidratio", 0.0)
+    u = rec.start("svc/U")                         # unsampled: only counted
+    rec.sampler = Sampler("always_on")
+    b = rec.start("svc/B")
+    xb = fake.allocate(30 * MiB)                   # device at 41 MiB, inside A's and B's windows
+    fake.free(xb)
+    b.end()
+    u.end()
+    c = rec.start("svc/C")                         # overlaps A only, after the 41 MiB spike
+    with pytest.raises(FakeOutOfMemoryError):
+        fake.allocate(100 * MiB)                   # num_ooms + 1
+    c.end()
+    fake.free(xa)
+    a.end()
+    fake.empty_cache()                             # reserved = allocated = 1 MiB
+    d = rec.start("svc/D")                         # alone
+    big = fake.allocate(59 * MiB)                  # a 60 MiB segment: reserved 61 MiB
+    extra = fake.allocate(2 * MiB + MiB // 2)      # a 4 MiB segment would pass 63 MiB: num_alloc_retries + 1
+    fake.free(big)
+    fake.free(extra)
+    d.end()
+    e = rec.start("svc/E")
+    fake.free(fake.allocate(5 * MiB))              # E's peak, before F: E has it from F's start boundary
+    f = rec.start("svc/F")                         # E learns that it shares the device only from F's start
+    f.end()
+    e.end()
+    fake.free(keep)
+    return {record[r.R_NAME]: _attrs(record) for record in got}
+
+
+@pytest.mark.parametrize("peak", [True, False])
+def test_the_one_device_path_sets_what_the_several_device_path_gives_for_that_device(peak):
+    """One watched device takes a path of its own (no per-device lists); the same requests watched with a
+    second, idle device (the general path) give the same sums, and the same figures in ``.by_device[0]``."""
+    one = _overlapping_script(devices=1, peak=peak)
+    two = _overlapping_script(devices=2, peak=peak)
+    assert set(one) == set(two) == {"svc/A", "svc/B", "svc/C", "svc/D", "svc/E", "svc/F", "svc/U"}
+    assert not any(k.startswith("zoomer.gpu") for k in one["svc/U"])  # unsampled: nothing read or set
+    figures = [n.MEM_ALLOCATED_START, n.MEM_ALLOCATED_END, n.MEM_RESERVED_START, n.MEM_RESERVED_END,
+               n.MEM_ALLOC_RETRIES, n.MEM_OOMS, n.MEM_DEVICE_ALLOCS] + ([n.MEM_PEAK] if peak else [])
+    for name in ("svc/A", "svc/B", "svc/C", "svc/D", "svc/E", "svc/F"):
+        o, t = one[name], two[name]
+        assert o[n.GPU_DEVICES] == [0] and t[n.GPU_DEVICES] == [0, 1]
+        assert set(o) == set(figures) | {n.GPU_DEVICES, n.GPU_UTILIZATION} | ({n.MEM_PEAK_SHARED} if peak else set())
+        for key in figures:
+            assert o[key] == t[key] == t[key + n.BY_DEVICE_SUFFIX][0], (name, key)
+            assert t[key + n.BY_DEVICE_SUFFIX][1] == 0
+        assert o[n.GPU_UTILIZATION] == t[n.GPU_UTILIZATION] == 0.25
+        if peak:
+            assert o[n.MEM_PEAK_SHARED] is t[n.MEM_PEAK_SHARED]
+    # the script does reach every figure (the comparison above is not between zeros)
+    assert one["svc/A"][n.MEM_DEVICE_ALLOCS] == 2 and one["svc/C"][n.MEM_OOMS] == 1
+    assert one["svc/D"][n.MEM_ALLOC_RETRIES] == 1
+    if peak:
+        assert {x: one[f"svc/{x}"][n.MEM_PEAK] for x in "ABCDEF"} == {
+            "A": 41 * MiB, "B": 41 * MiB, "C": 11 * MiB, "D": 62 * MiB + MiB // 2, "E": 6 * MiB, "F": MiB}
+        assert {x: one[f"svc/{x}"][n.MEM_PEAK_SHARED] for x in "ABCDEF"} == {
+            "A": True, "B": True, "C": True, "D": False, "E": True, "F": True}
+
+
 def test_without_the_peak_no_reset_happens_and_no_peak_attribute():
     fake = FakeCudaMemory()
     rec, got, _ = _observer(fake, peak=False)

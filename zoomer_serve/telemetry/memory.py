@@ -33,22 +33,18 @@ logger = logging.getLogger("zoomer_serve.telemetry")
 _MAX_IN_FLIGHT = 65_536  # spans that never end must not grow memory without bound
 
 
-class _Flight:
-    """One sampled request in flight: counters at its start, per-device peak so far, shared flag, and its
-    allocation-history tag (or None)."""
-
-    __slots__ = ("start", "peak", "shared", "tag")
-
-    def __init__(self, start: list[MemoryCounters]) -> None:
-        self.start = start
-        self.peak = [0] * len(start)  # interval peaks seen since the start (see peak_bytes)
-        self.shared = False
-        self.tag: Any = None
-
-    def peak_bytes(self, i: int) -> int:
-        """The peak on the i-th device over the window: the interval peaks, or the allocation at the start
-        (right after the start's reset the device peak is the current allocation)."""
-        return max(self.peak[i], self.start[i][0])
+# A sampled request in flight is a list ``[start, peak, shared, tag]`` (a list, not an object: the request
+# path pays one allocation and no constructor call):
+#   start  -- the counters read at its start boundary (one device: a MemoryCounters; several: a list of them,
+#             in the order of ``devices``);
+#   peak   -- the largest interval peak handed to it since its start (one device: an int; several: a list);
+#   shared -- whether another request (sampled or not) was in flight at any time during its window;
+#   tag    -- its allocation-history tag, or None.
+# Its peak over the window is max(peak, start allocation): right after the start's reset the device peak is
+# the current allocation. An unsampled request is None in the in-flight map (only counted). The one-device
+# path indexes flights and MemoryCounters with literals (allocated 0, peak 1, reserved 2, alloc_retries 3,
+# ooms 4, device_allocs 5); the several-device path uses the names.
+_START, _PEAK, _SHARED, _TAG = range(4)
 
 
 class GpuMemoryObserver:
@@ -62,8 +58,12 @@ class GpuMemoryObserver:
         oom_counter: an OpenTelemetry counter for ``zoomer.gpu.memory.oom``, or None.
         device_attributes: metric attributes (``hw.id``, ``hw.type``) per CUDA device index.
 
+    Raises:
+        ValueError: ``devices`` is empty.
+
     ``utilization`` (a dict CUDA index -> ratio) is replaced by the NVML sampler after each tick; the
-    request path only reads it.
+    request path only reads it. One device (the common case) takes a path without per-device lists or
+    loops; it sets the same attributes as the general path would.
     """
 
     def __init__(self, source: CudaMemorySource, devices: Sequence[int], peak: bool = True,
@@ -80,10 +80,11 @@ class GpuMemoryObserver:
         self._oom_counter = oom_counter
         self.device_attributes = device_attributes or {}
         self._lock = threading.Lock()
-        self._flights: dict[int, _Flight | None] = {}  # span_id -> flight (None: unsampled, only counted)
+        self._flights: dict[int, list[Any] | None] = {}  # span_id -> flight (None: unsampled, only counted)
         self._counters = source.counters
         self._reset = source.reset_peak_memory_stats
         self._devices_attr = list(self.devices)
+        self._one = self.devices[0] if len(self.devices) == 1 else None  # the single device, else None
 
     # -- request path ----------------------------------------------------------------------------------
     def on_start(self, span: RequestSpan) -> None:
@@ -96,75 +97,116 @@ class GpuMemoryObserver:
                 if len(flights) < _MAX_IN_FLIGHT:
                     flights[span.span_id] = None
             return
+        dev = self._one
         with self._lock:
-            start = self._boundary()
-            flight = _Flight(start)
-            if flights:
-                flight.shared = True
-                self._mark_shared()
+            if dev is None:
+                flight = self._start_multi_device()
+            else:
+                start = self._counters(dev)
+                if self.peak:  # the boundary: hand the peak since the last one to those in flight, reset it
+                    if flights:
+                        p = start[1]
+                        for f in flights.values():
+                            if f is not None:
+                                f[2] = True  # _SHARED
+                                if p > f[1]:  # _PEAK
+                                    f[1] = p
+                    self._reset(dev)
+                elif flights:
+                    self._mark_shared()
+                flight = [start, 0, bool(flights), None]
             if len(flights) < _MAX_IN_FLIGHT:
                 flights[span.span_id] = flight
         history = self.history
         if history is not None and history.recording:
-            flight.tag = history.begin(span)
+            flight[_TAG] = history.begin(span)
 
     def on_end(self, span: RequestSpan) -> None:
         """Read the end counters and set the span's ``zoomer.gpu.*`` attributes."""
+        dev = self._one
         with self._lock:
-            flight = self._flights.pop(span.span_id, None)
+            flights = self._flights
+            flight = flights.pop(span.span_id, None)
             if flight is None:
                 return
-            end = self._boundary(flight)
-        if flight.tag is not None:
-            self.history.end(flight.tag)
-        self._set_attributes(span.attributes, flight, end)
+            if dev is None:
+                end = self._boundary(flight)
+            else:
+                end = self._counters(dev)
+                if self.peak:  # the boundary, for those still in flight and for this one (already removed)
+                    p = end[1]
+                    if flights:
+                        for f in flights.values():
+                            if f is not None and p > f[1]:  # _PEAK
+                                f[1] = p
+                    if p > flight[1]:
+                        flight[1] = p
+                    self._reset(dev)
+        tag = flight[3]  # _TAG
+        if tag is not None:
+            self.history.end(tag)
+        if dev is None:
+            self._set_multi_device(span.attributes, flight, end)
+        else:
+            self._set_one_device(span.attributes, flight, end, dev)
 
-    def _boundary(self, ending: _Flight | None = None) -> list[MemoryCounters]:
+    def _set_one_device(self, attrs: dict[str, Any], flight: list[Any], end: MemoryCounters, dev: int) -> None:
+        """The attributes for one device: what :meth:`_set_multi_device` gives, without the ``.by_device``
+        lists (the sums are the device's own figures)."""
+        start = flight[0]  # _START
+        s_alloc = start[0]
+        attrs[n.GPU_DEVICES] = self._devices_attr
+        attrs[n.MEM_ALLOCATED_START] = s_alloc
+        attrs[n.MEM_ALLOCATED_END] = end[0]
+        attrs[n.MEM_RESERVED_START] = start[2]
+        attrs[n.MEM_RESERVED_END] = end[2]
+        attrs[n.MEM_ALLOC_RETRIES] = end[3] - start[3]
+        attrs[n.MEM_OOMS] = end[4] - start[4]
+        attrs[n.MEM_DEVICE_ALLOCS] = end[5] - start[5]
+        if self.peak:
+            peak = flight[1]
+            attrs[n.MEM_PEAK] = peak if peak > s_alloc else s_alloc
+            attrs[n.MEM_PEAK_SHARED] = flight[2]
+        util = self.utilization.get(dev)
+        if util is not None:
+            attrs[n.GPU_UTILIZATION] = util
+
+    def _start_multi_device(self) -> list[Any]:
+        """The start boundary and new flight for several devices. Caller holds the lock."""
+        flights = self._flights
+        start = self._boundary()
+        flight = [start, [0] * len(start), bool(flights), None]
+        if flights:
+            self._mark_shared()
+        return flight
+
+    def _boundary(self, ending: list[Any] | None = None) -> list[MemoryCounters]:
         """Read every device once; with the peak on, hand the peak since the last boundary to every
         request in flight (and to ``ending``, already removed) and reset it. Caller holds the lock."""
         out = []
-        counters, reset, peak = self._counters, self._reset, self.peak
+        counters, reset = self._counters, self._reset
+        if not self.peak:
+            return [counters(dev) for dev in self.devices]
+        peaks = [f[_PEAK] for f in self._flights.values() if f is not None]
+        if ending is not None:
+            peaks.append(ending[_PEAK])
         for i, dev in enumerate(self.devices):
             c = counters(dev)
             out.append(c)
-            if peak:
-                p = c[1]
-                for f in self._flights.values():
-                    if f is not None and p > f.peak[i]:
-                        f.peak[i] = p
-                if ending is not None and p > ending.peak[i]:
-                    ending.peak[i] = p
-                reset(dev)
+            p = c[1]
+            for fp in peaks:
+                if p > fp[i]:
+                    fp[i] = p
+            reset(dev)
         return out
 
     def _mark_shared(self) -> None:
         for f in self._flights.values():
             if f is not None:
-                f.shared = True
+                f[_SHARED] = True
 
-    def _set_attributes(self, attrs: dict[str, Any], flight: _Flight, end: list[MemoryCounters]) -> None:
-        start = flight.start
-        if len(end) == 1:
-            s, e = start[0], end[0]
-            attrs[n.GPU_DEVICES] = self._devices_attr
-            attrs[n.MEM_ALLOCATED_START] = s[0]
-            attrs[n.MEM_ALLOCATED_END] = e[0]
-            attrs[n.MEM_RESERVED_START] = s[2]
-            attrs[n.MEM_RESERVED_END] = e[2]
-            attrs[n.MEM_ALLOC_RETRIES] = e[3] - s[3]
-            attrs[n.MEM_OOMS] = e[4] - s[4]
-            attrs[n.MEM_DEVICE_ALLOCS] = e[5] - s[5]
-            if self.peak:
-                attrs[n.MEM_PEAK] = flight.peak_bytes(0)
-                attrs[n.MEM_PEAK_SHARED] = flight.shared
-            util = self.utilization.get(self.devices[0])
-            if util is not None:
-                attrs[n.GPU_UTILIZATION] = util
-            return
-        self._set_multi_device(attrs, flight, end)
-
-    def _set_multi_device(self, attrs: dict[str, Any], flight: _Flight, end: list[MemoryCounters]) -> None:
-        start = flight.start
+    def _set_multi_device(self, attrs: dict[str, Any], flight: list[Any], end: list[MemoryCounters]) -> None:
+        start = flight[_START]
         per_device: dict[str, list[int]] = {
             n.MEM_ALLOCATED_START: [c.allocated for c in start],
             n.MEM_ALLOCATED_END: [c.allocated for c in end],
@@ -175,8 +217,8 @@ class GpuMemoryObserver:
             n.MEM_DEVICE_ALLOCS: [e.device_allocs - s.device_allocs for s, e in zip(start, end)],
         }
         if self.peak:
-            per_device[n.MEM_PEAK] = [flight.peak_bytes(i) for i in range(len(start))]
-            attrs[n.MEM_PEAK_SHARED] = flight.shared
+            per_device[n.MEM_PEAK] = [max(p, s.allocated) for p, s in zip(flight[_PEAK], start)]
+            attrs[n.MEM_PEAK_SHARED] = flight[_SHARED]
         attrs[n.GPU_DEVICES] = self._devices_attr
         for key, values in per_device.items():
             attrs[key] = sum(values)
