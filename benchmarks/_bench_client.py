@@ -4,7 +4,13 @@ One command runs one *phase*: the same number of client threads against several 
 time slices, so that whatever else the machine does hits every server alike::
 
     {"kind": K, "threads": N, "warmup_s": W, "slice_s": S, "cycles": C, "collector_pid": PID,
-     "targets": [{"name": CONFIG, "target": "127.0.0.1:P", "server_pid": PID, "helper_pids": [PID]}, ...]}
+     "targets": [{"name": CONFIG, "target": "127.0.0.1:P", "server_pid": PID, "helper_pids": [PID]}, ...],
+     "paired": false}
+
+With ``"paired": true`` the measured part is one stretch of ``S × C × len(targets)`` seconds in which every
+thread sends its calls to all servers in turn (A, B, C, A, ...): every server answers the same calls under the
+same conditions at the same moments, which measures CPU per request far more steadily than slices do (latency
+in a paired phase mixes the servers' effects on each other and is not a per-server figure).
 
 N threads, each with its own channel to every server, send one request at a time (the kind's payloads,
 round-robin) to the server of the current slice. First each server gets ``warmup_s`` of load (not
@@ -36,6 +42,7 @@ from _bench_configs import ServerKind, server_kind
 from _bench_proc import TreeCpu, process_cpu_s, tree_cpu
 
 _MAX_ERRORS = 200  # a thread stops after this many failed calls (a server is gone)
+PAIRED = -2  # switch.target in a paired phase: each thread sends its calls to the servers in turn
 
 
 class _Switch:
@@ -69,7 +76,9 @@ class _Worker(threading.Thread):
             while not switch.stop and self.failures < _MAX_ERRORS:
                 self.busy = True  # before reading the target: the phase's end waits for this call
                 index = switch.target
-                if index < 0:
+                if index == PAIRED:
+                    index = i % len(callers)
+                elif index < 0:
                     self.busy = False
                     time.sleep(0.001)
                     continue
@@ -101,6 +110,27 @@ def _snapshot(pids: list[int], helpers: list[tuple[int, ...]]) -> list[TreeCpu]:
     return [tree_cpu(pid, extra) for pid, extra in zip(pids, helpers)]
 
 
+def _slices(switch: _Switch, slice_s: float, cycles: int, slices_s: list[float]) -> None:
+    """The servers in turn, one slice each per cycle, the order rotating every cycle."""
+    for cycle in range(cycles):
+        for k in range(len(slices_s)):
+            index = (cycle + k) % len(slices_s)
+            start = time.monotonic()
+            switch.target = index
+            time.sleep(slice_s)
+            slices_s[index] += time.monotonic() - start
+
+
+def _paired(switch: _Switch, total_s: float, slices_s: list[float]) -> None:
+    """All servers at once for ``total_s``: every client thread sends its calls to them in turn (A, B, C, A, ...),
+    so each server gets the same load at the same moments and whatever else the machine does hits all alike."""
+    start = time.monotonic()
+    switch.target = PAIRED  # already so since the warm-up
+    time.sleep(total_s)
+    for index in range(len(slices_s)):
+        slices_s[index] = time.monotonic() - start
+
+
 def run_phase(cmd: dict[str, Any], payload_cache: dict[str, list[bytes]]) -> dict[str, Any]:
     kind = server_kind(cmd["kind"])
     if kind.name not in payload_cache:
@@ -119,18 +149,15 @@ def run_phase(cmd: dict[str, Any], payload_cache: dict[str, list[bytes]]) -> dic
     slices_s = [0.0] * len(targets)
     try:
         for index in range(len(targets)):
-            switch.target = index
+            switch.target = PAIRED if cmd.get("paired") else index
             time.sleep(float(cmd["warmup_s"]))
         switch.measured = True
         cpu0, coll0 = _snapshot(pids, helpers), process_cpu_s(collector_pid)
         client0, t0 = process_cpu_s(me), time.monotonic()
-        for cycle in range(cycles):
-            for k in range(len(targets)):
-                index = (cycle + k) % len(targets)
-                start = time.monotonic()
-                switch.target = index
-                time.sleep(slice_s)
-                slices_s[index] += time.monotonic() - start
+        if cmd.get("paired"):
+            _paired(switch, slice_s * cycles * len(targets), slices_s)
+        else:
+            _slices(switch, slice_s, cycles, slices_s)
         switch.target = -1
         deadline = time.monotonic() + 15.0
         while any(w.busy for w in workers) and time.monotonic() < deadline:  # calls in flight finish first

@@ -103,6 +103,39 @@ def zoomer_thread_export(transport: str = GRPC) -> Instrumentation:
     return zoomer_interceptor(transport)
 
 
+def passthrough_interceptor(transport: str = GRPC) -> Instrumentation:
+    """A ``grpc.ServerInterceptor`` that wraps each unary-unary handler in a plain Python function and records
+    nothing: the floor any Python server interceptor pays (grpc runs its interceptor pipeline and a wrapped
+    handler). gRPC sync only."""
+    import grpc
+
+    if transport != GRPC:
+        raise ValueError(f"the pass-through interceptor has no {transport!r} form")
+
+    class PassThrough(grpc.ServerInterceptor):
+        def __init__(self) -> None:
+            self._wrapped: dict[str, tuple[Any, Any]] = {}
+
+        def intercept_service(self, continuation: Any, details: Any) -> Any:
+            handler = continuation(details)
+            if handler is None or handler.request_streaming or handler.response_streaming:
+                return handler
+            cached = self._wrapped.get(details.method)
+            if cached is not None and cached[0] is handler:
+                return cached[1]
+            behavior = handler.unary_unary
+
+            def call(request: Any, context: Any) -> Any:
+                return behavior(request, context)
+
+            wrapped = grpc.unary_unary_rpc_method_handler(call, handler.request_deserializer,
+                                                          handler.response_serializer)
+            self._wrapped[details.method] = (handler, wrapped)
+            return wrapped
+
+    return Instrumentation([PassThrough()])
+
+
 def contrib_interceptor(transport: str = GRPC) -> Instrumentation:
     """``opentelemetry-instrumentation-grpc``'s ``server_interceptor()`` (grpc.aio: ``aio_server_interceptor()``)
     set up as its documentation shows: an SDK ``TracerProvider`` with a ``BatchSpanProcessor`` over ``OTLPSpanExporter``, and a ``MeterProvider``
@@ -159,6 +192,8 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
                   transports=(GRPC, GRPC_AIO)),
     Configuration("zoomer_record_only", "zoomer-serve interceptor, records dropped (ZOOMER_EXPORT_MODE=none)",
                   zoomer_record_only, exports=False, default=False),
+    Configuration("passthrough", "pass-through interceptor (wraps the handler, records nothing)",
+                  passthrough_interceptor, exports=False, default=False, transports=(GRPC,)),
     Configuration("zoomer_thread", "zoomer-serve interceptor, in-process export thread (ZOOMER_EXPORT_MODE=thread)",
                   zoomer_thread_export, default=False),
 )

@@ -237,6 +237,7 @@ class Results:
     helper_pids: dict[str, list[int]] = field(default_factory=dict)  # service name -> helper processes counted
     collector_stats: dict[str, Any] = field(default_factory=dict)
     extra_rows: dict[str, list[dict[str, Any]]] | None = None  # --extras: section -> {"what","value","unit"} rows
+    paired: dict[tuple[str, str], list[float]] = field(default_factory=dict)  # (kind, config) -> [server s, helpers s, calls]
     started: str = ""
     load_before: tuple[float, ...] = ()
     load_after: tuple[float, ...] = ()
@@ -347,6 +348,7 @@ def _one_round(res: Results, kind: str, rnd: int, col: dict[str, Any], client: C
                 _log(f"    {config:<8} {run['requests']:6d} requests, {last['requests_per_s']:5.0f}/s, "
                      f"{last['cpu_us_per_request']:5.0f} µs CPU/request (helpers {run['helpers_cpu_s']:.2f} s), "
                      f"p99 {last['p99_us']:.0f} µs, errors {run['errors'] or 0}")
+        _paired_phase(res, kind, order, servers, col, client)
         for server, _, _ in servers.values():
             server.send("stop")
         for server, _, service in servers.values():
@@ -355,6 +357,46 @@ def _one_round(res: Results, kind: str, rnd: int, col: dict[str, Any], client: C
         for server, _ in started.values():
             server.close()
             children.remove(server)
+
+
+def _paired_phase(res: Results, kind: str, order: list[str] | tuple[str, ...],
+                  servers: dict[str, tuple[Child, dict[str, Any], str]], col: dict[str, Any], client: Child) -> None:
+    """The round's paired phase (see ``_bench_client.py``): the most client threads, every thread calling all
+    servers in turn for half as long as the slices of one phase took. Only CPU per request is taken from it."""
+    plan = res.plan
+    n = max(plan.threads)
+    seconds = plan.slice_s * plan.cycles * len(order) / 2
+    _log(f"    paired   {kind:<6} {n} client thread(s), {seconds:.1f} s: {', '.join(order)} ...")
+    targets = [{"name": c, "target": f"127.0.0.1:{servers[c][1]['port']}", "server_pid": servers[c][1]["pid"],
+                "helper_pids": servers[c][1]["helper_pids"]} for c in order]
+    client.send(json.dumps({"kind": kind, "threads": n, "warmup_s": 0.0, "slice_s": seconds / len(order),
+                            "cycles": 1, "collector_pid": col["pid"], "targets": targets, "paired": True}))
+    phase = client.expect(seconds + 60)
+    for config, run in phase["per_target"].items():
+        res.answered[servers[config][2]] += run["total_ok"]
+        total = res.paired.setdefault((kind, config), [0.0, 0.0, 0])
+        total[0] += run["server_cpu_s"]
+        total[1] += run["helpers_cpu_s"]
+        total[2] += run["requests"]
+
+
+def _paired_summary(res: Results, kind: str) -> dict[str, Any]:
+    """CPU per request of each configuration in the paired phases (all rounds), its overhead over bare and, for
+    the instrumented rows, that overhead ÷ contrib's (``overhead_ratio_vs_contrib``)."""
+    per: dict[str, dict[str, Any]] = {}
+    for (k, config), (server_s, helpers_s, calls) in res.paired.items():
+        if k == kind and calls:
+            per[config] = {"requests": calls, "cpu_us_per_request": round((server_s + helpers_s) / calls * 1e6, 1),
+                           "server_cpu_us_per_request": round(server_s / calls * 1e6, 1),
+                           "helpers_cpu_us_per_request": round(helpers_s / calls * 1e6, 1)}
+    bare, contrib = per.get(BARE), per.get(CONTRIB)
+    for config, row in per.items():
+        row["overhead_us"] = None if bare is None else round(row["cpu_us_per_request"] - bare["cpu_us_per_request"], 1)
+        row["overhead_ratio_vs_contrib"] = None
+        if bare is not None and contrib is not None and config != BARE:
+            row["overhead_ratio_vs_contrib"] = _ratio(row["overhead_us"], contrib["cpu_us_per_request"]
+                                                      - bare["cpu_us_per_request"])
+    return {"threads": max(res.plan.threads), "configs": per}
 
 
 def _stored_server_spans(store: Path) -> dict[str, int]:
@@ -404,7 +446,7 @@ def summarise(res: Results) -> dict[str, Any]:
                 "server_spans_stored": stored,
                 "spans_lost": answered - stored if configuration(config).exports else None,
             }
-        kind_out: dict[str, Any] = {"configs": configs, "phases": {
+        kind_out: dict[str, Any] = {"configs": configs, "paired": _paired_summary(res, kind), "phases": {
             str(n): {"collector_cpu_us_per_request": round(ph.collector_cpu_s / max(1, ph.requests) * 1e6, 1),
                      "client_cpu_us_per_request": round(ph.client_cpu_s / max(1, ph.requests) * 1e6, 1)}
             for (k, n), ph in res.phases.items() if k == kind}}
@@ -593,6 +635,7 @@ def markdown(summary: dict[str, Any]) -> str:
                           f"{tg['overhead_ratio_vs_contrib_max']}: {'met' if tg['overhead_met'] else 'MISSED'})",
                       f"- zoomer p99 ÷ bare p99: {p99s} (target ≤ {tg['p99_ratio_vs_bare_max']} at "
                       f"{tg['p99_threads']} threads: {'met' if tg['p99_met'] else 'MISSED'})"]
+        lines += _paired_lines(k.get("paired"))
         lines.append("")
     for section, rows in summary.get("extra_rows", {}).items():
         lines += [f"### extra rows: {section}", "", "| what | value | unit |", "| --- | ---: | --- |"]
@@ -605,6 +648,23 @@ def markdown(summary: dict[str, Any]) -> str:
                  f"{m['loadavg_before'][0]} before / {m['loadavg_after'][0]} after, {meta['elapsed_s']} s, "
                  f"`{meta['command']}`")
     return "\n".join(lines)
+
+
+def _paired_lines(paired: dict[str, Any] | None) -> list[str]:
+    """One line: CPU per request and overhead of every configuration in the paired phases."""
+    if not paired or not paired["configs"]:
+        return []
+    cells = []
+    for config, row in paired["configs"].items():
+        cell = f"{config} {_fmt(row['cpu_us_per_request'])} ({_fmt(row['server_cpu_us_per_request'])} + " \
+               f"{_fmt(row['helpers_cpu_us_per_request'])})"
+        if config != BARE and row["overhead_us"] is not None:
+            cell += f", {_fmt(row['overhead_us'], '+.0f')}"
+            if row["overhead_ratio_vs_contrib"] is not None:
+                cell += f" = {_fmt(row['overhead_ratio_vs_contrib'], '.2f')} × contrib's"
+        cells.append(cell)
+    return ["", f"- paired phases ({paired['threads']} threads, every thread calling all servers in turn), CPU µs "
+                f"per request (server + helpers), overhead: " + "; ".join(cells)]
 
 
 def _csv(value: str) -> tuple[str, ...]:

@@ -111,6 +111,33 @@ def test_a_kind_without_any_applicable_configuration_is_refused() -> None:
     assert proc.returncode == 2 and "thrift_echo" in proc.stderr
 
 
+def test_paired_phase_measures_every_configuration_against_bare_and_contrib(smoke: dict) -> None:
+    """The paired phase (every client thread calling all servers in turn) gives each configuration calls and
+    a CPU per request; overhead and the ratio to contrib's follow from those figures."""
+    for kind in KINDS:
+        paired = smoke[kind]["paired"]
+        assert paired["threads"] == 8
+        rows = paired["configs"]
+        assert set(rows) == set(smoke[kind]["configs"]), kind
+        calls = {row["requests"] for row in rows.values()}
+        assert min(calls) > 0 and max(calls) - min(calls) <= 8, (kind, calls)  # in turn: counts differ by < threads
+        bare = rows["bare"]["cpu_us_per_request"]
+        for name, row in rows.items():
+            assert row["cpu_us_per_request"] == pytest.approx(
+                row["server_cpu_us_per_request"] + row["helpers_cpu_us_per_request"], abs=0.11)
+            assert row["overhead_us"] == pytest.approx(row["cpu_us_per_request"] - bare, abs=0.11)
+        if "contrib" in rows:
+            contrib = rows["contrib"]["cpu_us_per_request"] - bare
+            zoomer = rows["zoomer"]
+            if contrib == 0:
+                assert zoomer["overhead_ratio_vs_contrib"] is None
+            else:
+                assert zoomer["overhead_ratio_vs_contrib"] == pytest.approx(
+                    (zoomer["cpu_us_per_request"] - bare) / contrib, rel=1e-3, abs=2e-3)
+        else:
+            assert rows["zoomer"]["overhead_ratio_vs_contrib"] is None
+
+
 def test_smoke_every_request_reaches_the_collector_as_one_server_span(smoke: dict) -> None:
     for kind in KINDS:
         for name in ("zoomer", "contrib", "zoomer_gpu_fake"):
