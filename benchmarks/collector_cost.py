@@ -2,12 +2,17 @@
 
 Usage::
 
-    python benchmarks/collector_cost.py [--spans 20000] [--batch 512] [--rate 1700] [--json out.json]
+    python benchmarks/collector_cost.py [--spans 20000] [--batch 512] [--rate 1700] [--linger S] [--json out.json]
+
+To measure an older collector, export its package and put it first on the path (the sender uses it too):
+``git archive COMMIT zoomer_serve | tar -x -C /tmp/old && PYTHONPATH=/tmp/old python benchmarks/collector_cost.py``.
+Results and how to read them: ``benchmarks/COLLECTOR.md``.
 
 This process runs an :class:`~zoomer_serve.collector.EmbeddedCollector` (OTLP/gRPC on 127.0.0.1 port 0, no
 HTTP receiver) with a DuckDB store in a temp folder. A child process builds ``--spans`` gRPC SERVER span
 records the way the recorder does (14 attributes each: the gRPC interceptor's, the message and byte counts
-and ``zoomer.request.cpu_time_ns``), encodes them with the exporter's own encoder
+and ``zoomer.request.cpu_time_ns``; byte counts, durations and CPU times vary per span, peer ports come from
+8 client connections), encodes them with the exporter's own encoder
 (:class:`~zoomer_serve.export.otlp_wire.SpanEncoder`) into requests of ``--batch`` spans, and sends them
 over real OTLP/gRPC, one call at a time, paced at ``--rate`` spans/s. The encoding happens before the
 measurement starts; the child's CPU is never counted.
@@ -37,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+PEER_PORTS = (41822, 41830, 41846, 41852, 45310, 45318, 51904, 51912)  # clients keep their connections
 RESOURCE_ATTRIBUTES = {
     "service.name": "ranker", "service.instance.id": "5f0c6c1e-8a4b-4a53-9d1e-2f1b6f3c9a10",
     "host.name": "bench-host", "process.pid": 4242, "process.runtime.name": "cpython",
@@ -54,7 +60,7 @@ def server_record(rng: random.Random, start_ns: int) -> tuple[Any, ...]:
     attrs = {
         "rpc.system.name": "grpc", "rpc.method": "ranker.Ranker/Rank",
         "server.address": "127.0.0.1", "server.port": 50051,
-        "network.peer.address": "127.0.0.1", "network.peer.port": rng.randint(32768, 60999),
+        "network.peer.address": "127.0.0.1", "network.peer.port": rng.choice(PEER_PORTS),
         "network.type": "ipv4", "network.transport": "tcp", "rpc.response.status_code": "OK",
         "zoomer.rpc.request.messages": 1, "zoomer.rpc.request.bytes": rng.randint(200, 4000),
         "zoomer.rpc.response.messages": 1, "zoomer.rpc.response.bytes": rng.randint(40, 800),
@@ -125,14 +131,17 @@ def _group_delta(before: dict[str, float], after: dict[str, float], prefix: str)
     return sum(v - before.get(k, 0.0) for k, v in after.items() if k.startswith(prefix))
 
 
-def measure(n_spans: int, batch: int, rate: float) -> dict[str, Any]:
-    """Run the collector, let the child send, return CPU figures (seconds and µs per span)."""
-    from zoomer_serve.collector import EmbeddedCollector
+def measure(n_spans: int, batch: int, rate: float, linger_s: float | None = None) -> dict[str, Any]:
+    """Run the collector, let the child send, return CPU figures (seconds and µs per span).
+
+    ``linger_s``: the store writer's linger (None: the :class:`StoreConfig` default)."""
+    from zoomer_serve.collector import EmbeddedCollector, StoreConfig
     from zoomer_serve.collector.store import open_readonly
 
     with tempfile.TemporaryDirectory(prefix="zoomer-collector-cost-") as tmp:
         store_path = Path(tmp) / "cost.duckdb"
-        collector = EmbeddedCollector(store_path, grpc_port=0, http_port=None).start()
+        store_config = StoreConfig() if linger_s is None else StoreConfig(linger_s=linger_s)
+        collector = EmbeddedCollector(store_path, grpc_port=0, http_port=None, store_config=store_config).start()
         child = subprocess.Popen(
             [sys.executable, __file__, "--send", str(collector.grpc_port), str(n_spans), str(batch), str(rate)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -160,7 +169,7 @@ def measure(n_spans: int, batch: int, rate: float) -> dict[str, Any]:
     writer = _group_delta(threads0, threads1, "zoomer-store-writer")
     per_span = 1e6 / n_spans
     return {
-        "spans": n_spans, "batch": batch, "rate_spans_s": rate, "stored": stored,
+        "spans": n_spans, "batch": batch, "rate_spans_s": rate, "linger_s": store_config.linger_s, "stored": stored,
         "failed_requests": done["failed"], "store_batches": stats["store_batches"],
         "wall_s": round(wall1 - wall0, 2), "cpu_s": round(total, 3),
         "cpu_us_per_span": round(total * per_span, 1),
@@ -183,15 +192,18 @@ def _expect(child: subprocess.Popen[str], event: str) -> dict[str, Any]:
 
 
 def offline_decode(batch: int, requests: int = 8) -> dict[str, float]:
-    """µs per span of the collector's parse (``ParseFromString``) and decode (``span_rows``) alone, on
-    ``requests`` payloads."""
+    """µs per span of the collector's parse (``parse_traces``) and decode (``span_rows``) alone, on
+    ``requests`` payloads (the attribute cache is warm after the live run, as in a running collector)."""
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-    from zoomer_serve.collector.decode import span_rows
+    from zoomer_serve.collector import decode
 
+    # Collectors before parse_traces (commit a9c3daf and older) parsed the official message.
+    parse_traces = getattr(decode, "parse_traces", ExportTraceServiceRequest.FromString)
+    span_rows = decode.span_rows
     payloads = build_requests(batch * requests, batch, seed=11)
     t0 = time.process_time()
-    parsed = [ExportTraceServiceRequest.FromString(p) for p in payloads]
+    parsed = [parse_traces(p) for p in payloads]
     t1 = time.process_time()
     for req in parsed:
         span_rows(req, time.time_ns())
@@ -208,11 +220,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--spans", type=int, default=20_000, help="spans to send (default 20000)")
     ap.add_argument("--batch", type=int, default=512, help="spans per export request (default 512)")
     ap.add_argument("--rate", type=float, default=1700.0, help="spans per second (default 1700)")
+    ap.add_argument("--linger", type=float, help="store writer linger in s (default: StoreConfig's)")
     ap.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     args = ap.parse_args(argv)
     if not 0 < args.spans <= 200_000 or not 0 < args.batch <= 10_000 or args.rate <= 0:
         ap.error("need 0 < --spans <= 200000, 0 < --batch <= 10000, --rate > 0")
-    result = measure(args.spans, args.batch, args.rate)
+    result = measure(args.spans, args.batch, args.rate, args.linger)
     result.update(offline_decode(args.batch))
     text = json.dumps(result, indent=2)
     print(text)

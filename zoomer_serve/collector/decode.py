@@ -4,6 +4,13 @@ Ids become lowercase hex, ``AnyValue`` becomes JSON (documented in the store mod
 attributes ``service.name`` and ``service.instance.id`` get their own columns. Spans whose trace or span id
 is malformed (wrong length or all zero) are rejected and counted, as are histogram points whose bucket
 counts do not match their bounds; the OTLP ``partial_success`` response tells the sender how many.
+
+Spans are the bulk of the traffic, so binary trace exports are parsed with :data:`RawAttributeTraces`
+(:func:`parse_traces`): the official ``TracesData`` schema (wire-compatible with
+``ExportTraceServiceRequest``) except that ``Span.attributes`` stays a list of serialized ``KeyValue``
+messages. A model server's spans repeat the same attribute pairs, so the JSON of each pair is cached by those
+bytes (:func:`attributes_json`) instead of being rebuilt from message objects for every span (measured by
+``benchmarks/collector_cost.py``; see ``benchmarks/COLLECTOR.md``).
 """
 
 from __future__ import annotations
@@ -15,11 +22,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import Message
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.metrics.v1 import metrics_pb2
+from opentelemetry.proto.resource.v1 import resource_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 INT64_MAX = (1 << 63) - 1
@@ -121,6 +132,20 @@ def attributes_dict(kvs: Iterable[KeyValue]) -> dict[str, Any]:
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 """Compact JSON text of a JSON-able value (one shared encoder: ``json.dumps`` with options builds a new one
 per call)."""
+_dumps_str = json.encoder.encode_basestring
+"""JSON text of a str, exactly as ``_dumps`` writes it (the C function ``_dumps`` itself calls)."""
+
+
+def _value_json(v: AnyValue) -> str:
+    """JSON text of an ``AnyValue``, identical to ``_dumps(any_value(v))`` (scalars without the encoder)."""
+    kind = v.WhichOneof("value")
+    if kind == "string_value":
+        return _dumps_str(v.string_value)
+    if kind == "int_value":
+        return str(v.int_value)
+    if kind == "bool_value":
+        return "true" if v.bool_value else "false"
+    return _dumps(any_value(v))
 
 
 def _attrs_json(kvs: Any) -> str:
@@ -153,6 +178,130 @@ def _resource(kvs: Any) -> _Resource:
 # ---- traces ----------------------------------------------------------------------------------------------
 
 
+def _raw_attribute_traces_class() -> type[Message]:
+    """``TracesData`` whose ``Span.attributes`` (field 9) is ``repeated bytes``: one serialized ``KeyValue``
+    per element. Built from the official descriptors in a private pool, so nothing else sees it."""
+    pool = descriptor_pool.DescriptorPool()
+    for module in (common_pb2, resource_pb2, trace_pb2):
+        proto = descriptor_pb2.FileDescriptorProto()
+        module.DESCRIPTOR.CopyToProto(proto)
+        if module is trace_pb2:
+            span = next(m for m in proto.message_type if m.name == "Span")
+            attributes = next(f for f in span.field if f.name == "attributes")
+            attributes.type = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
+            attributes.ClearField("type_name")
+        pool.Add(proto)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("opentelemetry.proto.trace.v1.TracesData"))
+
+
+RawAttributeTraces = _raw_attribute_traces_class()
+"""Parses the bytes of an ``ExportTraceServiceRequest`` (same wire format as ``TracesData``)."""
+
+
+def parse_traces(payload: bytes) -> Message:
+    """Parse a binary ``ExportTraceServiceRequest`` for :func:`span_rows`.
+
+    Raises:
+        google.protobuf.message.DecodeError: not a valid message (a malformed attribute ``KeyValue`` is
+            only found by :func:`span_rows`, which raises the same error).
+    """
+    return RawAttributeTraces.FromString(payload)
+
+
+_ATTR_CACHE_MAX = 8192  # entries; the cache is emptied when full (a few MB at most)
+_ATTR_CACHE_MAX_BYTES = 256  # longer KeyValues are decoded every time, not cached
+_CACHED_INT_LIMIT = 1 << 16  # int values below it (counts, sizes, ports) are cached; others (ns, ids) are not
+_attr_cache: dict[bytes, tuple[str, str]] = {}
+
+
+def _varint(data: bytes) -> int | None:
+    """The int64 (two's complement) that ``data`` holds as exactly one protobuf varint, else None."""
+    if not 0 < len(data) <= 10 or (len(data) == 10 and data[-1] > 1):
+        return None
+    value = 0
+    for shift, byte in enumerate(data):
+        value |= (byte & 0x7F) << (7 * shift)
+        if byte < 0x80:
+            break
+    if byte >= 0x80 or shift != len(data) - 1:  # unterminated, or bytes after the end
+        return None
+    return value - (1 << 64) if value >> 63 else value
+
+
+_BOOL_JSON = {b"\x00": ("false", True), b"\x01": ("true", True)}
+
+
+def _scalar_json(tag: int, body: bytes) -> tuple[str, bool] | None:
+    """(JSON text, worth caching) of an ``AnyValue`` whose only field is ``tag`` followed by ``body``: a
+    string shorter than 128 bytes, a bool or an int. None for anything else."""
+    if tag == 0x18:  # int_value
+        value = _varint(body)
+        return None if value is None else (str(value), 0 <= value < _CACHED_INT_LIMIT)
+    if tag == 0x10:  # bool_value
+        return _BOOL_JSON.get(body)
+    if tag == 0x0A and body and body[0] == len(body) - 1:  # string_value (its length fits one byte)
+        try:
+            return _dumps_str(body[1:].decode()), True
+        except UnicodeDecodeError:
+            return None
+    return None
+
+
+def _scalar_member(raw: bytes) -> tuple[str, str, bool] | None:
+    """(key, '"key":value', worth caching) of a serialized ``KeyValue`` of the usual shape, read straight
+    from the wire: field 1 (the key) then field 2 (the value), both shorter than 128 bytes, the value as
+    :func:`_scalar_json` reads it. None for anything else, which the official parser then decodes (or
+    rejects)."""
+    n = len(raw)
+    if n < 5 or raw[0] != 0x0A or raw[1] > 0x7F:
+        return None
+    p = raw[1] + 2  # the value field's tag
+    if p + 3 > n or raw[p] != 0x12 or raw[p + 1] != n - p - 2:  # (a two-byte length never equals this)
+        return None
+    value = _scalar_json(raw[p + 2], raw[p + 3:])
+    if value is None:
+        return None
+    try:
+        key = raw[2:p].decode()
+    except UnicodeDecodeError:
+        return None
+    return key, f"{_dumps_str(key)}:{value[0]}", value[1]
+
+
+def _attribute_member(raw: bytes) -> tuple[str, str]:
+    """``(key, '"key":value')`` of one serialized ``KeyValue`` missing from the cache; caches it unless it
+    is long or a large int (thread-safe: a dict's get / set / clear are atomic, and a lost race only costs a
+    repeated decode).
+
+    Raises:
+        google.protobuf.message.DecodeError: ``raw`` is not a valid ``KeyValue``.
+    """
+    scalar = _scalar_member(raw)
+    if scalar is None:
+        kv = KeyValue.FromString(raw)
+        key, text, keep = kv.key, f"{_dumps_str(kv.key)}:{_value_json(kv.value)}", True
+    else:
+        key, text, keep = scalar
+    if keep and len(raw) <= _ATTR_CACHE_MAX_BYTES:
+        if len(_attr_cache) >= _ATTR_CACHE_MAX:
+            _attr_cache.clear()
+        _attr_cache[raw] = (key, text)
+    return key, text
+
+
+def attributes_json(raw_kvs: Any) -> str:
+    """JSON object text of serialized ``KeyValue`` messages, identical to ``_dumps(attributes_dict(...))``
+    of the parsed messages (a repeated key keeps its first position and its last value)."""
+    if not len(raw_kvs):
+        return _EMPTY_OBJECT_JSON
+    members: dict[str, str] = {}
+    get = _attr_cache.get
+    for raw in raw_kvs:
+        key, text = get(raw) or _attribute_member(raw)
+        members[key] = text
+    return "{" + ",".join(members.values()) + "}"
+
+
 def _id_hex(raw: bytes, size: int) -> str | None:
     """Hex of a ``size``-byte id, or None when it has the wrong length or is all zero (invalid)."""
     if len(raw) != size or not any(raw):
@@ -179,49 +328,64 @@ def _links_json(links: Any) -> str:
     ])
 
 
-def span_rows(request: ExportTraceServiceRequest, received_ns: int) -> Decoded:
-    """Decode every span of ``request`` into a row in :data:`store.SPAN_COLUMNS` order."""
+def span_rows(request: Message, received_ns: int) -> Decoded:
+    """Decode every span of ``request`` into a row in :data:`store.SPAN_COLUMNS` order.
+
+    ``request`` comes from :func:`parse_traces`; an official ``ExportTraceServiceRequest`` (OTLP/JSON) is
+    re-read through its bytes.
+
+    Raises:
+        google.protobuf.message.DecodeError: a span attribute is not a valid ``KeyValue``.
+    """
+    if isinstance(request, ExportTraceServiceRequest):
+        request = parse_traces(request.SerializeToString())
     out = Decoded()
-    rows = out.rows
-    kinds = SPAN_KINDS
-    statuses = STATUS_CODES
     for rs in request.resource_spans:
         res = _resource(rs.resource.attributes)
         for ss in rs.scope_spans:
             scope_name = ss.scope.name
             for span in ss.spans:
-                trace_id = _id_hex(span.trace_id, 16)
-                span_id = _id_hex(span.span_id, 8)
-                if trace_id is None or span_id is None:
-                    out.reject("span with an invalid trace_id or span_id (need 16 / 8 non-zero bytes)")
-                    continue
-                parent = span.parent_span_id
-                if parent and len(parent) != 8:
-                    out.reject("span with an invalid parent_span_id (need 8 bytes or empty)")
-                    continue
-                start = _clamp(span.start_time_unix_nano)
-                end = _clamp(span.end_time_unix_nano)
-                rows.append((
-                    trace_id,
-                    span_id,
-                    parent.hex() if parent and any(parent) else None,
-                    span.name,
-                    kinds.get(span.kind, "UNSPECIFIED"),
-                    start,
-                    end,
-                    end - start,
-                    statuses.get(span.status.code, "UNSET"),
-                    span.status.message,
-                    res.service_name,
-                    res.service_instance_id,
-                    scope_name,
-                    _attrs_json(span.attributes),
-                    res.attributes_json,
-                    _events_json(span.events),
-                    _links_json(span.links),
-                    received_ns,
-                ))
+                row = _span_row(span, res, scope_name, received_ns, out)
+                if row is not None:
+                    out.rows.append(row)
     return out
+
+
+def _span_row(span: Any, res: _Resource, scope_name: str, received_ns: int,
+              out: Decoded) -> tuple[Any, ...] | None:
+    """One span's row, or None after counting it in ``out`` as rejected."""
+    trace_id = _id_hex(span.trace_id, 16)
+    span_id = _id_hex(span.span_id, 8)
+    if trace_id is None or span_id is None:
+        out.reject("span with an invalid trace_id or span_id (need 16 / 8 non-zero bytes)")
+        return None
+    parent = span.parent_span_id
+    if parent and len(parent) != 8:
+        out.reject("span with an invalid parent_span_id (need 8 bytes or empty)")
+        return None
+    start = _clamp(span.start_time_unix_nano)
+    end = _clamp(span.end_time_unix_nano)
+    status = span.status
+    return (
+        trace_id,
+        span_id,
+        parent.hex() if parent and any(parent) else None,
+        span.name,
+        SPAN_KINDS.get(span.kind, "UNSPECIFIED"),
+        start,
+        end,
+        end - start,
+        STATUS_CODES.get(status.code, "UNSET"),
+        status.message,
+        res.service_name,
+        res.service_instance_id,
+        scope_name,
+        attributes_json(span.attributes),
+        res.attributes_json,
+        _events_json(span.events),
+        _links_json(span.links),
+        received_ns,
+    )
 
 
 # ---- metrics ---------------------------------------------------------------------------------------------

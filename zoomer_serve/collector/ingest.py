@@ -97,12 +97,13 @@ class Ingestor:
         return IngestResult(outcome, None, message)
 
     def ingest_bytes(self, signal: Signal, payload: bytes) -> IngestResult:
-        """Parse a binary protobuf export request of ``signal`` and store it."""
-        request = REQUEST_TYPES[signal]()
+        """Parse a binary protobuf export request of ``signal`` and store it (traces through
+        :func:`decode.parse_traces`, which keeps span attributes serialized for the decoder)."""
+        parse = decode.parse_traces if signal is Signal.TRACES else REQUEST_TYPES[signal].FromString
         try:
-            request.ParseFromString(payload)
+            request = parse(payload)
         except (DecodeError, ValueError, RuntimeError) as exc:
-            return self.reject(Outcome.INVALID, f"cannot parse {request.DESCRIPTOR.name}: {exc}")
+            return self.reject(Outcome.INVALID, f"cannot parse {REQUEST_TYPES[signal].DESCRIPTOR.name}: {exc}")
         return self.ingest_message(signal, request)
 
     def ingest_message(self, signal: Signal, request: Any) -> IngestResult:
