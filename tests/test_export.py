@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 import zoomer_serve
@@ -75,6 +77,30 @@ def test_sdk_disabled_records_nothing(monkeypatch):
 def test_bad_configuration_names_the_variable(env, needle):
     with pytest.raises(ConfigError, match=needle):
         ZoomerConfig.from_env(env)
+
+
+def test_an_otel_boolean_other_than_true_or_false_warns_once_naming_it_and_reads_as_false(caplog):
+    """The OpenTelemetry spec: a boolean variable is true only for "true" (any case); any other value is
+    false, and a value other than true/false gets a warning."""
+    with caplog.at_level(logging.WARNING):
+        assert ZoomerConfig.from_env({"OTEL_SDK_DISABLED": "maybe"}).sdk_disabled is False
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1
+    assert "OTEL_SDK_DISABLED" in warned[0] and "'maybe'" in warned[0] and "false" in warned[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        for value, expected in (("TRUE", True), (" true ", True), ("False", False), ("false", False),
+                                ("", False)):
+            assert ZoomerConfig.from_env({"OTEL_SDK_DISABLED": value}).sdk_disabled is expected, value
+        assert ZoomerConfig.from_env({}).sdk_disabled is False
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+@pytest.mark.parametrize("variable", ["ZOOMER_HOST", "ZOOMER_HOST_REQUEST_CPU_TIME", "ZOOMER_GPU_PEAK",
+                                      "ZOOMER_GPU_MEMORY_HISTORY", "ZOOMER_GPU_OOM"])
+def test_a_zoomer_boolean_with_an_unknown_value_is_refused_naming_the_variable_and_the_value(variable):
+    with pytest.raises(ConfigError, match=f"{variable} must be .*true.*false.*'maybe'"):
+        ZoomerConfig.from_env({variable: "maybe"})
 
 
 def test_environment_is_read_as_opentelemetry_defines_it():

@@ -19,7 +19,7 @@ environment. A bad value raises :class:`ConfigError` naming the variable and the
 | batch delay | ``OTEL_BSP_SCHEDULE_DELAY`` (ms) | 5000 ms |
 | metric interval | ``OTEL_METRIC_EXPORT_INTERVAL`` (ms) | 60000 ms |
 | old RPC names too | ``OTEL_SEMCONV_STABILITY_OPT_IN`` containing ``rpc/dup`` | off |
-| SDK off | ``OTEL_SDK_DISABLED=true`` | false |
+| SDK off | ``OTEL_SDK_DISABLED=true`` (as the spec says, any value but ``true`` is false; one other than ``false`` logs a warning) | false |
 | export mode | ``ZOOMER_EXPORT_MODE``: ``process`` (a helper process encodes and sends), ``thread``, ``none`` | ``process`` |
 | excluded methods | ``ZOOMER_EXCLUDED_METHODS`` (comma-separated globs over ``pkg.Service/Method``) | health, reflection, the profiler admin service |
 | store | ``ZOOMER_STORE`` | ``./zoomer-data/zoomer.duckdb`` |
@@ -29,6 +29,7 @@ environment. A bad value raises :class:`ConfigError` naming the variable and the
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import urllib.parse
@@ -43,6 +44,8 @@ if TYPE_CHECKING:
 DEFAULT_EXCLUDED_METHODS = ("grpc.health.v1.Health/*", "grpc.reflection.*", "zoomer.profiling.v1.ProfilerControl/*")
 PROTOCOLS = ("grpc", "http/protobuf")
 EXPORT_MODES = ("process", "thread", "none")
+
+logger = logging.getLogger("zoomer_serve")
 
 
 class ConfigError(ValueError):
@@ -116,7 +119,7 @@ class ZoomerConfig:
             export=_export_from_env(env),
             semconv_rpc_dup="rpc/dup" in _csv(env.get("OTEL_SEMCONV_STABILITY_OPT_IN", "")),
             excluded_methods=tuple(_csv(excluded)) if excluded is not None else DEFAULT_EXCLUDED_METHODS,
-            sdk_disabled=env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true",
+            sdk_disabled=otel_bool(env, "OTEL_SDK_DISABLED"),
             gpu=_gpu_config(env),
             host=_host_config(env),
         )
@@ -140,6 +143,17 @@ def _host_config(env: Mapping[str, str]) -> HostConfig:
         return HostConfig.from_env(env)
     except HostConfigError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def otel_bool(env: Mapping[str, str], name: str) -> bool:
+    """An OpenTelemetry boolean variable, read as the spec says: true only for ``true`` (any case, spaces
+    around ignored); unset, empty, ``false`` or anything else is false, and anything else logs one warning
+    naming the variable and the value. (``ZOOMER_*`` booleans are stricter: an unknown value raises.)"""
+    raw = env.get(name, "").strip().lower()
+    if raw not in ("", "true", "false"):
+        logger.warning("zoomer-serve: %s=%r is neither true nor false; taken as false (OpenTelemetry reads any "
+                       "value but true as false)", name, env.get(name))
+    return raw == "true"
 
 
 def _csv(value: str) -> list[str]:
