@@ -71,6 +71,19 @@ def test_terminal_summary_json_and_exit_codes(store: Path, tmp_path: Path) -> No
     assert run_cli([str(bad)])[0] == 2
 
 
+@pytest.mark.parametrize("content", ["[]", '[{"a": 1}]', '{"a": 1}', '{"traceEvents": []}'])
+def test_a_json_file_without_trace_events_is_an_input_error_naming_the_file(tmp_path: Path, capsys: Any,
+                                                                             content: str) -> None:
+    """Not "No findings" with exit 0: exit 2 and a message naming the file and what a trace holds."""
+    empty = tmp_path / "empty.json"
+    empty.write_text(content)
+    code, out = run_cli([str(empty)])
+    err = capsys.readouterr().err
+    assert code == 2 and out == ""
+    assert err.startswith(f"zoomer-serve analyze: {empty}: ") and "traceEvents" in err
+    assert "Traceback" not in err
+
+
 def test_json_output(store: Path, capsys: Any) -> None:
     code, _ = run_cli([str(TRACE), "--store", str(store), "--json"])
     assert code == 0

@@ -163,6 +163,11 @@ def test_odd_events_are_repaired_or_counted() -> None:
 @pytest.mark.parametrize("content,message", [
     (b"", "empty file"),
     (b'{"schemaVersion": 1}', "no top-level \"traceEvents\""),
+    (b"[]", "holds no Kineto/Chrome trace events"),
+    (b'[{"a": 1}]', "holds no Kineto/Chrome trace events"),
+    (b'[1, "x", {"ph": null}]', "holds no Kineto/Chrome trace events"),
+    (b'{"traceEvents": []}', "holds no Kineto/Chrome trace events"),
+    (gzip.compress(b'{"traceEvents": [{"name": "x"}]}'), "holds no Kineto/Chrome trace events"),
     (b'{"traceEvents": [{"ph": "X"}, {"ph": oops}]}', "invalid JSON"),
     (gzip.compress(b'{"traceEvents": [')[:-6], "cannot decompress"),
 ])
@@ -172,6 +177,14 @@ def test_bad_files_raise_trace_format_error(tmp_path: Path, content: bytes, mess
     with pytest.raises(TraceFormatError, match=message) as info:
         load_trace(p)
     assert "bad.json" in str(info.value)
+
+
+def test_a_file_with_only_metadata_events_still_loads(tmp_path: Path) -> None:
+    """A trace whose only events are metadata (``ph: M``) holds trace events: it loads, with no kernels."""
+    p = tmp_path / "meta.json"
+    p.write_text(json.dumps([{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "python"}}]))
+    t = load_trace(p)
+    assert t.event_count == 1 and len(t.kernels) == 0 and t.process_names == {1: "python"}
 
 
 def test_broken_json_in_a_middle_piece_names_the_offset(tmp_path: Path) -> None:

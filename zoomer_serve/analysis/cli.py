@@ -2,9 +2,9 @@
 
 Output: a terminal summary (rich), or ``--json`` (findings and tables on stdout); ``--html FILE`` writes a
 self-contained HTML report with plots, ``--perfetto FILE`` a merged Chrome trace (requests and kernels on one
-timeline; ``.gz`` compresses it). Exit codes: 0 (with or without findings), 2 when an input is missing or
-unreadable (message on stderr naming it, no traceback), 3 with ``--fail-on SEVERITY`` when a finding at least
-that severe was found.
+timeline; ``.gz`` compresses it). Exit codes: 0 (with or without findings), 2 when an input is missing,
+unreadable or holds no trace events (message on stderr naming it, no traceback), 3 with ``--fail-on SEVERITY``
+when a finding at least that severe was found.
 """
 
 from __future__ import annotations

@@ -82,8 +82,12 @@ _WS = b" \t\r\n"
 
 
 class TraceFormatError(ValueError):
-    """The file is not a Chrome / Kineto trace JSON (bad gzip, bad JSON, or no ``traceEvents``); the
-    message names the file and, for bad JSON, the byte offset in the decompressed text."""
+    """The file is not a Chrome / Kineto trace JSON (bad gzip, bad JSON, no ``traceEvents``, or no trace event
+    at all); the message names the file and, for bad JSON, the byte offset in the decompressed text."""
+
+
+_EXPECTED = ('expected a Kineto / Chrome trace: a JSON object with a "traceEvents" array (or a bare JSON array) '
+             'of events, each an object with a "ph" phase')
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -160,7 +164,7 @@ class _EventChunks:
             if eof:
                 if not buf.strip(_WS):
                     raise self._error("empty file")
-                raise self._error("no top-level \"traceEvents\" array: not a Chrome trace JSON file")
+                raise self._error(f"no top-level \"traceEvents\" array: not a Chrome trace JSON file ({_EXPECTED})")
             search_from = max(0, len(buf) - 64)
             buf += more()
 
@@ -470,6 +474,7 @@ class _Normalizer:
         self.process_names: dict[int, str] = {}
         self.thread_names: dict[tuple[int, int], str] = {}
         self.count = 0
+        self.not_events = 0  # items of the event array that are no trace event (not an object, or no "ph")
         self._memcpy_cache: dict[str, tuple[str, str, str]] = {}
 
     def builders(self) -> tuple[_Builder, ...]:
@@ -548,8 +553,11 @@ class _Normalizer:
         """Events the fast path did not take: metadata, instants, and events missing a field."""
         if type(e) is not dict:
             self.skipped["<not an object>"] += 1
+            self.not_events += 1
             return
         ph = e.get("ph")
+        if not isinstance(ph, str) or not ph:
+            self.not_events += 1
         if ph == "M":
             a = e.get("args") or {}
             if e.get("name") == "process_name":
@@ -600,6 +608,11 @@ class _Normalizer:
         return Table("flows", {k: v[order] for k, v in cols.items()}, {"ts": "us", "end_ts": "us"})
 
     def finish(self, path: Path, metadata: dict[str, Any]) -> KinetoTrace:
+        """The trace. Raises TraceFormatError when no item of the event array was a trace event."""
+        if self.count == self.not_events:
+            found = "the event array is empty" if self.count == 0 else \
+                f"{self.count} item(s) in the event array, none an object with a \"ph\""
+            raise TraceFormatError(f"{path}: holds no Kineto/Chrome trace events ({found}); {_EXPECTED}")
         origin = min((b.min_ts() for b in self.builders()), default=math.inf)
         if origin == math.inf:
             origin = 0.0
@@ -651,7 +664,8 @@ def load_trace(path: str | os.PathLike[str], *, chunk_bytes: int = DEFAULT_CHUNK
 
     Raises:
         FileNotFoundError: the file cannot be opened.
-        TraceFormatError: not gzip/JSON, or no ``traceEvents`` array.
+        TraceFormatError: not gzip/JSON, no ``traceEvents`` array, or not one trace event (an object with a
+            ``ph`` phase) in the event array.
     """
     p = Path(path)
     if not p.is_file():
