@@ -23,6 +23,7 @@ from zoomer_serve.analysis.findings import SEVERITIES
 from zoomer_serve.analysis.kineto import TraceFormatError
 from zoomer_serve.analysis.render import render_findings, rich_table
 from zoomer_serve.analysis.store import StoreAnalysisError
+from zoomer_serve.cli_types import non_negative_int
 from zoomer_serve.collector.store import default_store_path
 
 
@@ -43,7 +44,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--html", type=Path, default=None, metavar="FILE", help="write a self-contained HTML report")
     p.add_argument("--perfetto", type=Path, default=None, metavar="FILE",
                    help="write a merged Chrome trace (requests + kernels) for ui.perfetto.dev; .gz to compress")
-    p.add_argument("--rows", type=int, default=10, help="rows per table in the summary (default 10)")
+    p.add_argument("--rows", type=non_negative_int, default=10, help="rows per table in the summary (default 10)")
     p.add_argument("--fail-on", choices=SEVERITIES, default=None,
                    help="exit 3 when a finding of this severity or worse is found (for CI gates)")
     p.set_defaults(func=run)

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from zoomer_serve.cli_types import positive_float, positive_int
 from zoomer_serve.config import ConfigError
 from zoomer_serve.loadtest.config import LoadTestOptions, add_arguments, grpc_target, to_locust_args
 from zoomer_serve.processes import start_zoomer_command, stop_process
@@ -47,22 +48,15 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--transport", choices=("grpc", "thrift"), default="grpc", help="Ranker transport (default grpc)")
     p.add_argument("--server", choices=("sync", "aio"), default="sync",
                    help="the demo server's flavour when it is started here (default sync)")
-    p.add_argument("--users", type=_positive_int, default=8, help="locust users (default 8)")
-    p.add_argument("--spawn-rate", type=float, default=None, help="users started per second (default: all at once)")
-    p.add_argument("--run-time", type=_positive_int, default=30, help="seconds of load (default 30)")
+    p.add_argument("--users", type=positive_int, default=8, help="locust users (default 8)")
+    p.add_argument("--spawn-rate", type=positive_float, default=None, help="users started per second (default: all at once)")
+    p.add_argument("--run-time", type=positive_int, default=30, help="seconds of load (default 30)")
     p.add_argument("--locustfile", type=Path, default=DEFAULT_LOCUSTFILE,
                    help="locustfile (default: the packaged Ranker users, as in benchmarks/locustfile.py)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON (locust's output goes to stderr)")
     add_arguments(p, prefix="--")
     p.set_defaults(func=run)
     return p
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-from zoomer_serve.cli_types import positive_float, positive_int
+from zoomer_serve.cli_types import non_negative_float, positive_float, positive_int
 
 DEFAULT_STOP_WAIT_S = 60.0
 
@@ -41,7 +41,7 @@ def register(subparsers: Any) -> None:
     start.set_defaults(func=run_start)
 
     stop = sub.add_parser("stop", parents=[common], help="stop the active session and wait for its trace")
-    stop.add_argument("--wait-s", type=float, default=DEFAULT_STOP_WAIT_S,
+    stop.add_argument("--wait-s", type=non_negative_float, default=DEFAULT_STOP_WAIT_S,
                       help=f"how long to wait for the trace (default {DEFAULT_STOP_WAIT_S:g} s; 0: do not wait)")
     stop.set_defaults(func=run_stop)
 

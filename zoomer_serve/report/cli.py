@@ -14,16 +14,10 @@ from typing import Any
 
 from rich.console import Console
 
+from zoomer_serve.cli_types import non_negative_int
 from zoomer_serve.collector.store import default_store_path
 from zoomer_serve.report.build import ReportError, build_report
 from zoomer_serve.report.render import render_report
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -37,7 +31,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--store", type=Path, default=None,
                    help="DuckDB file (default: $ZOOMER_STORE or ./zoomer-data/zoomer.duckdb)")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of tables")
-    p.add_argument("--slowest", type=_non_negative, default=10, help="how many slowest traces to list (default 10)")
+    p.add_argument("--slowest", type=non_negative_int, default=10, help="how many slowest traces to list (default 10)")
     p.set_defaults(func=run)
     return p
 

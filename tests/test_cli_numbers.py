@@ -1,0 +1,41 @@
+"""Numeric command-line options: a bad value is refused at parse time (exit 2) with argparse's
+``argument OPTION:`` prefix, the value and the accepted range; nothing starts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from zoomer_serve.cli import build_parser
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["report", "--slowest", "abc"], "argument --slowest: 'abc' is not an integer >= 0"),
+    (["report", "--slowest", "-3"], "argument --slowest: '-3' is not an integer >= 0"),
+    (["analyze", "--rows", "abc"], "argument --rows: 'abc' is not an integer >= 0"),
+    (["analyze", "--rows", "-1"], "argument --rows: '-1' is not an integer >= 0"),
+    (["profile", "start", "--target", "h:1", "--requests", "abc"], "argument --requests: 'abc' is not an integer >= 1"),
+    (["profile", "start", "--target", "h:1", "--duration-ms", "1.5"],
+     "argument --duration-ms: '1.5' is not an integer >= 1"),
+    (["profile", "status", "--target", "h:1", "--timeout-s", "x"], "argument --timeout-s: 'x' is not a number > 0"),
+    (["profile", "stop", "--target", "h:1", "--wait-s", "nan"], "argument --wait-s: 'nan' is not a number >= 0"),
+    (["profile", "stop", "--target", "h:1", "--wait-s", "-1"], "argument --wait-s: '-1' is not a number >= 0"),
+    (["loadtest", "--users", "x"], "argument --users: 'x' is not an integer >= 1"),
+    (["loadtest", "--run-time", "0"], "argument --run-time: '0' is not an integer >= 1"),
+    (["loadtest", "--spawn-rate", "-1"], "argument --spawn-rate: '-1' is not a number > 0"),
+])
+def test_a_bad_number_is_refused_naming_the_option_the_value_and_the_range(argv: list[str], message: str,
+                                                                           capsys: Any) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"zoomer-serve {argv[0]}" in err and message in err
+
+
+def test_zero_is_accepted_where_the_range_starts_at_zero() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["report", "--slowest", "0"]).slowest == 0
+    assert parser.parse_args(["analyze", "--rows", "0"]).rows == 0
+    assert parser.parse_args(["profile", "stop", "--target", "h:1", "--wait-s", "0"]).wait_s == 0.0
