@@ -5,6 +5,7 @@ Cases: C04 (start/stop twice, in sequence and concurrently), C05 (many rounds in
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -78,6 +79,10 @@ def test_on_demand_by_cli_links_the_profile_to_the_covered_requests(model: DLRM,
         started = _cli("start", "--target", served.target, "--requests", "20")
         assert started.returncode == 0, started.stderr
         assert "running" in started.stdout
+        again = _cli("start", "--target", served.target, "--requests", "5")
+        assert again.returncode == 3 and "already running" in again.stdout, again.stderr
+        again_json = _cli("start", "--target", served.target, "--requests", "5", "--json")
+        assert again_json.returncode == 3 and json.loads(again_json.stdout)["result"] == "already_running"
         load = drive_load(served.target, 30.0, max_requests=60, **LOAD)
         assert load.unexpected == 0
         assert served.controller.wait_idle(60)
@@ -111,6 +116,14 @@ def test_on_demand_by_cli_links_the_profile_to_the_covered_requests(model: DLRM,
                   collector.metric_points("zoomer.profile.request.kernel.duration")}  # the latest point of each
     assert set(per_method) <= {"zoomer.demo.v1.Ranker/Predict", "zoomer.demo.v1.Ranker/PredictStream"}
     assert sum(p["count"] for p in per_method.values()) == 20 and {p["unit"] for p in per_method.values()} == {"s"}
+
+
+def test_profile_start_help_documents_the_already_running_exit_code(capsys: Any) -> None:
+    from zoomer_serve.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["profile", "start", "--help"])
+    assert "3 when a session was already running" in " ".join(capsys.readouterr().out.split())
 
 
 def _check_phases_nested(data: dict[str, Any], ranges: dict[tuple[int, int], dict[str, Any]]) -> None:

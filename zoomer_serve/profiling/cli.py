@@ -1,7 +1,8 @@
 """``zoomer-serve profile start|stop|status --target HOST:PORT``: drive the ProfilerControl admin service of a
 running server. The token comes from ``ZOOMER_ADMIN_TOKEN``. Exit status 0 when the call was answered (also
-for ``already running`` / ``not running``), 1 when it was refused or failed, or a session it waited for
-failed."""
+for ``not running``), 1 when it was refused or failed, or a session it waited for failed; 3
+(:data:`EXIT_ALREADY_RUNNING`) when ``start`` found a session already running (the reply is printed as usual;
+nothing was started)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from typing import Any
 from zoomer_serve.cli_types import non_negative_float, positive_float, positive_int
 
 DEFAULT_STOP_WAIT_S = 60.0
+EXIT_ALREADY_RUNNING = 3
+"""``profile start``'s exit code when a session was already running (so scripts can tell it from a start)."""
 
 
 def register(subparsers: Any) -> None:
@@ -28,7 +31,11 @@ def register(subparsers: Any) -> None:
     common.add_argument("--timeout-s", type=positive_float, default=30.0, help="deadline of each call (default 30 s)")
     common.add_argument("--json", action="store_true", help="print the reply as JSON")
 
-    start = sub.add_parser("start", parents=[common], help="start a session")
+    start = sub.add_parser(
+        "start", parents=[common], help="start a session",
+        description=f"Start a profiling session. Exit code 0 when it started, {EXIT_ALREADY_RUNNING} when a session "
+        "was already running (nothing started; the running session is printed), 1 when the call was refused or "
+        "failed (or, with --wait, the session failed).")
     start.add_argument("--requests", type=positive_int, default=None, help="requests to cover (default 100 when "
                        "--duration-ms is not given either; hard cap 1000)")
     start.add_argument("--duration-ms", type=positive_int, default=None, help="session length in ms (hard cap 60000)")
@@ -73,7 +80,8 @@ def run_start(args: argparse.Namespace) -> int:
                 reply = dataclasses.replace(reply, session=finished, message=_finished_line(finished))
         except ProfilerControlError as exc:
             return _fail(str(exc))
-    return _print(reply, args.json)
+    code = _print(reply, args.json)
+    return EXIT_ALREADY_RUNNING if reply.result is Result.ALREADY_RUNNING else code
 
 
 def run_stop(args: argparse.Namespace) -> int:
