@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -227,6 +228,69 @@ def test_zoomer_serve_loadtest_runs_headless_and_prints_client_server_gap_and_pr
     assert profile.started_after_s is not None and profile.started_after_s >= 1.0
     assert [str(p) for p in traces(profiles)] == [profile.trace_file] == [profile.session["trace_path"]]
     assert summary.store == str(store)
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _loadtest(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("ZOOMER_ADMIN_TOKEN", "ZOOMER_LOADTEST_TARGET")}
+    return subprocess.run([sys.executable, "-m", "zoomer_serve", "loadtest", "--users", "1", "--run-time", "1",
+                           *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("transport", ["grpc", "thrift"])
+def test_loadtest_against_a_closed_port_fails_at_once_naming_the_host_and_runs_no_load(tmp_path: Path,
+                                                                                      transport: str) -> None:
+    port = _closed_port()
+    done = _loadtest("--host", f"127.0.0.1:{port}", "--transport", transport, "--no-profile", cwd=tmp_path)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert f"--host 127.0.0.1:{port}" in done.stderr and "TCP connect" in done.stderr
+    assert "refused" in done.stderr.lower() and "No load was run." in done.stderr
+    assert "Aggregated" not in done.stdout + done.stderr  # locust's stats table: locust never ran
+    assert "Traceback" not in done.stderr
+
+
+def test_loadtest_with_a_closed_profiler_target_fails_at_once_naming_the_target(tmp_path: Path) -> None:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        closed = _closed_port()
+        done = _loadtest("--host", f"127.0.0.1:{port}", "--target", f"127.0.0.1:{closed}", cwd=tmp_path)
+    finally:
+        server.stop(None).wait(5)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert f"--target 127.0.0.1:{closed}" in done.stderr and "ProfilerControl" in done.stderr
+    assert "No load was run." in done.stderr and "Aggregated" not in done.stdout + done.stderr
+
+
+def test_the_preflight_tells_a_grpc_server_from_a_closed_port_and_from_a_port_that_speaks_no_grpc() -> None:
+    from zoomer_serve.loadtest.cli import check_answers
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    grpc_port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    listener = socket.socket()  # accepts TCP connections (the kernel's backlog), never answers
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    tcp = f"127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        assert check_answers(f"127.0.0.1:{grpc_port}", "grpc") is None
+        assert check_answers(tcp, "thrift") is None
+        silent = check_answers(tcp, "grpc", timeout_s=0.5)
+        assert silent is not None and tcp in silent and "TCP connect succeeded" in silent
+        assert "no gRPC channel became ready within 0.5 s" in silent
+    finally:
+        listener.close()
+        server.stop(None).wait(5)
+    closed = f"127.0.0.1:{_closed_port()}"
+    refused = check_answers(closed, "thrift")
+    assert refused is not None and closed in refused and "TCP connect" in refused and "refused" in refused.lower()
 
 
 # -- gevent set-up errors (C11) ---------------------------------------------------------------------------------

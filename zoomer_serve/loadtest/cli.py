@@ -5,7 +5,9 @@ Two modes:
 
 - ``--host HOST:PORT``: load a server that runs already. Profiling goes to its ProfilerControl (``--target``,
   default the host; token from ``ZOOMER_ADMIN_TOKEN``); the server side is read from ``--store`` at the end
-  if given (the collector writing it must have stopped by then).
+  if given (the collector writing it must have stopped by then). Before any load, a preflight checks that the
+  host answers (a TCP connect; for gRPC also a channel that becomes ready) and so does ``--target`` when given
+  (gRPC), each within :data:`PREFLIGHT_TIMEOUT_S`; if not, the command stops at once (exit 1) naming it.
 - no ``--host``: the whole flow on this machine, like ``zoomer-serve demo``: an embedded collector, the demo
   model server (``serve-demo`` with a one-run admin token), the load, a clean stop of both, the report.
 
@@ -22,6 +24,7 @@ import dataclasses
 import json
 import os
 import secrets
+import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +38,8 @@ from zoomer_serve.loadtest.config import LoadTestOptions, add_arguments, grpc_ta
 from zoomer_serve.processes import start_zoomer_command, stop_process
 
 DEFAULT_LOCUSTFILE = Path(__file__).with_name("ranker_users.py")
+PREFLIGHT_TIMEOUT_S = 5.0
+"""How long the preflight waits for each address to answer (the TCP connect, then the gRPC channel), s."""
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -70,11 +75,52 @@ def run(args: argparse.Namespace) -> int:
     if not args.locustfile.is_file():
         print(f"zoomer-serve loadtest: locustfile not found: {args.locustfile}", file=sys.stderr)
         return 2
+    if args.host is not None:
+        problem = _preflight(args.host, args.transport, options)
+        if problem is not None:
+            print(f"zoomer-serve loadtest: {problem}. No load was run.", file=sys.stderr)
+            return 1
     with tempfile.TemporaryDirectory(prefix="zoomer-loadtest-") as tmp:
         plugin_json = Path(tmp) / "summary.json"
         if args.host is not None:
             return _run_against(args, options, args.host, dict(os.environ), plugin_json, [])
         return _run_demo(args, options, plugin_json)
+
+
+# -- preflight -----------------------------------------------------------------------------------------------
+def _preflight(host: str, transport: str, options: LoadTestOptions) -> str | None:
+    """Why the run cannot work (``--host`` or the profiling ``--target`` does not answer), or None."""
+    problem = check_answers(grpc_target(host), transport)
+    if problem is not None:
+        return f"--host {problem}; is the {transport} server running there?"
+    if options.profile and options.target is not None and options.target != host:
+        problem = check_answers(grpc_target(options.target, "--target"), "grpc")
+        if problem is not None:
+            return f"--target {problem}; is the server's ProfilerControl there? (--no-profile runs without it)"
+    return None
+
+
+def check_answers(address: str, protocol: str, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> str | None:
+    """Whether a server answers at ``address`` (``host:port``, ``[v6]:port``): a TCP connect and, for
+    ``protocol`` ``"grpc"``, a gRPC channel that becomes ready (``grpc.channel_ready_future``), each within
+    ``timeout_s`` seconds. Returns None when it answers, else the reason, starting with the address and
+    saying what was tried."""
+    name, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((name.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        return f"{address}: TCP connect failed ({exc.strerror or exc})"
+    if protocol != "grpc":
+        return None
+    import grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            return (f"{address}: TCP connect succeeded, but no gRPC channel became ready within {timeout_s:g} s "
+                    "(not a gRPC server, or one that needs TLS)")
+    return None
 
 
 # -- processes -----------------------------------------------------------------------------------------------
