@@ -269,6 +269,15 @@ def test_loadtest_with_a_closed_profiler_target_fails_at_once_naming_the_target(
     assert "No load was run." in done.stderr and "Aggregated" not in done.stdout + done.stderr
 
 
+def test_loadtest_refuses_a_target_it_would_ignore(tmp_path: Path) -> None:
+    """Without --host the demo started here is profiled on its own admin port: a --target is refused, not
+    dropped."""
+    done = _loadtest("--target", "127.0.0.1:1", cwd=tmp_path)
+    assert done.returncode == 2
+    assert "--target 127.0.0.1:1" in done.stderr and "--host" in done.stderr
+    assert "collector on" not in done.stdout and not (tmp_path / "zoomer-data").exists()  # nothing started
+
+
 def test_the_preflight_tells_a_grpc_server_from_a_closed_port_and_from_a_port_that_speaks_no_grpc() -> None:
     from zoomer_serve.loadtest.cli import check_answers
 

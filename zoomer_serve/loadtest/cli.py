@@ -10,6 +10,7 @@ Two modes:
   (gRPC), each within :data:`PREFLIGHT_TIMEOUT_S`; if not, the command stops at once (exit 1) naming it.
 - no ``--host``: the whole flow on this machine, like ``zoomer-serve demo``: an embedded collector, the demo
   model server (``serve-demo`` with a one-run admin token), the load, a clean stop of both, the report.
+  ``--target`` is refused here (exit 2): the demo is profiled on its own admin port.
 
 locust runs in a subprocess (``python -m locust``), so this command never imports locust or gevent (whose
 monkeypatching would affect every other command). Exit code 0 when locust exited 0, the profile (unless
@@ -69,6 +70,10 @@ def run(args: argparse.Namespace) -> int:
         options = LoadTestOptions.from_namespace(args)
         if args.host is not None:
             grpc_target(args.host)
+        elif options.target is not None:
+            raise ConfigError(f"--target {options.target} (or ZOOMER_LOADTEST_TARGET) names the ProfilerControl of a "
+                              "server given with --host; without --host the demo server started here is profiled "
+                              "on its own admin port. Give --host too, or drop --target")
     except ConfigError as exc:
         print(f"zoomer-serve loadtest: {exc}", file=sys.stderr)
         return 2
