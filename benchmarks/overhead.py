@@ -477,11 +477,16 @@ def _thrift_targets(kind_out: dict[str, Any], grpc_out: dict[str, Any] | None) -
     kind_out["overhead_ratio_vs_grpc"] = ratios
     kind_out["overhead_us_grpc"] = ref_us
     known = [v for v in ratios.values() if v is not None]
+    paired_ref = (grpc_out or {}).get("paired", {}).get("configs", {}).get(ZOOMER, {}).get("overhead_us")
+    paired_own = kind_out["paired"]["configs"].get(ZOOMER, {}).get("overhead_us")
+    paired_ratio = _ratio(paired_own, paired_ref) if (paired_ref or 0) > 0 else None
+    kind_out["paired"]["overhead_ratio_vs_grpc"] = paired_ratio
     kind_out["targets"] = {
         "overhead_ratio_vs_contrib_max": None, "overhead_ratio_vs_grpc_max": TARGET_THRIFT_OVERHEAD_RATIO_VS_GRPC,
         "p99_ratio_vs_bare_max": TARGET_P99_RATIO_VS_BARE, "p99_threads": TARGET_P99_THREADS,
         "overhead_met": None if len(known) < len(ratios) else max(known) <= TARGET_THRIFT_OVERHEAD_RATIO_VS_GRPC,
         "p99_met": kind_out["targets"]["p99_met"],
+        "overhead_met_paired": None if paired_ratio is None else paired_ratio <= TARGET_THRIFT_OVERHEAD_RATIO_VS_GRPC,
         "note": "no contrib Thrift interceptor: overhead_ratio_vs_contrib is null; the overhead target compares "
                 f"with the '{GRPC_REFERENCE_KIND}' kind's zoomer overhead",
     }
@@ -524,13 +529,17 @@ def _cell_summary(res: Results, kind: str, config: str, n: int) -> dict[str, Any
 
 
 def _targets(kind_out: dict[str, Any]) -> dict[str, Any]:
+    """Verdicts: ``overhead_met`` from the slices (every thread count), ``overhead_met_paired`` from the paired
+    phases (null without a contrib row), ``p99_met`` at :data:`TARGET_P99_THREADS` threads."""
     ratios = [v for v in kind_out["overhead_ratio_vs_contrib"].values() if v is not None]
     p99 = kind_out["p99_ratio_vs_bare"].get(str(TARGET_P99_THREADS))
     overhead_ok = bool(ratios) and max(ratios) <= TARGET_OVERHEAD_RATIO_VS_CONTRIB
     p99_ok = p99 is not None and p99 <= TARGET_P99_RATIO_VS_BARE
+    paired = kind_out.get("paired", {}).get("configs", {}).get(ZOOMER, {}).get("overhead_ratio_vs_contrib")
     return {"overhead_ratio_vs_contrib_max": TARGET_OVERHEAD_RATIO_VS_CONTRIB,
             "p99_ratio_vs_bare_max": TARGET_P99_RATIO_VS_BARE, "p99_threads": TARGET_P99_THREADS,
-            "overhead_met": overhead_ok, "p99_met": p99_ok}
+            "overhead_met": overhead_ok, "p99_met": p99_ok,
+            "overhead_met_paired": None if paired is None else paired <= TARGET_OVERHEAD_RATIO_VS_CONTRIB}
 
 
 def _versions() -> dict[str, str]:
@@ -635,7 +644,7 @@ def markdown(summary: dict[str, Any]) -> str:
                           f"{tg['overhead_ratio_vs_contrib_max']}: {'met' if tg['overhead_met'] else 'MISSED'})",
                       f"- zoomer p99 ÷ bare p99: {p99s} (target ≤ {tg['p99_ratio_vs_bare_max']} at "
                       f"{tg['p99_threads']} threads: {'met' if tg['p99_met'] else 'MISSED'})"]
-        lines += _paired_lines(k.get("paired"))
+        lines += _paired_lines(k.get("paired"), k.get("targets"))
         lines.append("")
     for section, rows in summary.get("extra_rows", {}).items():
         lines += [f"### extra rows: {section}", "", "| what | value | unit |", "| --- | ---: | --- |"]
@@ -650,8 +659,8 @@ def markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _paired_lines(paired: dict[str, Any] | None) -> list[str]:
-    """One line: CPU per request and overhead of every configuration in the paired phases."""
+def _paired_lines(paired: dict[str, Any] | None, targets: dict[str, Any] | None = None) -> list[str]:
+    """One line: CPU per request and overhead of every configuration in the paired phases, and the verdict."""
     if not paired or not paired["configs"]:
         return []
     cells = []
@@ -663,8 +672,14 @@ def _paired_lines(paired: dict[str, Any] | None) -> list[str]:
             if row["overhead_ratio_vs_contrib"] is not None:
                 cell += f" = {_fmt(row['overhead_ratio_vs_contrib'], '.2f')} × contrib's"
         cells.append(cell)
+    verdict = ""
+    if targets and targets.get("overhead_met_paired") is not None:
+        against = f"{GRPC_REFERENCE_KIND}'s paired zoomer overhead: {_fmt(paired.get('overhead_ratio_vs_grpc'), '.2f')}" \
+            if "overhead_ratio_vs_grpc" in paired else "contrib's"
+        limit = targets.get("overhead_ratio_vs_grpc_max") or targets.get("overhead_ratio_vs_contrib_max")
+        verdict = f" (zoomer vs {against}; target ≤ {limit}: {_verdict(targets['overhead_met_paired'])})"
     return ["", f"- paired phases ({paired['threads']} threads, every thread calling all servers in turn), CPU µs "
-                f"per request (server + helpers), overhead: " + "; ".join(cells)]
+                f"per request (server + helpers), overhead: " + "; ".join(cells) + verdict]
 
 
 def _csv(value: str) -> tuple[str, ...]:

@@ -122,7 +122,7 @@ def test_paired_phase_measures_every_configuration_against_bare_and_contrib(smok
         calls = {row["requests"] for row in rows.values()}
         assert min(calls) > 0 and max(calls) - min(calls) <= 8, (kind, calls)  # in turn: counts differ by < threads
         bare = rows["bare"]["cpu_us_per_request"]
-        for name, row in rows.items():
+        for row in rows.values():
             assert row["cpu_us_per_request"] == pytest.approx(
                 row["server_cpu_us_per_request"] + row["helpers_cpu_us_per_request"], abs=0.11)
             assert row["overhead_us"] == pytest.approx(row["cpu_us_per_request"] - bare, abs=0.11)
@@ -134,8 +134,15 @@ def test_paired_phase_measures_every_configuration_against_bare_and_contrib(smok
             else:
                 assert zoomer["overhead_ratio_vs_contrib"] == pytest.approx(
                     (zoomer["cpu_us_per_request"] - bare) / contrib, rel=1e-3, abs=2e-3)
+            ratio = zoomer["overhead_ratio_vs_contrib"]
+            assert smoke[kind]["targets"]["overhead_met_paired"] == (None if ratio is None else ratio <= 0.5)
         else:
             assert rows["zoomer"]["overhead_ratio_vs_contrib"] is None
+            reference = smoke["echo"]["paired"]["configs"]["zoomer"]["overhead_us"]
+            ratio = paired["overhead_ratio_vs_grpc"]
+            if reference > 0:
+                assert ratio == pytest.approx(rows["zoomer"]["overhead_us"] / reference, rel=1e-3, abs=2e-3)
+            assert smoke[kind]["targets"]["overhead_met_paired"] == (None if ratio is None else ratio <= 1.1)
 
 
 def test_smoke_every_request_reaches_the_collector_as_one_server_span(smoke: dict) -> None:
