@@ -179,3 +179,28 @@ def test_activation_makes_the_request_the_current_otel_span_and_restores_the_cal
         assert not trace.get_current_span().get_span_context().is_valid
     finally:
         otel_context.detach(outer_token)
+
+
+def test_plain_phases_share_one_attribute_dict_per_name_and_others_get_their_own() -> None:
+    """A plain phase's attributes are one shared ``{"zoomer.phase": name}`` per name (records are read-only);
+    a phase with attributes of its own or that raised gets a dict of its own with them."""
+    records: list[tuple] = []
+    recorder = RequestRecorder(records.append, otel_context=False)
+    for _ in range(2):
+        span = recorder.start("svc/M")
+        span.activate()
+        with phase("forward"):
+            pass
+        with phase("forward", {"batch": 4}):
+            pass
+        with pytest.raises(ValueError), phase("forward"):
+            raise ValueError("x")
+        span.deactivate()
+        span.end()
+    first, second = ([child[r.R_ATTRS] for child in rec[r.R_CHILDREN]] for rec in records)
+    assert first == [{"zoomer.phase": "forward"}, {"zoomer.phase": "forward", "batch": 4},
+                     {"zoomer.phase": "forward", "error.type": "ValueError"}]
+    assert second == first
+    assert first[0] is second[0]
+    assert first[1] is not second[1] and first[2] is not second[2]
+    assert first[0] == {"zoomer.phase": "forward"}  # the errored phase did not write into the shared dict

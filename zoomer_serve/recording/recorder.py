@@ -329,14 +329,38 @@ def _profiler_enabled() -> bool:
     """True while a torch.profiler / autograd profiler session runs: torch's process-wide flag (set by every
     session, so it also covers sessions that profile all threads, started on another thread) or the per-thread
     C check. Cheap; False when torch was never imported, since nobody can be profiling then."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return False
+    global _profiler_probe
+    probe = _profiler_probe
+    if probe is None:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return False
+        try:
+            probe = _profiler_probe = (torch.autograd.profiler, torch.autograd._profiler_enabled)
+        except Exception:
+            return False
     try:
-        return bool(getattr(torch.autograd.profiler, "_is_profiler_enabled", False)
-                    or torch.autograd._profiler_enabled())
+        return bool(getattr(probe[0], "_is_profiler_enabled", False) or probe[1]())
     except Exception:
         return False
+
+
+_profiler_probe: tuple[Any, Callable[[], bool]] | None = None  # torch's profiler module and C check, once seen
+
+
+_PHASE_ATTRIBUTES: dict[str, dict[str, Any]] = {}
+_MAX_PHASE_NAMES = 1024
+
+
+def _phase_attributes(name: str) -> dict[str, Any]:
+    """The attributes of a plain phase span named ``name`` (``{"zoomer.phase": name}``), one shared dict per
+    name for up to :data:`_MAX_PHASE_NAMES` names: no dict per phase, and a batch of records pickles it once."""
+    attrs = _PHASE_ATTRIBUTES.get(name)
+    if attrs is None:
+        attrs = {"zoomer.phase": name}
+        if len(_PHASE_ATTRIBUTES) < _MAX_PHASE_NAMES:
+            _PHASE_ATTRIBUTES[name] = attrs
+    return attrs
 
 
 class phase:
@@ -392,13 +416,16 @@ class phase:
             stack = req._phase_stack or []
             span_id = stack.pop()
             parent_id = stack[-1] if stack else None
-            attrs = {"zoomer.phase": self.name}
-            if self._attrs:
-                attrs.update(self._attrs)
             status = r.STATUS_UNSET
-            if exc_type is not None:
-                status = r.STATUS_ERROR
-                attrs["error.type"] = exc_type.__qualname__
+            if self._attrs is None and exc_type is None:
+                attrs = _phase_attributes(self.name)  # shared, never mutated: records are read-only
+            else:
+                attrs = {"zoomer.phase": self.name}
+                if self._attrs:
+                    attrs.update(self._attrs)
+                if exc_type is not None:
+                    status = r.STATUS_ERROR
+                    attrs["error.type"] = exc_type.__qualname__
             req.add_child(self.name, self._start_ns, end_ns, attrs, status, parent_id, span_id)
         except Exception as err:
             internal_error("phase.exit", err)
