@@ -167,9 +167,9 @@ def test_odd_events_are_repaired_or_counted() -> None:
     (b'[{"a": 1}]', "holds no Kineto/Chrome trace events"),
     (b'[1, "x", {"ph": null}]', "holds no Kineto/Chrome trace events"),
     (b'{"traceEvents": []}', "holds no Kineto/Chrome trace events"),
-    (gzip.compress(b'{"traceEvents": [{"name": "x"}]}'), "holds no Kineto/Chrome trace events"),
+    (gzip.compress(b'{"traceEvents": [{"name": "x"}]}', mtime=0), "holds no Kineto/Chrome trace events"),
     (b'{"traceEvents": [{"ph": "X"}, {"ph": oops}]}', "invalid JSON"),
-    (gzip.compress(b'{"traceEvents": [')[:-6], "cannot decompress"),
+    (gzip.compress(b'{"traceEvents": [', mtime=0)[:-6], "cannot decompress"),
 ])
 def test_bad_files_raise_trace_format_error(tmp_path: Path, content: bytes, message: str) -> None:
     p = tmp_path / "bad.json"
