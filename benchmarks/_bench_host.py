@@ -127,6 +127,23 @@ def _median_rows(label: str, runs: dict[str, list[tuple[float, float]]], base: s
     return rows
 
 
+def _paired_round_rows(label: str, runs: dict[str, list[tuple[float, float]]], base: str) -> list[dict[str, Any]]:
+    """Per round, each configuration's p50 against the base's p50 of the same round (the rounds rotate the
+    order, so neighbours in time are compared); the median and the spread of those ratios, in %."""
+    rows = []
+    for k in runs:
+        if k == base:
+            continue
+        added = [(mine[0] / ref[0] - 1) * 100 for mine, ref in zip(runs[k], runs[base]) if ref[0] > 0]
+        if not added:
+            continue
+        rows.append({"what": f"{label} p50 added per round (median of {len(added)}), {k} vs {base}",
+                     "value": round(statistics.median(added), 2), "unit": "%"})
+        rows.append({"what": f"{label} p50 added per round, lowest .. highest, {k} vs {base}",
+                     "value": f"{min(added):.1f} .. {max(added):.1f}", "unit": "%"})
+    return rows
+
+
 def host_latency_rows(n_requests: int = 300, rounds: int = 3, clients: int = 4,
                       batch_size: int = 64) -> list[dict[str, Any]]:
     """``Predict`` latency with host telemetry's request observer off and on, ``rounds`` interleaved rounds of
@@ -204,7 +221,9 @@ def sampler_latency_rows(n_requests: int = 200, rounds: int = 3, clients: int = 
             server.stop(None).wait(5)
             zoomer_serve.shutdown()
     runs = {k: v for k, v in runs.items() if v}
-    rows = _median_rows(f"Predict inside a session ({clients} clients, {rate_hz} Hz)", runs, "no CPU sampler")
+    label = f"Predict inside a session ({clients} clients, {rate_hz} Hz)"
+    rows = _median_rows(label, runs, "no CPU sampler")
+    rows += _paired_round_rows(label, runs, "no CPU sampler")
     for name in runs:
         rows.append({"what": f"helper-process CPU per session ({n_requests} calls), {name}",
                      "value": round(statistics.median(helper_cpu[name]), 3), "unit": "s"})
@@ -294,7 +313,7 @@ def host_rows(quick: bool = False) -> list[dict[str, Any]]:
     ]
     rows += host_latency_rows(n_requests=150 if quick else 300, rounds=rounds)
     rows += sampler_cost(seconds=2.0 if quick else 4.0)
-    rows += sampler_latency_rows(n_requests=100 if quick else 200, rounds=rounds)
+    rows += sampler_latency_rows(n_requests=100 if quick else 150, rounds=rounds if quick else 8)
     return rows
 
 
