@@ -361,10 +361,11 @@ def _one_round(res: Results, kind: str, rnd: int, col: dict[str, Any], client: C
 
 def _paired_phase(res: Results, kind: str, order: list[str] | tuple[str, ...],
                   servers: dict[str, tuple[Child, dict[str, Any], str]], col: dict[str, Any], client: Child) -> None:
-    """The round's paired phase (see ``_bench_client.py``): the most client threads, every thread calling all
-    servers in turn for half as long as the slices of one phase took. Only CPU per request is taken from it."""
+    """The round's paired phase (see ``_bench_client.py``): the most client threads *per server* (so each server
+    has as many calls in flight as in the slices), every thread calling all servers in turn, for half as long
+    as the slices of one phase took. Only CPU per request is taken from it."""
     plan = res.plan
-    n = max(plan.threads)
+    n = max(plan.threads) * len(order)
     seconds = plan.slice_s * plan.cycles * len(order) / 2
     _log(f"    paired   {kind:<6} {n} client thread(s), {seconds:.1f} s: {', '.join(order)} ...")
     targets = [{"name": c, "target": f"127.0.0.1:{servers[c][1]['port']}", "server_pid": servers[c][1]["pid"],
@@ -396,7 +397,8 @@ def _paired_summary(res: Results, kind: str) -> dict[str, Any]:
         if bare is not None and contrib is not None and config != BARE:
             row["overhead_ratio_vs_contrib"] = _ratio(row["overhead_us"], contrib["cpu_us_per_request"]
                                                       - bare["cpu_us_per_request"])
-    return {"threads": max(res.plan.threads), "configs": per}
+    return {"threads": max(res.plan.threads), "client_threads": max(res.plan.threads) * len(res.plan.kind_configs(kind)),
+            "configs": per}
 
 
 def _stored_server_spans(store: Path) -> dict[str, int]:
@@ -678,7 +680,8 @@ def _paired_lines(paired: dict[str, Any] | None, targets: dict[str, Any] | None 
             if "overhead_ratio_vs_grpc" in paired else "contrib's"
         limit = targets.get("overhead_ratio_vs_grpc_max") or targets.get("overhead_ratio_vs_contrib_max")
         verdict = f" (zoomer vs {against}; target ≤ {limit}: {_verdict(targets['overhead_met_paired'])})"
-    return ["", f"- paired phases ({paired['threads']} threads, every thread calling all servers in turn), CPU µs "
+    return ["", f"- paired phases ({paired['client_threads']} client threads, {paired['threads']} calls in flight per "
+                f"server, every thread calling all servers in turn), CPU µs "
                 f"per request (server + helpers), overhead: " + "; ".join(cells) + verdict]
 
 
