@@ -22,6 +22,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from zoomer_serve import envvars
 from zoomer_serve.host.names import METRIC_GROUPS
 
 CPU_PROFILE_MODES = ("auto", "py-spy", "in-process", "off")
@@ -109,21 +110,8 @@ def parse_metrics(raw: str | None) -> tuple[str, ...]:
 
 
 def _switch(env: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = (env.get(name) or "").strip().lower()
-    if not raw:
-        return default
-    if raw in ("1", "true", "on", "yes"):
-        return True
-    if raw in ("0", "false", "off", "no"):
-        return False
-    raise HostConfigError(f"{name} must be on/off (true/false), got {env.get(name)!r}")
+    return envvars.switch(env, name, default, HostConfigError, "on/off (true/false)")
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = (env.get(name) or "").strip()
-    if not raw:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise HostConfigError(f"{name} must be an integer, got {raw!r}") from None
+    return envvars.integer(env, name, default, HostConfigError)

@@ -20,6 +20,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from zoomer_serve import envvars
+
 GPU_MODES = ("auto", "on", "off")
 STACKS = ("python", "none")
 
@@ -81,27 +83,11 @@ class GpuTelemetryConfig:
 
 
 def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = (env.get(name) or "").strip().lower()
-    if not raw:
-        return default
-    if raw in ("1", "true", "on", "yes"):
-        return True
-    if raw in ("0", "false", "off", "no"):
-        return False
-    raise GpuConfigError(f"{name} must be true or false, got {env.get(name)!r}")
+    return envvars.switch(env, name, default, GpuConfigError, "true or false")
 
 
 def _int(env: Mapping[str, str], name: str, default: int, minimum: int = 1) -> int:
-    raw = (env.get(name) or "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise GpuConfigError(f"{name} must be an integer, got {raw!r}") from None
-    if value < minimum:
-        raise GpuConfigError(f"{name} must be >= {minimum}, got {raw!r}")
-    return value
+    return envvars.integer(env, name, default, GpuConfigError, minimum)
 
 
 def _devices(raw: str | None) -> tuple[int, ...] | None:

@@ -1,0 +1,46 @@
+"""Reading ``ZOOMER_*`` environment variables strictly: a value that is set but unusable raises the caller's
+configuration error naming the variable and the value (never silently the default). Shared by the host and GPU
+telemetry settings; no imports from the rest of the package."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+TRUE_WORDS = ("1", "true", "on", "yes")
+FALSE_WORDS = ("0", "false", "off", "no")
+
+
+def switch(env: Mapping[str, str], name: str, default: bool, error: type[Exception], accepted: str) -> bool:
+    """``name`` as a boolean: one of :data:`TRUE_WORDS` / :data:`FALSE_WORDS` (any case, spaces around ignored);
+    ``default`` when unset or empty.
+
+    Raises:
+        error: any other value (the message says "``name`` must be ``accepted``, got ...").
+    """
+    raw = (env.get(name) or "").strip().lower()
+    if not raw:
+        return default
+    if raw in TRUE_WORDS:
+        return True
+    if raw in FALSE_WORDS:
+        return False
+    raise error(f"{name} must be {accepted}, got {env.get(name)!r}")
+
+
+def integer(env: Mapping[str, str], name: str, default: int, error: type[Exception],
+            minimum: int | None = None) -> int:
+    """``name`` as an int (spaces around ignored); ``default`` when unset or empty.
+
+    Raises:
+        error: not an integer, or below ``minimum`` when one is given.
+    """
+    raw = (env.get(name) or "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise error(f"{name} must be an integer, got {raw!r}") from None
+    if minimum is not None and value < minimum:
+        raise error(f"{name} must be >= {minimum}, got {raw!r}")
+    return value
