@@ -124,10 +124,7 @@ class CpuProfileRun:
                            self.attributes[n.CPU_ERROR])
         finally:
             for leftover in (partial, collapsed_partial, digest):
-                try:
-                    leftover.unlink()
-                except FileNotFoundError:
-                    pass
+                leftover.unlink(missing_ok=True)
         return self.attributes
 
 

@@ -338,10 +338,7 @@ class ProfilerController:
             os.replace(packed, final)
         finally:
             for leftover in (raw, packed, digest):
-                try:
-                    leftover.unlink()
-                except FileNotFoundError:
-                    pass
+                leftover.unlink(missing_ok=True)
         session.trace_path = str(final.resolve())
         session.trace_bytes = final.stat().st_size
         session.kernel_count = summary.totals.kernel_count
