@@ -330,8 +330,7 @@ def _one_round(res: Results, kind: str, rnd: int, col: dict[str, Any], client: C
         threads = plan.threads if rnd % 2 == 0 else tuple(reversed(plan.threads))
         for n in threads:
             _log(f"round {rnd + 1}/{plan.rounds}  {kind:<6} {n} client thread(s): {', '.join(order)} ...")
-            targets = [{"name": c, "target": f"127.0.0.1:{servers[c][1]['port']}", "server_pid": servers[c][1]["pid"],
-                        "helper_pids": servers[c][1]["helper_pids"]} for c in order]
+            targets = _client_targets(order, servers)
             client.send(json.dumps({"kind": kind, "threads": n, "warmup_s": plan.warmup_s, "slice_s": plan.slice_s,
                                     "cycles": plan.cycles, "collector_pid": col["pid"], "targets": targets}))
             budget = len(order) * (plan.warmup_s + plan.slice_s * plan.cycles) + 60
@@ -359,6 +358,13 @@ def _one_round(res: Results, kind: str, rnd: int, col: dict[str, Any], client: C
             children.remove(server)
 
 
+def _client_targets(order: Sequence[str], servers: dict[str, tuple[Child, dict[str, Any], str]]
+                    ) -> list[dict[str, Any]]:
+    """The ``targets`` of a client phase command: each server of the round, in ``order``."""
+    return [{"name": c, "target": f"127.0.0.1:{servers[c][1]['port']}", "server_pid": servers[c][1]["pid"],
+             "helper_pids": servers[c][1]["helper_pids"]} for c in order]
+
+
 def _paired_phase(res: Results, kind: str, order: list[str] | tuple[str, ...],
                   servers: dict[str, tuple[Child, dict[str, Any], str]], col: dict[str, Any], client: Child) -> None:
     """The round's paired phase (see ``_bench_client.py``): the most client threads *per server* (so each server
@@ -368,8 +374,7 @@ def _paired_phase(res: Results, kind: str, order: list[str] | tuple[str, ...],
     n = max(plan.threads) * len(order)
     seconds = plan.slice_s * plan.cycles * len(order) / 2
     _log(f"    paired   {kind:<6} {n} client thread(s), {seconds:.1f} s: {', '.join(order)} ...")
-    targets = [{"name": c, "target": f"127.0.0.1:{servers[c][1]['port']}", "server_pid": servers[c][1]["pid"],
-                "helper_pids": servers[c][1]["helper_pids"]} for c in order]
+    targets = _client_targets(order, servers)
     client.send(json.dumps({"kind": kind, "threads": n, "warmup_s": 0.0, "slice_s": seconds / len(order),
                             "cycles": 1, "collector_pid": col["pid"], "targets": targets, "paired": True}))
     phase = client.expect(seconds + 60)
