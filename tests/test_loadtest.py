@@ -216,7 +216,7 @@ def test_zoomer_serve_loadtest_runs_headless_and_prints_client_server_gap_and_pr
     client = {c.name: c for c in summary.client}
     server = {s.method: s for s in summary.server or []}
     for name in RANKER:
-        assert client[name].count > 0 and client[name].failures == 0
+        assert client[name].count > 0 and client[name].failures == 0, done.stderr[-3000:]  # locust's error report
         assert server[name].count == client[name].count and server[name].service_name == "zoomer-demo-ranker"
     assert client["Aggregated"].count == sum(client[n].count for n in RANKER)
     gap = {g.name: g for g in summary.gaps}
