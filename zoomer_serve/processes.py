@@ -1,19 +1,12 @@
-"""Small helpers for the child processes zoomer-serve starts: long-running ones (export helper, demo collector
-and server) announce themselves with JSON lines on stdout, which the parent waits for with a timeout; one-shot
-ones (the post-processing of a session's kernel trace and CPU profile) run to completion with
-:func:`run_package_module`."""
+"""Small helpers for the child processes zoomer-serve starts (export helper, demo collector and server):
+they announce themselves with JSON lines on stdout, which the parent waits for with a timeout."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import threading
-from pathlib import Path
 from typing import Any
-
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])  # the folder that holds zoomer_serve/
 
 
 def wait_for_event(proc: subprocess.Popen[bytes], event: str, timeout_s: float) -> dict[str, Any] | None:
@@ -41,18 +34,6 @@ def wait_for_event(proc: subprocess.Popen[bytes], event: str, timeout_s: float) 
     return found[0] if found else None
 
 
-def run_package_module(module: str, args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str] | None:
-    """Run ``python -m MODULE ARGS...`` to completion with this package importable in the child (its root put
-    first on ``PYTHONPATH``), capturing stdout and stderr as text. Returns the finished process, or None when it
-    ran longer than ``timeout_s`` seconds (it is killed)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p))
-    try:
-        return subprocess.run([sys.executable, "-m", module, *args], env=env, capture_output=True, text=True,
-                              timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return None
-
-
 def start_zoomer_command(argv: list[str], env: dict[str, str], what: str, timeout_s: float = 120.0
                          ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     """Start ``python -m zoomer_serve ARGV...`` (a collector, a demo server) and wait for its ready event.
@@ -60,6 +41,8 @@ def start_zoomer_command(argv: list[str], env: dict[str, str], what: str, timeou
     Raises:
         RuntimeError: naming ``what``, when it exits or stays silent for ``timeout_s`` seconds (it is killed).
     """
+    import sys
+
     proc = subprocess.Popen([sys.executable, "-m", "zoomer_serve", *argv], stdout=subprocess.PIPE, env=env)
     ready = wait_for_event(proc, "ready", timeout_s)
     if ready is None:
