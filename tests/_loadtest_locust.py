@@ -9,6 +9,8 @@ Scenarios:
 - ``ranker``: a local runner with ``RankerGrpcUser`` against ``host`` and ``RankerThriftUser`` against
   ``thrift_host``, plus one user per transport that sends only invalid requests (an empty batch); the
   plugin with the given options.
+- ``interrupt``: ``users`` SlowUsers against ``host`` with ``stop_timeout`` (default None, locust's: users are
+  killed mid-call), stopped ``run_s`` after spawning.
 - ``c11``: a master and one worker (two Environments in this process, as locust's own tests do) with
   ``users`` users calling a unary method that takes ``latency_s`` on the server; the plugin on both (the
   master decides about profiling).
@@ -149,10 +151,24 @@ def run_c11(cfg: dict[str, Any]) -> dict[str, Any]:
             "workers_before_stop": workers}
 
 
+def run_interrupt(cfg: dict[str, Any]) -> dict[str, Any]:
+    class Waiting(SlowUser):
+        wait_time = constant(cfg.get("wait_s", 0))
+
+    env = Environment(user_classes=[Waiting], host=cfg["host"], stop_timeout=cfg.get("stop_timeout"))
+    runner = env.create_local_runner()
+    log = watch(env)
+    runner.start(cfg["users"], spawn_rate=100)
+    gevent.sleep(cfg["run_s"])
+    runner.stop()
+    runner.quit()
+    return {"events": log.by_name}
+
+
 def main() -> None:
     scenario, cfg_json, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     cfg = json.loads(cfg_json)
-    result = {"ranker": run_ranker, "c11": run_c11}[scenario](cfg)
+    result = {"ranker": run_ranker, "c11": run_c11, "interrupt": run_interrupt}[scenario](cfg)
     from zoomer_serve.runtime import shutdown
 
     shutdown()  # the users' CLIENT spans reach the collector before the process ends

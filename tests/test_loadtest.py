@@ -112,7 +112,7 @@ def test_request_events_match_server_spans_and_one_profile_starts_after_the_warm
 
     # request events = server spans, by transport and method; each event's trace id is its server span's, and
     # the event failed, named by the status, exactly when the server refused the call (the users that send
-    # empty batches); an event of a call that locust's stop interrupted is a failure either way
+    # empty batches). With a stop timeout no call is interrupted (see the stop-timeout test below).
     rows = collector.spans()
     servers = [r for r in rows if r["kind"] == "SERVER" and r["attributes"]["rpc.method"] in RANKER]
     by_key: dict[str, dict[str, str]] = {}
@@ -120,19 +120,17 @@ def test_request_events_match_server_spans_and_one_profile_starts_after_the_warm
         attrs = r["attributes"]
         by_key.setdefault(f"{attrs['rpc.system.name']} {attrs['rpc.method']}", {})[r["trace_id"]] = \
             attrs["rpc.response.status_code"]
-    assert {k: len(v) for k, v in by_key.items()} == {k: e["count"] for k, e in events.items()}
+    assert set(by_key) == set(events)
     expected = {"OK": None, "INVALID_ARGUMENT": "GrpcStatusError(INVALID_ARGUMENT)",
                 "InvalidRequest": "ThriftCallError(InvalidRequest)"}
-    refused, interrupted = 0, set()
+    refused = 0
     for key, event in events.items():
         sent = [trace_id for trace_id, _ in event["calls"]]
         assert None not in sent and len(set(sent)) == len(sent)
-        assert sorted(sent) == sorted(by_key[key])
+        unmatched = [call for call in event["calls"] if call[0] not in by_key[key]]
+        assert sorted(sent) == sorted(by_key[key]), (key, unmatched, set(by_key[key]) - set(sent))
         for trace_id, error in event["calls"]:
-            if error in ("GrpcStatusError(CANCELLED)", "ThriftCallError(GreenletExit)"):
-                interrupted.add(trace_id)
-                continue
-            assert error == expected[by_key[key][trace_id]], (key, trace_id)
+            assert error == expected[by_key[key][trace_id]], (key, trace_id, error)
             refused += error is not None
     assert refused > 0
     # the locust process recorded one CLIENT span per call, the parent of the server's span
@@ -141,9 +139,7 @@ def test_request_events_match_server_spans_and_one_profile_starts_after_the_warm
     for span in servers:
         parent = clients[(span["trace_id"], span["parent_span_id"])]
         assert parent["service_name"] == "zoomer-loadtest"
-        names = ("rpc.method", "rpc.system.name") + (("rpc.response.status_code",)
-                                                     if span["trace_id"] not in interrupted else ())
-        for name in names:
+        for name in ("rpc.method", "rpc.system.name", "rpc.response.status_code"):
             assert parent["attributes"][name] == span["attributes"][name]
     assert len([r for r in rows if r["name"] == "zoomer.profile"]) == 1
 
@@ -200,6 +196,56 @@ def test_c11_50_gevent_users_on_one_worker_are_not_serialized_by_grpc(collector:
     status = controller.status()
     assert status.last is not None and status.last.number == 1 and status.last.trigger == "load_test"
     assert status.last.requests == 50 and len(traces(tmp_path / "profiles")) == 1
+
+
+def test_with_a_stop_timeout_locusts_stop_interrupts_no_call(collector: Any, telemetry: Any,
+                                                             tmp_path: Path) -> None:
+    """locust's graceful stop kills a user it finds waiting; the kill lands at the user's next switch, which,
+    when the wait had just ended, used to be inside the next call: 10 to 27 calls per run of this test were
+    CANCELLED failures without a server span (the flaky loadtest test above). Now every call is answered and
+    has its server span."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
+                         interceptors=[ZoomerServerInterceptor(telemetry.recorder)])
+    server.add_generic_rpc_handlers([SlowService(0.0).handler()])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        result = run_locust("interrupt", {"host": f"127.0.0.1:{port}", "users": 50, "run_s": 2.0,
+                                          "stop_timeout": 10, "wait_s": 0.02}, tmp_path, locust_env(collector))
+    finally:
+        server.stop(None).wait(5)
+    event = result["events"]["grpc test.Slow/Call"]
+    assert event["count"] > 100 and [error for _, error in event["calls"] if error] == []
+    servers = [r for r in collector.spans("SERVER") if r["attributes"]["rpc.method"] == "test.Slow/Call"]
+    assert sorted(r["trace_id"] for r in servers) == sorted(trace_id for trace_id, _ in event["calls"])
+
+
+def test_a_call_interrupted_by_locusts_stop_fires_cancelled_and_has_a_server_span_only_if_its_handler_ran(
+        collector: Any, telemetry: Any, tmp_path: Path) -> None:
+    """locust's stop (stop timeout 0) kills users mid-call (no stop timeout). Two users on a server with one worker thread: the
+    first call is in its 1.5 s handler, the second waits for the worker. Both events are CANCELLED with their
+    trace ids; only the first call reached a handler, so the server has a span for it alone (grpc never runs
+    the handler of a call cancelled while it waited)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1),
+                         interceptors=[ZoomerServerInterceptor(telemetry.recorder)])
+    server.add_generic_rpc_handlers([SlowService(1.5).handler()])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        result = run_locust("interrupt", {"host": f"127.0.0.1:{port}", "users": 2, "run_s": 0.5}, tmp_path,
+                            locust_env(collector))
+        time.sleep(2.0)  # the first handler ends; the worker then finds the second call cancelled
+    finally:
+        server.stop(None).wait(5)
+    calls = result["events"]["grpc test.Slow/Call"]["calls"]
+    assert len(calls) == 2 and all(error == "GrpcStatusError(CANCELLED)" for _, error in calls)
+    sent = {trace_id for trace_id, _ in calls}
+    assert len(sent) == 2 and None not in sent
+    rows = [r for r in collector.spans() if r["attributes"].get("rpc.method") == "test.Slow/Call"]
+    assert {r["trace_id"] for r in rows if r["kind"] == "CLIENT"} == sent  # the client recorded both calls
+    servers = [r for r in rows if r["kind"] == "SERVER"]
+    assert len(servers) == 1 and servers[0]["trace_id"] in sent
+    assert servers[0]["attributes"]["rpc.response.status_code"] == "CANCELLED"
 
 
 # -- zoomer-serve loadtest ----------------------------------------------------------------------------------

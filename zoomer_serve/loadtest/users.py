@@ -13,8 +13,11 @@ fires exactly one ``request`` event on the user's ``environment.events``:
 - A call that did not end OK raises that same exception after the event; it is a locust ``RescheduleTask``,
   so when the task does not catch it locust moves on to the next task without counting an error twice.
 - A call interrupted because locust stopped the user (``--stop-timeout`` 0, the default, kills users
-  mid-call) still fires its event, as ``CANCELLED`` (gRPC) or a ``ThriftCallError(GreenletExit)``: the request
-  was sent. Give locust a ``--stop-timeout`` to let calls in flight finish instead.
+  mid-call) still fires its event, as ``CANCELLED`` (gRPC) or a ``ThriftCallError(GreenletExit)``, with its
+  trace id. The server has a span for it only if the call reached a handler before the cancellation did (a
+  gRPC call still waiting for a server worker thread never runs its handler). Give locust a
+  ``--stop-timeout`` to let calls in flight finish instead (a user that locust finds waiting is stopped
+  before its next call starts: :func:`let_a_pending_stop_land`).
 
 Trace context: gRPC channels carry :class:`interceptors.ZoomerClientInterceptor` (a CLIENT span per call,
 ``traceparent`` sent in the metadata); Thrift clients are ``contrib.tracking`` clients
@@ -34,6 +37,7 @@ import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import gevent
 import locust  # noqa: F401  (first: gevent patches the standard library before grpc is set up)
 from gevent import GreenletExit
 from locust import User
@@ -57,6 +61,15 @@ from zoomer_serve.config import ConfigError  # noqa: E402
 from zoomer_serve.loadtest.config import grpc_target  # noqa: E402
 from zoomer_serve.recording import parse_traceparent  # noqa: E402
 from zoomer_serve.recording import records as r  # noqa: E402
+
+
+def let_a_pending_stop_land() -> None:
+    """Yield to gevent's hub once before a call starts. locust's graceful stop (a stop timeout) kills a user
+    that it finds waiting, but the kill lands at the user's next switch: when the wait had just ended, that is
+    inside the call the user starts next, which then counts as a CANCELLED failure. Yielding first runs the
+    pending kill here, before anything is sent (a few µs per call)."""
+    gevent.sleep(0)
+
 
 STOPPED_DURING_CALL = "the locust user was stopped during the call"
 TRACE_ID = "trace_id"
@@ -133,6 +146,7 @@ class _Measured:
         self._timeout_s = timeout_s
 
     def _run(self, call: Callable[[], tuple[Any, int]]) -> Any:
+        let_a_pending_stop_land()
         _sent_traceparent.set(None)
         start_time = time.time()
         t0 = time.perf_counter()
@@ -142,7 +156,7 @@ class _Measured:
             response, length = call()
         except grpc.RpcError as err:
             error = GrpcStatusError(err.code(), err.details())
-        except GreenletExit:  # locust stopped the user mid-call (stop timeout 0): the call was sent, count it
+        except GreenletExit:  # locust stopped the user mid-call: the call was started, count it
             self._fire(self._name, start_time, (time.perf_counter() - t0) * 1000.0, 0, GrpcStatusError(
                 grpc.StatusCode.CANCELLED, STOPPED_DURING_CALL), None, _trace_id_sent())
             raise
@@ -301,6 +315,7 @@ class _ThriftClient:
             self._conn = None
 
     def _call(self, api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        let_a_pending_stop_land()
         name = f"{self._service_name}/{api}"
         span = self._recorder.start(name, kind=r.KIND_CLIENT, attributes={**self._static, "rpc.method": name})
         start_time = time.time()
