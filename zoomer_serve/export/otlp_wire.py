@@ -40,7 +40,13 @@ from zoomer_serve.recording.records import (
 
 _pack_q = struct.Struct("<Q").pack
 _pack_d = struct.Struct("<d").pack
-_pack_i = struct.Struct("<I").pack
+# Span fields written by one pack each: trace_id (field 1, 16 bytes as two big-endian halves) + span_id
+# (field 2); parent_span_id (field 4); start/end_time_unix_nano (fields 7, 8, fixed64); flags (field 16, fixed32)
+_pack_ids = struct.Struct(">HQQHQ").pack
+_pack_parent = struct.Struct(">HQ").pack
+_pack_times = struct.Struct("<BQBQ").pack
+_pack_flags = struct.Struct("<HI").pack
+_LOW64 = (1 << 64) - 1
 _CACHED_INT_LIMIT = 1 << 16  # int attribute values below it (counts, sizes, ports) are cached; larger ones not
 _MAX_CACHE = 50_000  # attribute encodings kept; bounded so unique values cannot grow memory forever
 
@@ -118,7 +124,7 @@ class SpanEncoder:
         self._scope_field = _ld(0x0A, scope)  # ScopeSpans.scope
         self._attr_cache: dict[tuple[str, Any], bytes] = {}
         self._key_cache: dict[str, bytes] = {}
-        self._name_cache: dict[str, bytes] = {}
+        self._name_cache: dict[tuple[str, int], bytes] = {}
 
     def _attr(self, key: str, value: Any) -> bytes:
         if type(value) is int and not 0 <= value < _CACHED_INT_LIMIT:  # ns, ids: unique, so never cached
@@ -147,31 +153,27 @@ class SpanEncoder:
         body = prefix + bytes((0x12, len(number) + 1, 0x18)) + number
         return bytes((0x4A,)) + varint(len(body)) + body
 
-    def _name(self, name: str) -> bytes:
-        hit = self._name_cache.get(name)
+    def _name_kind(self, name: str, kind: int) -> bytes:
+        """``Span.name`` and ``Span.kind`` fields, cached per pair."""
+        hit = self._name_cache.get((name, kind))
         if hit is None:
-            hit = _ld(0x2A, name.encode("utf-8", "replace"))
+            hit = _ld(0x2A, name.encode("utf-8", "replace")) + b"\x30" + varint(kind)
             if len(self._name_cache) < _MAX_CACHE:
-                self._name_cache[name] = hit
+                self._name_cache[(name, kind)] = hit
         return hit
 
     def encode_span(self, rec: Sequence[Any]) -> bytes:
         """Encode one span record as an OTLP ``Span`` message body."""
-        parts = [b"\x0a\x10", rec[R_TRACE_ID].to_bytes(16, "big"), b"\x12\x08", rec[R_SPAN_ID].to_bytes(8, "big")]
+        trace_id = rec[R_TRACE_ID]
+        parts = [_pack_ids(0x0A10, trace_id >> 64, trace_id & _LOW64, 0x1208, rec[R_SPAN_ID])]
         trace_state = rec[R_TRACE_STATE]
         if trace_state:
             parts.append(_ld(0x1A, trace_state.encode()))
         parent = rec[R_PARENT_ID]
         if parent:
-            parts.append(b"\x22\x08")
-            parts.append(parent.to_bytes(8, "big"))
-        parts.append(self._name(rec[R_NAME]))
-        parts.append(b"\x30")
-        parts.append(varint(rec[R_KIND]))
-        parts.append(b"\x39")
-        parts.append(_pack_q(rec[R_START_NS]))
-        parts.append(b"\x41")
-        parts.append(_pack_q(rec[R_END_NS]))
+            parts.append(_pack_parent(0x2208, parent))
+        parts.append(self._name_kind(rec[R_NAME], rec[R_KIND]))
+        parts.append(_pack_times(0x39, rec[R_START_NS], 0x41, rec[R_END_NS]))
         attr = self._attr
         for key, value in rec[R_ATTRS].items():
             if value is not None:
@@ -199,11 +201,9 @@ class SpanEncoder:
                 body += _ld(0x12, msg.encode("utf-8", "replace"))
             body += b"\x18" + varint(status)
             parts.append(_ld(0x7A, body))
-        flags = rec[R_TRACE_FLAGS] | _FLAG_HAS_IS_REMOTE
-        if rec[R_PARENT_REMOTE]:
-            flags |= _FLAG_IS_REMOTE
-        parts.append(b"\x85\x01")
-        parts.append(_pack_i(flags))
+        flags = rec[R_TRACE_FLAGS] | (_FLAG_HAS_IS_REMOTE | _FLAG_IS_REMOTE if rec[R_PARENT_REMOTE]
+                                      else _FLAG_HAS_IS_REMOTE)
+        parts.append(_pack_flags(0x0185, flags))  # tag 0x85 0x01 (field 16, fixed32), little-endian
         return b"".join(parts)
 
     def encode_request(self, spans: Iterable[bytes]) -> bytes:

@@ -3,10 +3,17 @@ writer thread that moves records in batches to the export worker.
 
 The request path calls :meth:`ExportPipeline.submit`: one length check and one ``deque.append``
 (no lock, no system call, no encoding). When the queue holds ``max_queue_size`` records, new records are
-dropped and counted (``dropped``), never blocking a request. A writer thread wakes every 50 ms (or when the
-queue is half full), takes everything queued, and either pickles it into one frame on the helper process's
-stdin (``mode="process"``) or hands it to an in-process :class:`~zoomer_serve.export.worker.ExportWorker`
-thread (``mode="thread"``).
+dropped and counted (``dropped``), never blocking a request. A writer thread wakes every 500 ms (or when the
+queue is half full), takes everything queued, and either pickles it into frames of at most 256 records on the
+helper process's stdin (``mode="process"``) or hands it to an in-process
+:class:`~zoomer_serve.export.worker.ExportWorker` thread (``mode="thread"``).
+
+Why 500 ms: each hand-off has a fixed cost (waking the writer here and the helper there, cold caches), about
+250 µs of helper CPU measured on the demo model server; at 50 ms that was about 40 µs per request at 110
+requests/s, at 500 ms about 5 (benchmarks/RESULTS.md). Spans still reach the collector well within the
+export schedule delay (``OTEL_BSP_SCHEDULE_DELAY``, 5 s by default). Why 256-record frames: pickling holds
+the interpreter lock for the whole call (about 3.6 µs per record), so a large batch is pickled in pieces that
+let request threads run in between.
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ from zoomer_serve.recording import records as r
 
 logger = logging.getLogger("zoomer_serve.export")
 _FRAME_HEADER = struct.Struct(">I")
-_WRITER_PERIOD_S = 0.05
+_WRITER_PERIOD_S = 0.5
+_FRAME_RECORDS = 256  # records per pickled frame: bounds how long one pickle.dumps holds the interpreter
 _READY_TIMEOUT_S = 30.0
 
 
@@ -128,8 +136,7 @@ class ExportPipeline:
             if self._worker is not None:
                 self._worker.put(batch)
             elif self._proc is not None and self._proc.stdin is not None:
-                payload = pickle.dumps((self.dropped, batch), protocol=pickle.HIGHEST_PROTOCOL)
-                self._proc.stdin.write(_FRAME_HEADER.pack(len(payload)) + payload)
+                self._proc.stdin.write(b"".join(self._frames(batch)))
                 self._proc.stdin.flush()
             else:
                 self.dropped += spans
@@ -138,6 +145,15 @@ class ExportPipeline:
             self.dropped += spans
             logger.warning("zoomer-serve: the export helper process is gone (%r); spans are now dropped "
                            "and counted (logged once)", exc)
+
+    def _frames(self, batch: list[tuple[Any, ...]]) -> list[bytes]:
+        """The helper's frames for ``batch``: length header + pickled ``(dropped so far, records)``, at most
+        :data:`_FRAME_RECORDS` records each."""
+        frames = []
+        for i in range(0, len(batch), _FRAME_RECORDS):
+            payload = pickle.dumps((self.dropped, batch[i:i + _FRAME_RECORDS]), protocol=pickle.HIGHEST_PROTOCOL)
+            frames.append(_FRAME_HEADER.pack(len(payload)) + payload)
+        return frames
 
     def shutdown(self, timeout_s: float | None = None) -> ExportStats:
         """Flush queued records and stop the worker, within about ``timeout_s`` (default: the export
