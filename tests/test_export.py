@@ -49,7 +49,7 @@ def test_queue_is_bounded_and_drops_are_counted():
     assert stats.dropped_queue == 900
 
 
-def test_the_writer_pickles_a_large_batch_in_frames_of_at_most_256_records():
+def test_the_writer_pickles_a_large_batch_in_frames_of_at_most_128_records():
     """Each pickle.dumps holds the interpreter lock, so a batch goes to the helper in bounded frames, each a
     4-byte big-endian length and a pickled ``(dropped so far, records)``, in order."""
     import pickle
@@ -57,14 +57,14 @@ def test_the_writer_pickles_a_large_batch_in_frames_of_at_most_256_records():
 
     pipeline = ExportPipeline(ExportConfig(mode="none"), {"service.name": "x"})
     pipeline.dropped = 7
-    batch = [(i,) for i in range(600)]
-    frames = pipeline._frames(batch)
+    batch = [(i,) for i in range(300)]
+    frames = list(pipeline._frames(batch))
     decoded = []
     for frame in frames:
         (length,) = struct.unpack(">I", frame[:4])
         assert length == len(frame) - 4
         decoded.append(pickle.loads(frame[4:]))
-    assert [len(records) for _, records in decoded] == [256, 256, 88]
+    assert [len(records) for _, records in decoded] == [128, 128, 44]
     assert {dropped for dropped, _ in decoded} == {7}
     assert [rec for _, records in decoded for rec in records] == batch
 

@@ -4,16 +4,17 @@ writer thread that moves records in batches to the export worker.
 The request path calls :meth:`ExportPipeline.submit`: one length check and one ``deque.append``
 (no lock, no system call, no encoding). When the queue holds ``max_queue_size`` records, new records are
 dropped and counted (``dropped``), never blocking a request. A writer thread wakes every 500 ms (or when the
-queue is half full), takes everything queued, and either pickles it into frames of at most 256 records on the
+queue is half full), takes everything queued, and either pickles it into frames of at most 128 records on the
 helper process's stdin (``mode="process"``) or hands it to an in-process
 :class:`~zoomer_serve.export.worker.ExportWorker` thread (``mode="thread"``).
 
 Why 500 ms: each hand-off has a fixed cost (waking the writer here and the helper there, cold caches), about
 250 µs of helper CPU measured on the demo model server; at 50 ms that was about 40 µs per request at 110
 requests/s, at 500 ms about 5 (benchmarks/RESULTS.md). Spans still reach the collector well within the
-export schedule delay (``OTEL_BSP_SCHEDULE_DELAY``, 5 s by default). Why 256-record frames: pickling holds
-the interpreter lock for the whole call (about 3.6 µs per record), so a large batch is pickled in pieces that
-let request threads run in between.
+export schedule delay (``OTEL_BSP_SCHEDULE_DELAY``, 5 s by default). Why 128-record frames, each written
+before the next is pickled: pickling holds the interpreter lock for the whole call (about 2.6 µs per record),
+and a thread waiting for the lock only forces a switch after ``sys.getswitchinterval()`` (5 ms); the write in
+between releases the lock, so request threads wait at most about one frame's pickling (0.3 ms).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -39,7 +41,7 @@ from zoomer_serve.recording import records as r
 logger = logging.getLogger("zoomer_serve.export")
 _FRAME_HEADER = struct.Struct(">I")
 _WRITER_PERIOD_S = 0.5
-_FRAME_RECORDS = 256  # records per pickled frame: bounds how long one pickle.dumps holds the interpreter
+_FRAME_RECORDS = 128  # records per pickled frame: bounds how long one pickle.dumps holds the interpreter
 _READY_TIMEOUT_S = 30.0
 
 
@@ -136,8 +138,10 @@ class ExportPipeline:
             if self._worker is not None:
                 self._worker.put(batch)
             elif self._proc is not None and self._proc.stdin is not None:
-                self._proc.stdin.write(b"".join(self._frames(batch)))
-                self._proc.stdin.flush()
+                stdin = self._proc.stdin
+                for frame in self._frames(batch):
+                    stdin.write(frame)
+                    stdin.flush()  # a system call: request threads waiting for the interpreter get it here
             else:
                 self.dropped += spans
         except (BrokenPipeError, OSError, ValueError) as exc:
@@ -146,14 +150,12 @@ class ExportPipeline:
             logger.warning("zoomer-serve: the export helper process is gone (%r); spans are now dropped "
                            "and counted (logged once)", exc)
 
-    def _frames(self, batch: list[tuple[Any, ...]]) -> list[bytes]:
-        """The helper's frames for ``batch``: length header + pickled ``(dropped so far, records)``, at most
-        :data:`_FRAME_RECORDS` records each."""
-        frames = []
+    def _frames(self, batch: list[tuple[Any, ...]]) -> Iterator[bytes]:
+        """The helper's frames for ``batch``, made one at a time: length header + pickled ``(dropped so far,
+        records)``, at most :data:`_FRAME_RECORDS` records each."""
         for i in range(0, len(batch), _FRAME_RECORDS):
             payload = pickle.dumps((self.dropped, batch[i:i + _FRAME_RECORDS]), protocol=pickle.HIGHEST_PROTOCOL)
-            frames.append(_FRAME_HEADER.pack(len(payload)) + payload)
-        return frames
+            yield _FRAME_HEADER.pack(len(payload)) + payload
 
     def shutdown(self, timeout_s: float | None = None) -> ExportStats:
         """Flush queued records and stop the worker, within about ``timeout_s`` (default: the export
