@@ -5,7 +5,12 @@
 ends on the thread it started on, sets the difference. Spans that start on an asyncio event loop are skipped
 (the loop's thread runs many requests at once), and so are spans that end on another thread (a streaming
 response finished from gRPC's callback thread). Cost: two clock reads, two thread-id reads and one dict
-insert and pop per request (about 1 µs; see ``benchmarks/_bench_host.py``).
+insert and pop per request (about 1 µs in a hot loop; see ``benchmarks/_bench_host.py``). In a busy
+multi-threaded server it costs more: each read is a system call (``clock_gettime(CLOCK_THREAD_CPUTIME_ID)``,
+not served by the vDSO) that brings the scheduler's accounting up to date and can preempt the thread there,
+while it holds the interpreter lock; on the 2-core benchmark machine (Linux 6.18) that meant about 0.7 more
+involuntary and 2.4 more voluntary context switches per demo-model request, and 30 to 60 µs more server CPU
+(benchmarks/RESULTS.md). ``ZOOMER_HOST_REQUEST_CPU_TIME=false`` turns it off.
 """
 
 from __future__ import annotations
