@@ -31,6 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from zoomer_serve.host.config import DEFAULT_RATE_HZ
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
@@ -174,7 +176,7 @@ def host_latency_rows(n_requests: int = 300, rounds: int = 3, clients: int = 4,
 
 
 def sampler_latency_rows(n_requests: int = 200, rounds: int = 3, clients: int = 4, batch_size: int = 64,
-                         slow_preprocess: int = 0, rate_hz: int = 100) -> list[dict[str, Any]]:
+                         slow_preprocess: int = 0, rate_hz: int = DEFAULT_RATE_HZ) -> list[dict[str, Any]]:
     """``Predict`` latency inside profiling sessions covering ``n_requests`` calls each: no CPU sampler, py-spy
     (when it can attach here; else that row is missing and a row says why), the in-process sampler; plus the
     CPU seconds of the helper processes (py-spy, post-processing) per session."""
@@ -230,7 +232,7 @@ def sampler_latency_rows(n_requests: int = 200, rounds: int = 3, clients: int = 
     return rows + notes
 
 
-def sampler_cost(rate_hz: int = 100, seconds: float = 4.0, clients: int = 2,
+def sampler_cost(rate_hz: int = DEFAULT_RATE_HZ, seconds: float = 4.0, clients: int = 2,
                  batch_size: int = 64) -> list[dict[str, Any]]:
     """What each sampler costs while the demo server (in this process) answers load: py-spy's own CPU as a share
     of one core (a separate, niced process; startup included), and the interpreter-lock time of one in-process
@@ -312,7 +314,8 @@ def host_rows(quick: bool = False) -> list[dict[str, Any]]:
          "unit": "µs"},
     ]
     rows += host_latency_rows(n_requests=150 if quick else 300, rounds=rounds)
-    rows += sampler_cost(seconds=2.0 if quick else 4.0)
+    rows += sampler_cost(seconds=2.0 if quick else 4.0)  # at the default rate ...
+    rows += sampler_cost(rate_hz=100, seconds=2.0 if quick else 4.0)  # ... and at py-spy's own default
     rows += sampler_latency_rows(n_requests=100 if quick else 150, rounds=rounds if quick else 8)
     return rows
 

@@ -34,6 +34,7 @@ from zoomer_serve.host import (
     summarize,
 )
 from zoomer_serve.host import names as n
+from zoomer_serve.host.config import DEFAULT_RATE_HZ
 from zoomer_serve.host.speedscope import IDLE_SUFFIX
 from zoomer_serve.profiling import ProfilerConfig, ProfilerController, SessionOptions
 
@@ -146,10 +147,14 @@ def _pyspy_blocker() -> str | None:
 
 
 def test_py_spy_profiles_the_session_and_analyze_names_the_cpu_bound_function(
-        model: DLRM, telemetry: Any, collector: Any, tmp_path: Path) -> None:
+        model: DLRM, telemetry: Any, collector: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The telemetry's own CPU profiler (the controller's default companion), at 100 Hz instead of the default
+    19 Hz so that the short session gets enough samples to rank the slow function first."""
     blocker = _pyspy_blocker()
     if blocker is not None:
         pytest.skip(f"py-spy cannot attach on this machine ({blocker}); the fallback tests below cover it")
+    assert telemetry.host.cpu_profiler.config.cpu_profile_rate_hz == DEFAULT_RATE_HZ == 19
+    monkeypatch.setattr(telemetry.host.cpu_profiler, "config", HostConfig(cpu_profile_rate_hz=100))
     folder = tmp_path / "profiles"
     with cpu_bound_server(telemetry, model, folder) as (target, controller):
         info = profile_session(controller, target)
@@ -187,7 +192,7 @@ def test_without_py_spy_the_in_process_sampler_profiles_and_the_reason_is_said_o
     lock as the server, so on a 2-core machine its few dozen samples per session rank functions unsteadily
     (a CI run had it 11th). py-spy, sampling from outside, is held to ranking it first above."""
     folder = tmp_path / "profiles"
-    profiler = CpuProfiler(HostConfig(cpu_profile_pyspy=str(tmp_path / "no-such-py-spy")))
+    profiler = CpuProfiler(HostConfig(cpu_profile_pyspy=str(tmp_path / "no-such-py-spy"), cpu_profile_rate_hz=100))
     caplog.set_level(logging.WARNING, logger="zoomer_serve.host")
     with cpu_bound_server(telemetry, model, folder, companions=[profiler]) as (target, controller):
         first = profile_session(controller, target)

@@ -7,7 +7,7 @@ code. A bad value raises :class:`HostConfigError` naming the variable (or field)
 | system and process metrics | ``ZOOMER_HOST_METRICS``: comma-separated groups (``cpu``, ``memory``, ``disk``, ``network``, ``process``, ``gc``) and/or metric names, or ``none`` | all groups |
 | per-request thread CPU time | ``ZOOMER_HOST_REQUEST_CPU_TIME`` (``true``/``false``) | ``true`` |
 | Python CPU profile in profiling sessions | ``ZOOMER_CPU_PROFILE``: ``auto`` (py-spy, else the in-process sampler), ``py-spy``, ``in-process``, ``off`` | ``auto`` |
-| sampling rate | ``ZOOMER_CPU_PROFILE_RATE_HZ`` (samples per second per thread, 1..1000) | 100 |
+| sampling rate | ``ZOOMER_CPU_PROFILE_RATE_HZ`` (samples per second per thread, 1..1000) | 19 (:data:`DEFAULT_RATE_HZ`) |
 | top functions on the ``zoomer.profile`` span | ``ZOOMER_CPU_PROFILE_TOP`` | 10 |
 | py-spy binary | ``ZOOMER_CPU_PROFILE_PYSPY`` | ``py-spy`` beside the Python interpreter, else on ``PATH`` |
 | py-spy attach timeout | ``ZOOMER_CPU_PROFILE_ATTACH_TIMEOUT_MS`` (ms) | 5000 |
@@ -27,6 +27,13 @@ from zoomer_serve.host.names import METRIC_GROUPS
 
 CPU_PROFILE_MODES = ("auto", "py-spy", "in-process", "off")
 MAX_RATE_HZ = 1000
+DEFAULT_RATE_HZ = 19
+"""Default CPU sampling rate. py-spy costs about 1.2 ms of CPU per sample of an 18-thread server (17 % of a core
+at 100 Hz, 3 % at 19 Hz, measured on the 2-core benchmark machine); at 100 Hz it added 8 % to the demo's
+latency inside sessions, at 19 Hz nothing measurable (benchmarks/RESULTS.md). 19, not 20, so that samples do
+not fall in step with work that repeats every 10, 50 or 100 ms (the rate continuous profilers such as Parca use).
+Raise it (``ZOOMER_CPU_PROFILE_RATE_HZ``) for finer profiles of short sessions: a session of 100 requests of
+3 ms gets about 6 samples per busy thread at 19 Hz."""
 
 
 class HostConfigError(ValueError):
@@ -52,7 +59,7 @@ class HostConfig:
     metrics: tuple[str, ...] = known_metrics()
     request_cpu_time: bool = True
     cpu_profile: str = "auto"
-    cpu_profile_rate_hz: int = 100
+    cpu_profile_rate_hz: int = DEFAULT_RATE_HZ
     cpu_profile_top: int = 10
     cpu_profile_pyspy: str | None = None
     cpu_profile_attach_timeout_ms: int = 5000
@@ -82,7 +89,7 @@ class HostConfig:
             metrics=parse_metrics(env.get("ZOOMER_HOST_METRICS")),
             request_cpu_time=_switch(env, "ZOOMER_HOST_REQUEST_CPU_TIME", True),
             cpu_profile=(env.get("ZOOMER_CPU_PROFILE") or "auto").strip().lower(),
-            cpu_profile_rate_hz=_int(env, "ZOOMER_CPU_PROFILE_RATE_HZ", 100),
+            cpu_profile_rate_hz=_int(env, "ZOOMER_CPU_PROFILE_RATE_HZ", DEFAULT_RATE_HZ),
             cpu_profile_top=_int(env, "ZOOMER_CPU_PROFILE_TOP", 10),
             cpu_profile_pyspy=pyspy,
             cpu_profile_attach_timeout_ms=_int(env, "ZOOMER_CPU_PROFILE_ATTACH_TIMEOUT_MS", 5000),
