@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent import futures
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -198,22 +199,29 @@ def test_c11_50_gevent_users_on_one_worker_are_not_serialized_by_grpc(collector:
     assert status.last.requests == 50 and len(traces(tmp_path / "profiles")) == 1
 
 
-def test_with_a_stop_timeout_locusts_stop_interrupts_no_call(collector: Any, telemetry: Any,
-                                                             tmp_path: Path) -> None:
-    """locust's graceful stop kills a user it finds waiting; the kill lands at the user's next switch, which,
-    when the wait had just ended, used to be inside the next call: 10 to 27 calls per run of this test were
-    CANCELLED failures without a server span (the flaky loadtest test above). Now every call is answered and
-    has its server span."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
+@contextmanager
+def traced_slow_server(telemetry: Any, latency_s: float, workers: int) -> Iterator[str]:
+    """``/test.Slow/Call`` with the zoomer interceptor on ``workers`` threads; yields its target."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
                          interceptors=[ZoomerServerInterceptor(telemetry.recorder)])
-    server.add_generic_rpc_handlers([SlowService(0.0).handler()])
+    server.add_generic_rpc_handlers([SlowService(latency_s).handler()])
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        result = run_locust("interrupt", {"host": f"127.0.0.1:{port}", "users": 50, "run_s": 2.0,
-                                          "stop_timeout": 10, "wait_s": 0.02}, tmp_path, locust_env(collector))
+        yield f"127.0.0.1:{port}"
     finally:
         server.stop(None).wait(5)
+
+
+def test_with_a_stop_timeout_locusts_stop_interrupts_no_call(collector: Any, telemetry: Any,
+                                                             tmp_path: Path) -> None:
+    """locust's graceful stop kills a user it finds waiting; the kill lands at the user's next switch, which,
+    when the wait had just ended, used to be inside the next call: 10 to 37 calls per run of this test were
+    CANCELLED failures without a server span (the flaky loadtest test above). Now every call is answered and
+    has its server span."""
+    with traced_slow_server(telemetry, latency_s=0.0, workers=8) as target:
+        result = run_locust("interrupt", {"host": target, "users": 50, "run_s": 2.0, "stop_timeout": 10,
+                                          "wait_s": 0.02}, tmp_path, locust_env(collector))
     event = result["events"]["grpc test.Slow/Call"]
     assert event["count"] > 100 and [error for _, error in event["calls"] if error] == []
     servers = [r for r in collector.spans("SERVER") if r["attributes"]["rpc.method"] == "test.Slow/Call"]
@@ -222,21 +230,13 @@ def test_with_a_stop_timeout_locusts_stop_interrupts_no_call(collector: Any, tel
 
 def test_a_call_interrupted_by_locusts_stop_fires_cancelled_and_has_a_server_span_only_if_its_handler_ran(
         collector: Any, telemetry: Any, tmp_path: Path) -> None:
-    """locust's stop (stop timeout 0) kills users mid-call (no stop timeout). Two users on a server with one worker thread: the
+    """Without a stop timeout, locust's stop kills users mid-call. Two users on a server with one worker thread: the
     first call is in its 1.5 s handler, the second waits for the worker. Both events are CANCELLED with their
     trace ids; only the first call reached a handler, so the server has a span for it alone (grpc never runs
     the handler of a call cancelled while it waited)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1),
-                         interceptors=[ZoomerServerInterceptor(telemetry.recorder)])
-    server.add_generic_rpc_handlers([SlowService(1.5).handler()])
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        result = run_locust("interrupt", {"host": f"127.0.0.1:{port}", "users": 2, "run_s": 0.5}, tmp_path,
-                            locust_env(collector))
+    with traced_slow_server(telemetry, latency_s=1.5, workers=1) as target:
+        result = run_locust("interrupt", {"host": target, "users": 2, "run_s": 0.5}, tmp_path, locust_env(collector))
         time.sleep(2.0)  # the first handler ends; the worker then finds the second call cancelled
-    finally:
-        server.stop(None).wait(5)
     calls = result["events"]["grpc test.Slow/Call"]["calls"]
     assert len(calls) == 2 and all(error == "GrpcStatusError(CANCELLED)" for _, error in calls)
     sent = {trace_id for trace_id, _ in calls}
