@@ -38,7 +38,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import gevent
-import locust  # noqa: F401  (first: gevent patches the standard library before grpc is set up)
+import locust  # noqa: F401  (before grpc: importing locust makes gevent patch the standard library)
 from gevent import GreenletExit
 from locust import User
 from locust.exception import RescheduleTask
