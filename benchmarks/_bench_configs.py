@@ -103,6 +103,13 @@ def zoomer_thread_export(transport: str = GRPC) -> Instrumentation:
     return zoomer_interceptor(transport)
 
 
+def zoomer_no_cpu_time(transport: str = GRPC) -> Instrumentation:
+    """The zoomer-serve interceptor on its default path but without the per-request thread CPU time
+    (``ZOOMER_HOST_REQUEST_CPU_TIME=false``): what the two thread-clock reads per request cost in the server."""
+    os.environ["ZOOMER_HOST_REQUEST_CPU_TIME"] = "false"
+    return zoomer_interceptor(transport)
+
+
 def passthrough_interceptor(transport: str = GRPC) -> Instrumentation:
     """A ``grpc.ServerInterceptor`` that wraps each unary-unary handler in a plain Python function and records
     nothing: the floor any Python server interceptor pays (grpc runs its interceptor pipeline and a wrapped
@@ -196,6 +203,8 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
                   passthrough_interceptor, exports=False, default=False, transports=(GRPC,)),
     Configuration("zoomer_thread", "zoomer-serve interceptor, in-process export thread (ZOOMER_EXPORT_MODE=thread)",
                   zoomer_thread_export, default=False),
+    Configuration("zoomer_no_cpu_time", "zoomer-serve interceptor without per-request CPU time "
+                  "(ZOOMER_HOST_REQUEST_CPU_TIME=false)", zoomer_no_cpu_time, default=False),
 )
 
 

@@ -10,7 +10,8 @@ multi-threaded server it costs more: each read is a system call (``clock_gettime
 not served by the vDSO) that brings the scheduler's accounting up to date and can preempt the thread there,
 while it holds the interpreter lock; on the 2-core benchmark machine (Linux 6.18) that meant about 0.7 more
 involuntary and 2.4 more voluntary context switches per demo-model request, and 30 to 60 µs more server CPU
-(benchmarks/RESULTS.md). ``ZOOMER_HOST_REQUEST_CPU_TIME=false`` turns it off.
+in most paired runs, nothing measurable in others (benchmarks/RESULTS.md). ``ZOOMER_HOST_REQUEST_CPU_TIME=false``
+turns it off.
 """
 
 from __future__ import annotations
