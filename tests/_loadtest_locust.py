@@ -9,8 +9,9 @@ Scenarios:
 - ``ranker``: a local runner with ``RankerGrpcUser`` against ``host`` and ``RankerThriftUser`` against
   ``thrift_host``, plus one user per transport that sends only invalid requests (an empty batch); the
   plugin with the given options.
-- ``interrupt``: ``users`` SlowUsers against ``host`` with ``stop_timeout`` (default None, locust's: users are
-  killed mid-call), stopped ``run_s`` after spawning.
+- ``interrupt``: ``users`` users calling ``/test.Slow/Call`` against ``host`` with ``stop_timeout`` (default None,
+  locust's: users are killed mid-call) and a wait of ``wait_s``, stopped ``run_s`` after ``min_started`` calls
+  have started (whatever the machine's speed).
 - ``c11``: a master and one worker (two Environments in this process, as locust's own tests do) with
   ``users`` users calling a unary method that takes ``latency_s`` on the server; the plugin on both (the
   master decides about profiling).
@@ -152,17 +153,32 @@ def run_c11(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_interrupt(cfg: dict[str, Any]) -> dict[str, Any]:
-    class Waiting(SlowUser):
+    started = [0]
+
+    class Waiting(GrpcUser):
+        """:class:`SlowUser` with a wait and a count of the calls started."""
+
         wait_time = constant(cfg.get("wait_s", 0))
+
+        def on_start(self) -> None:
+            self.slow_call = self.channel.unary_unary("/test.Slow/Call")
+
+        @task
+        def call(self) -> None:
+            started[0] += 1
+            self.slow_call(b"ping")
 
     env = Environment(user_classes=[Waiting], host=cfg["host"], stop_timeout=cfg.get("stop_timeout"))
     runner = env.create_local_runner()
     log = watch(env)
     runner.start(cfg["users"], spawn_rate=100)
+    deadline = time.monotonic() + 60
+    while started[0] < cfg["min_started"] and time.monotonic() < deadline:
+        gevent.sleep(0.02)
     gevent.sleep(cfg["run_s"])
     runner.stop()
     runner.quit()
-    return {"events": log.by_name}
+    return {"events": log.by_name, "started": started[0]}
 
 
 def main() -> None:

@@ -220,32 +220,14 @@ def test_with_a_stop_timeout_locusts_stop_interrupts_no_call(collector: Any, tel
     CANCELLED failures without a server span (the flaky loadtest test above). Now every call is answered and
     has its server span."""
     with traced_slow_server(telemetry, latency_s=0.0, workers=8) as target:
-        result = run_locust("interrupt", {"host": target, "users": 50, "run_s": 2.0, "stop_timeout": 10,
-                                          "wait_s": 0.02}, tmp_path, locust_env(collector))
+        result = run_locust("interrupt", {"host": target, "users": 50, "min_started": 200, "run_s": 0.5,
+                                          "stop_timeout": 10, "wait_s": 0.02}, tmp_path, locust_env(collector))
     event = result["events"]["grpc test.Slow/Call"]
-    assert event["count"] > 100 and [error for _, error in event["calls"] if error] == []
+    # a user stopped at the yield before its call sent nothing and fires no event: at most one call per user
+    assert result["started"] >= 200 and result["started"] - 50 <= event["count"] <= result["started"]
+    assert [error for _, error in event["calls"] if error] == []
     servers = [r for r in collector.spans("SERVER") if r["attributes"]["rpc.method"] == "test.Slow/Call"]
     assert sorted(r["trace_id"] for r in servers) == sorted(trace_id for trace_id, _ in event["calls"])
-
-
-def test_a_call_interrupted_by_locusts_stop_fires_cancelled_and_has_a_server_span_only_if_its_handler_ran(
-        collector: Any, telemetry: Any, tmp_path: Path) -> None:
-    """Without a stop timeout, locust's stop kills users mid-call. Two users on a server with one worker thread: the
-    first call is in its 1.5 s handler, the second waits for the worker. Both events are CANCELLED with their
-    trace ids; only the first call reached a handler, so the server has a span for it alone (grpc never runs
-    the handler of a call cancelled while it waited)."""
-    with traced_slow_server(telemetry, latency_s=1.5, workers=1) as target:
-        result = run_locust("interrupt", {"host": target, "users": 2, "run_s": 0.5}, tmp_path, locust_env(collector))
-        time.sleep(2.0)  # the first handler ends; the worker then finds the second call cancelled
-    calls = result["events"]["grpc test.Slow/Call"]["calls"]
-    assert len(calls) == 2 and all(error == "GrpcStatusError(CANCELLED)" for _, error in calls)
-    sent = {trace_id for trace_id, _ in calls}
-    assert len(sent) == 2 and None not in sent
-    rows = [r for r in collector.spans() if r["attributes"].get("rpc.method") == "test.Slow/Call"]
-    assert {r["trace_id"] for r in rows if r["kind"] == "CLIENT"} == sent  # the client recorded both calls
-    servers = [r for r in rows if r["kind"] == "SERVER"]
-    assert len(servers) == 1 and servers[0]["trace_id"] in sent
-    assert servers[0]["attributes"]["rpc.response.status_code"] == "CANCELLED"
 
 
 # -- zoomer-serve loadtest ----------------------------------------------------------------------------------
