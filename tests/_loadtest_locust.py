@@ -35,7 +35,7 @@ from locust import constant, task
 from locust.env import Environment
 
 from zoomer_serve.loadtest import LoadTestOptions
-from zoomer_serve.loadtest.plugin import TRACE_ID, GrpcUser, install
+from zoomer_serve.loadtest.plugin import TRACE_ID, GrpcUser, configure_client_telemetry, install
 
 
 class EventLog:
@@ -168,9 +168,11 @@ def run_interrupt(cfg: dict[str, Any]) -> dict[str, Any]:
             started[0] += 1
             self.slow_call(b"ping")
 
+    configure_client_telemetry()  # as install() does: before any user runs, not lazily inside the first call
     env = Environment(user_classes=[Waiting], host=cfg["host"], stop_timeout=cfg.get("stop_timeout"))
     runner = env.create_local_runner()
     log = watch(env)
+    gevent.get_hub().loop.update_now()
     runner.start(cfg["users"], spawn_rate=100)
     deadline = time.monotonic() + 60
     while started[0] < cfg["min_started"] and time.monotonic() < deadline:
