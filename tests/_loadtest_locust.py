@@ -106,15 +106,17 @@ def run_ranker(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 class SlowUser(GrpcUser):
-    """Calls ``/test.Slow/Call`` (raw bytes) back to back."""
+    """Calls ``/test.Slow/Call`` (raw bytes) back to back; ``started`` counts the calls begun by all users."""
 
     wait_time = constant(0)
+    started = 0
 
     def on_start(self) -> None:
         self.slow_call = self.channel.unary_unary("/test.Slow/Call")
 
     @task
     def call(self) -> None:
+        SlowUser.started += 1
         self.slow_call(b"ping")
 
 
@@ -153,20 +155,8 @@ def run_c11(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_interrupt(cfg: dict[str, Any]) -> dict[str, Any]:
-    started = [0]
-
-    class Waiting(GrpcUser):
-        """:class:`SlowUser` with a wait and a count of the calls started."""
-
+    class Waiting(SlowUser):
         wait_time = constant(cfg.get("wait_s", 0))
-
-        def on_start(self) -> None:
-            self.slow_call = self.channel.unary_unary("/test.Slow/Call")
-
-        @task
-        def call(self) -> None:
-            started[0] += 1
-            self.slow_call(b"ping")
 
     configure_client_telemetry()  # as install() does: before any user runs, not lazily inside the first call
     env = Environment(user_classes=[Waiting], host=cfg["host"], stop_timeout=cfg.get("stop_timeout"))
@@ -175,12 +165,12 @@ def run_interrupt(cfg: dict[str, Any]) -> dict[str, Any]:
     gevent.get_hub().loop.update_now()
     runner.start(cfg["users"], spawn_rate=100)
     deadline = time.monotonic() + 60
-    while started[0] < cfg["min_started"] and time.monotonic() < deadline:
+    while SlowUser.started < cfg["min_started"] and time.monotonic() < deadline:
         gevent.sleep(0.02)
     gevent.sleep(cfg["run_s"])
     runner.stop()
     runner.quit()
-    return {"events": log.by_name, "started": started[0]}
+    return {"events": log.by_name, "started": SlowUser.started}
 
 
 def main() -> None:
