@@ -37,6 +37,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from zoomer_serve import envvars
+
 if TYPE_CHECKING:
     from zoomer_serve.host.config import HostConfig
     from zoomer_serve.telemetry.config import GpuTelemetryConfig
@@ -187,16 +189,7 @@ def _check_headers(headers: dict[str, str]) -> dict[str, str]:
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
-    if value <= 0:
-        raise ConfigError(f"{name} must be > 0, got {raw!r}")
-    return value
+    return envvars.integer(env, name, default, ConfigError, minimum=1)
 
 
 def _sampler_from_env(env: Mapping[str, str]) -> tuple[str, float]:

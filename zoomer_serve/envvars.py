@@ -1,6 +1,7 @@
-"""Reading ``ZOOMER_*`` environment variables strictly: a value that is set but unusable raises the caller's
-configuration error naming the variable and the value (never silently the default). Shared by the host and GPU
-telemetry settings; no imports from the rest of the package."""
+"""Reading environment variables strictly: a value that is set but unusable raises the caller's configuration
+error naming the variable and the value (never silently the default). Shared by the host and GPU telemetry
+settings (``ZOOMER_*``) and the export settings (the SDK's numeric ``OTEL_*``); no imports from the rest of the
+package."""
 
 from __future__ import annotations
 
