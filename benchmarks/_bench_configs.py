@@ -22,6 +22,7 @@ from typing import Any
 BARE = "bare"
 CONTRIB = "contrib"
 ZOOMER = "zoomer"
+PYTHON_WORK = "python_work"
 
 # Transports: how a configuration plugs into a server kind.
 GRPC = "grpc"  # interceptors are grpc.ServerInterceptor objects for grpc.server(interceptors=...)
@@ -177,6 +178,51 @@ def contrib_interceptor(transport: str = GRPC) -> Instrumentation:
     return Instrumentation([server_interceptor() if transport == GRPC else aio_server_interceptor()], shutdown)
 
 
+PYTHON_WORK_US = 15.0
+"""The plain Python work per call of the ``python_work`` control row, in µs of a hot loop: about what
+zoomer-serve's Thrift adapter costs per call in a hot loop (traced processor and metered transport over
+thriftpy2's plain ones, recording included: 14 µs on the benchmark machine, 2026-11-29)."""
+
+
+def _spin_iterations(us: float) -> int:
+    """Iterations of an empty ``for`` loop that take ``us`` µs on this machine now (best of 5 timings)."""
+    import time
+
+    n = 20_000
+    best = min(_time_loop(n, time.perf_counter) for _ in range(5))
+    return max(1, round(us * 1e-6 / (best / n)))
+
+
+def _time_loop(n: int, clock: Callable[[], float]) -> float:
+    t0 = clock()
+    for _ in range(n):
+        pass
+    return clock() - t0
+
+
+def python_work_thrift(transport: str = THRIFT) -> Instrumentation:
+    """A control row, not instrumentation: thriftpy2's plain server whose processor runs :data:`PYTHON_WORK_US`
+    µs of plain Python (an empty loop) per call before calling through. What any that much Python per call
+    costs the server, to set beside the zoomer row (in particular when client threads saturate the server:
+    the convoy on the interpreter lock multiplies every µs added to a call). Thrift only."""
+    from thriftpy2.thrift import TProcessor
+
+    if transport != THRIFT:
+        raise ValueError(f"the python_work control row has no {transport!r} form")
+    iterations = _spin_iterations(PYTHON_WORK_US)
+
+    class PythonWorkProcessor(TProcessor):  # type: ignore[misc]
+        def process(self, iprot: Any, oprot: Any) -> Any:
+            for _ in range(iterations):
+                pass
+            return super().process(iprot, oprot)
+
+    def build(service: Any, handler: object, host: str, port: int) -> PlainThriftServer:
+        return PlainThriftServer(service, handler, host, port, PythonWorkProcessor)
+
+    return Instrumentation([build])
+
+
 @dataclass(frozen=True)
 class Configuration:
     """One instrumentation setup: ``name`` (a JSON key), ``label`` (for tables), ``instrument`` (factory run
@@ -205,6 +251,8 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
                   zoomer_thread_export, default=False),
     Configuration("zoomer_no_cpu_time", "zoomer-serve interceptor without per-request CPU time "
                   "(ZOOMER_HOST_REQUEST_CPU_TIME=false)", zoomer_no_cpu_time, default=False),
+    Configuration(PYTHON_WORK, f"control: plain processor + {PYTHON_WORK_US:.0f} µs of plain Python per call",
+                  python_work_thrift, exports=False, transports=(THRIFT,)),
 )
 
 
@@ -333,49 +381,53 @@ class _ThriftEcho:
         return payload
 
 
-def _plain_thrift_server(service: Any, handler: object, host: str, port: int) -> Any:
+class PlainThriftServer:
     """thriftpy2's own server as ``thriftpy2.rpc.make_server`` builds it (``TThreadedServer`` over a
     ``TProcessor``, its default binary protocol and buffered transport, 3 s client timeout), except that the
-    socket binds to port 0 before serving (thriftpy2's helper refuses port 0)."""
-    from thriftpy2.server import TThreadedServer
-    from thriftpy2.thrift import TProcessor
+    socket binds to port 0 before serving (thriftpy2's helper refuses port 0). ``processor_cls``: a
+    ``TProcessor`` subclass to serve with instead. Has the ``start`` / ``port`` / ``stop`` of
+    ``interceptors.make_thrift_server``'s servers."""
 
-    from interceptors.thrift_server import BoundServerSocket
+    def __init__(self, service: Any, handler: object, host: str, port: int, processor_cls: Any = None) -> None:
+        import threading
 
-    sock = BoundServerSocket(host=host, port=port, client_timeout=3000)
-    sock.listen()
-    return TThreadedServer(TProcessor(service, handler), sock, daemon=True)
+        from thriftpy2.server import TThreadedServer
+        from thriftpy2.thrift import TProcessor
+
+        from interceptors.thrift_server import BoundServerSocket
+
+        sock = BoundServerSocket(host=host, port=port, client_timeout=3000)
+        sock.listen()
+        self.port = int(sock.port)
+        self._server = TThreadedServer((processor_cls or TProcessor)(service, handler), sock, daemon=True)
+        self._thread = threading.Thread(target=self._server.serve, name="bench-thrift-accept", daemon=True)
+
+    def start(self) -> PlainThriftServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        import socket
+
+        self._server.close()
+        try:  # wake the blocked accept() so that the loop sees ``closed``
+            socket.create_connection(("127.0.0.1", self.port), timeout=1.0).close()
+        except OSError:
+            pass
+        self._thread.join(5.0)
+        self._server.trans.close()
 
 
 def start_thrift_echo(interceptors: list[Any]) -> RunningServer:
     """A thriftpy2 threaded server (a thread per connection) with one method, ``Echo.echo(binary) -> binary``
-    (``benchmarks/bench_echo.thrift``). Bare: thriftpy2's plain processor; zoomer: the builder the
-    configuration hands over (``interceptors.make_thrift_server``)."""
-    import threading
-
+    (``benchmarks/bench_echo.thrift``). Bare: thriftpy2's plain processor (:class:`PlainThriftServer`); other
+    rows: the builder the configuration hands over (``interceptors.make_thrift_server`` for zoomer)."""
     if len(interceptors) > 1:
         raise ValueError("a Thrift server kind takes at most one server builder")
-    service = _echo_thrift().Echo
-    if interceptors:
-        server = interceptors[0](service, _ThriftEcho(), "127.0.0.1", 0)
-        server.start()
-        return RunningServer(int(server.port), server.stop)
-    server = _plain_thrift_server(service, _ThriftEcho(), "127.0.0.1", 0)
-    thread = threading.Thread(target=server.serve, name="bench-thrift-accept", daemon=True)
-    thread.start()
-
-    def stop() -> None:
-        import socket
-
-        server.close()
-        try:  # wake the blocked accept() so that the loop sees ``closed``
-            socket.create_connection(("127.0.0.1", server.trans.port), timeout=1.0).close()
-        except OSError:
-            pass
-        thread.join(5.0)
-        server.trans.close()
-
-    return RunningServer(int(server.trans.port), stop)
+    build = interceptors[0] if interceptors else PlainThriftServer
+    server = build(_echo_thrift().Echo, _ThriftEcho(), "127.0.0.1", 0)
+    server.start()
+    return RunningServer(int(server.port), server.stop)
 
 
 def echo_payloads() -> list[bytes]:

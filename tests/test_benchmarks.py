@@ -48,7 +48,7 @@ def test_smoke_json_has_every_kind_config_and_thread_count(smoke: dict) -> None:
     for kind in KINDS:
         configs = smoke[kind]["configs"]
         expected = {"bare", "zoomer", "contrib", "zoomer_gpu_fake"} if kind in SYNC_GRPC_KINDS else \
-            {"bare", "zoomer", "contrib"} if kind in GRPC_KINDS else {"bare", "zoomer"}
+            {"bare", "zoomer", "contrib"} if kind in GRPC_KINDS else {"bare", "zoomer", "python_work"}
         assert set(configs) == expected, kind
         for name, config in configs.items():
             assert set(config["threads"]) == {"1", "8"}
@@ -83,6 +83,23 @@ def test_thrift_kind_has_no_contrib_ratio_and_is_compared_with_the_grpc_echo(smo
     targets = thrift["targets"]
     assert targets["overhead_ratio_vs_grpc_max"] == 1.1 and targets["overhead_ratio_vs_contrib_max"] is None
     assert "contrib" in targets["note"]
+    # judged at 1 client thread (and in the paired phase), whatever the 8-thread ratio
+    assert targets["overhead_threads_judged"] == 1
+    one = thrift["overhead_ratio_vs_grpc"]["1"]
+    assert targets["overhead_met"] == (None if one is None else one <= 1.1)
+
+
+def test_thrift_control_row_adds_plain_python_and_no_spans(smoke: dict) -> None:
+    """The python_work control row: thriftpy2's plain server with PYTHON_WORK_US of plain Python per call; its
+    overhead over bare is reported beside the zoomer row's, and it exports nothing."""
+    thrift = smoke["thrift_echo"]
+    control = thrift["configs"]["python_work"]
+    assert control["spans_lost"] is None and control["requests_answered"] > 0
+    assert thrift["control_overhead_us"] == {n: control["threads"][n]["overhead_us"] for n in ("1", "8")}
+    assert "python_work" in thrift["paired"]["configs"]
+    assert "control row python_work" in overhead.markdown(smoke)
+    helpers = smoke["meta"]["helper_processes"]
+    assert all(n == 0 for s, n in helpers.items() if "-python_work-" in s), helpers
 
 
 def test_gpu_extra_rows_are_measured_per_request(smoke: dict) -> None:
@@ -102,7 +119,7 @@ def test_extras_are_on_in_the_full_run_only_and_gpu_row_only_when_asked() -> Non
     assert overhead.parse_args(["--no-extras"]).extras == ()
     assert "zoomer_gpu_fake" not in full.configs
     assert "zoomer_gpu_fake" in overhead.parse_args(["--gpu"]).configs
-    assert full.kind_configs("thrift_echo") == ("bare", "zoomer")
+    assert full.kind_configs("thrift_echo") == ("bare", "zoomer", "python_work")
     assert overhead.parse_args(["--gpu"]).kind_configs("echo_aio") == ("bare", "zoomer", "contrib")
 
 
