@@ -398,7 +398,7 @@ class PlainThriftServer:
 
         sock = BoundServerSocket(host=host, port=port, client_timeout=3000)
         sock.listen()
-        self.port = int(sock.port)
+        self.port = int(sock.port or 0)
         self._server = TThreadedServer((processor_cls or TProcessor)(service, handler), sock, daemon=True)
         self._thread = threading.Thread(target=self._server.serve, name="bench-thrift-accept", daemon=True)
 
