@@ -188,16 +188,13 @@ def _spin_iterations(us: float) -> int:
     """Iterations of an empty ``for`` loop that take ``us`` µs on this machine now (best of 5 timings)."""
     import time
 
-    n = 20_000
-    best = min(_time_loop(n, time.perf_counter) for _ in range(5))
+    n, best = 20_000, float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            pass
+        best = min(best, time.perf_counter() - t0)
     return max(1, round(us * 1e-6 / (best / n)))
-
-
-def _time_loop(n: int, clock: Callable[[], float]) -> float:
-    t0 = clock()
-    for _ in range(n):
-        pass
-    return clock() - t0
 
 
 def python_work_thrift(transport: str = THRIFT) -> Instrumentation:
@@ -217,8 +214,8 @@ def python_work_thrift(transport: str = THRIFT) -> Instrumentation:
                 pass
             return super().process(iprot, oprot)
 
-    def build(service: Any, handler: object, host: str, port: int) -> PlainThriftServer:
-        return PlainThriftServer(service, handler, host, port, PythonWorkProcessor)
+    def build(service: Any, handler: object, host: str, port: int, client_timeout: int) -> PlainThriftServer:
+        return PlainThriftServer(service, handler, host, port, PythonWorkProcessor, client_timeout=client_timeout)
 
     return Instrumentation([build])
 
@@ -383,12 +380,13 @@ class _ThriftEcho:
 
 class PlainThriftServer:
     """thriftpy2's own server as ``thriftpy2.rpc.make_server`` builds it (``TThreadedServer`` over a
-    ``TProcessor``, its default binary protocol and buffered transport, 3 s client timeout), except that the
-    socket binds to port 0 before serving (thriftpy2's helper refuses port 0). ``processor_cls``: a
-    ``TProcessor`` subclass to serve with instead. Has the ``start`` / ``port`` / ``stop`` of
-    ``interceptors.make_thrift_server``'s servers."""
+    ``TProcessor``, its default binary protocol and buffered transport), except that the socket binds to port 0
+    before serving (thriftpy2's helper refuses port 0). ``processor_cls``: a
+    ``TProcessor`` subclass to serve with instead; ``client_timeout``: each connection's socket timeout in ms.
+    Has the ``start`` / ``port`` / ``stop`` of ``interceptors.make_thrift_server``'s servers."""
 
-    def __init__(self, service: Any, handler: object, host: str, port: int, processor_cls: Any = None) -> None:
+    def __init__(self, service: Any, handler: object, host: str, port: int, processor_cls: Any = None, *,
+                 client_timeout: int = 3000) -> None:
         import threading
 
         from thriftpy2.server import TThreadedServer
@@ -396,7 +394,7 @@ class PlainThriftServer:
 
         from interceptors.thrift_server import BoundServerSocket
 
-        sock = BoundServerSocket(host=host, port=port, client_timeout=3000)
+        sock = BoundServerSocket(host=host, port=port, client_timeout=client_timeout)
         sock.listen()
         self.port = int(sock.port or 0)
         self._server = TThreadedServer((processor_cls or TProcessor)(service, handler), sock, daemon=True)
@@ -418,6 +416,12 @@ class PlainThriftServer:
         self._server.trans.close()
 
 
+THRIFT_CLIENT_TIMEOUT_MS = 30_000
+"""The Thrift servers' idle timeout per connection (every row alike). thriftpy2's default, 3 s, is shorter than
+the longest pause of one client connection while the other rows take their slices (up to 2 × (rows - 1)
+slices), after which the server would close it and the next calls fail."""
+
+
 def start_thrift_echo(interceptors: list[Any]) -> RunningServer:
     """A thriftpy2 threaded server (a thread per connection) with one method, ``Echo.echo(binary) -> binary``
     (``benchmarks/bench_echo.thrift``). Bare: thriftpy2's plain processor (:class:`PlainThriftServer`); other
@@ -425,7 +429,7 @@ def start_thrift_echo(interceptors: list[Any]) -> RunningServer:
     if len(interceptors) > 1:
         raise ValueError("a Thrift server kind takes at most one server builder")
     build = interceptors[0] if interceptors else PlainThriftServer
-    server = build(_echo_thrift().Echo, _ThriftEcho(), "127.0.0.1", 0)
+    server = build(_echo_thrift().Echo, _ThriftEcho(), "127.0.0.1", 0, client_timeout=THRIFT_CLIENT_TIMEOUT_MS)
     server.start()
     return RunningServer(int(server.port), server.stop)
 

@@ -216,3 +216,17 @@ def test_tree_cpu_counts_a_live_child_and_then_its_reaped_time() -> None:
         child.communicate(b"", timeout=20)
     reaped = _bench_proc.tree_cpu(os.getpid())
     assert reaped.main_s - live.main_s >= 0.25  # moved into cutime/cstime once waited for
+
+
+def test_thrift_connections_outlast_the_longest_pause_between_their_slices() -> None:
+    """A client connection waits while the other rows take their slices: up to 2 × (rows − 1) slices when the
+    order rotates, or the other rows' warm-ups. With three Thrift rows and 1 s slices that is 4 s, longer than
+    thriftpy2's 3 s default idle timeout, after which the server closed the connection and the next calls
+    failed (BrokenPipeError in the full run of 18:52); the benchmark's Thrift servers wait longer."""
+    import _bench_configs
+
+    for mode, (_, warmup_s, slice_s, _) in overhead.MODES.items():
+        plan = overhead.parse_args([f"--{mode}"] if mode != "full" else [])
+        rows = len(plan.kind_configs("thrift_echo"))
+        longest_pause_s = max(2 * (rows - 1) * slice_s, (rows - 1) * warmup_s)
+        assert _bench_configs.THRIFT_CLIENT_TIMEOUT_MS / 1000 > 2 * longest_pause_s, mode
