@@ -2,7 +2,9 @@
 the OpenTelemetry contrib gRPC interceptor, both exporting over real OTLP to the same embedded collector.
 
 Server kinds: sync gRPC echo, the demo DLRM model server, grpc.aio echo, thriftpy2 echo (no contrib row: the
-contrib project has no Thrift interceptor). Extra rows (``--extras``, ``{"what", "value", "unit"}`` each, under
+contrib project has no Thrift interceptor; its zoomer overhead is compared with the gRPC echo's, judged at 1
+client thread and in the paired phase, beside a ``python_work`` control row that adds plain Python to each
+call and records nothing). Extra rows (``--extras``, ``{"what", "value", "unit"}`` each, under
 ``extra_rows`` in the JSON): GPU telemetry over fake sources (``_bench_gpu.py``), the profiler idle and inside
 a session (``_bench_profiling.py``), host telemetry and the CPU samplers (``_bench_host.py``).
 
