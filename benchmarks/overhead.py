@@ -65,6 +65,7 @@ from _bench_configs import (  # noqa: E402
     PYTHON_WORK_US,
     SERVER_KINDS,
     THRIFT,
+    THRIFT_CLIENT_TIMEOUT_MS,
     ZOOMER,
     configuration,
     server_kind,
@@ -75,6 +76,7 @@ TARGET_OVERHEAD_RATIO_VS_CONTRIB = 0.5
 TARGET_P99_RATIO_VS_BARE = 1.3
 TARGET_P99_THREADS = 8
 TARGET_THRIFT_OVERHEAD_RATIO_VS_GRPC = 1.1  # Thrift zoomer overhead within 10 % of the sync gRPC echo's
+JUDGED_THRIFT_THREADS = "1"  # the client thread count whose Thrift ratio is judged (see _thrift_targets)
 GRPC_REFERENCE_KIND = "echo"  # the gRPC interceptor's overhead the Thrift row is compared with
 EXTRA_SECTIONS = ("gpu", "profiling", "host")  # _bench_extras.py sections (--extras)
 EXTRA_TIMEOUT_S = 600.0
@@ -100,6 +102,13 @@ class Plan:
         """The configurations that apply to ``kind`` (a Thrift server has no contrib row), in plan order."""
         k = server_kind(kind)
         return tuple(c for c in self.configs if k.runs(configuration(c)))
+
+    def longest_pause_s(self, kind: str) -> float:
+        """The longest time one client connection to a ``kind`` server waits while the other rows take their
+        turn: the others' warm-ups, or 2 × (rows − 1) slices when the rotating order puts a row first in one
+        cycle and last in the next."""
+        others = len(self.kind_configs(kind)) - 1
+        return max(2 * others * self.slice_s, others * self.warmup_s)
 
 
 MODES = {  # mode -> (rounds, warmup_s, slice_s, cycles)
@@ -482,8 +491,8 @@ def _thrift_targets(kind_out: dict[str, Any], grpc_out: dict[str, Any] | None) -
     (``overhead_ratio_vs_grpc`` ≤ 1.1, per client thread count; null when the gRPC echo kind was not run or its
     overhead was not positive, which only noise makes).
 
-    Judged (``overhead_met``) at the fewest client threads, where neither server waits for the interpreter
-    lock, and in the paired phase (``overhead_met_paired``: the same calls per second for every row). Not at 8
+    Judged (``overhead_met``) at 1 client thread, where neither server waits for the interpreter lock (null
+    when 1 is not among ``--threads``), and in the paired phase (``overhead_met_paired``: the same calls per second for every row). Not at 8
     closed-loop client threads: there the plain thriftpy2 server is bound by its clients (about 60 % of a core)
     while any row that adds Python to a call saturates the interpreter lock, and the convoy on it multiplies
     every added µs (the gRPC echo is lock-bound bare already). The ``python_work`` control row (plain Python
@@ -496,8 +505,7 @@ def _thrift_targets(kind_out: dict[str, Any], grpc_out: dict[str, Any] | None) -
     kind_out["overhead_us_grpc"] = ref_us
     control = kind_out["configs"].get(PYTHON_WORK, {}).get("threads", {})
     kind_out["control_overhead_us"] = {n: control[n]["overhead_us"] for n in control}
-    judged = min(zt, key=int)
-    judged_ratio = ratios[judged]
+    judged_ratio = ratios.get(JUDGED_THRIFT_THREADS)
     paired_ref = (grpc_out or {}).get("paired", {}).get("configs", {}).get(ZOOMER, {}).get("overhead_us")
     paired_own = kind_out["paired"]["configs"].get(ZOOMER, {}).get("overhead_us")
     paired_ratio = _ratio(paired_own, paired_ref) if (paired_ref or 0) > 0 else None
@@ -505,14 +513,17 @@ def _thrift_targets(kind_out: dict[str, Any], grpc_out: dict[str, Any] | None) -
     kind_out["targets"] = {
         "overhead_ratio_vs_contrib_max": None, "overhead_ratio_vs_grpc_max": TARGET_THRIFT_OVERHEAD_RATIO_VS_GRPC,
         "p99_ratio_vs_bare_max": TARGET_P99_RATIO_VS_BARE, "p99_threads": TARGET_P99_THREADS,
-        "overhead_threads_judged": int(judged),
+        "overhead_threads_judged": int(JUDGED_THRIFT_THREADS),
         "overhead_met": None if judged_ratio is None else judged_ratio <= TARGET_THRIFT_OVERHEAD_RATIO_VS_GRPC,
+        "overhead_met_by_threads": {n: None if v is None else v <= TARGET_THRIFT_OVERHEAD_RATIO_VS_GRPC
+                                    for n, v in ratios.items()},
         "p99_met": kind_out["targets"]["p99_met"],
         "overhead_met_paired": None if paired_ratio is None else paired_ratio <= TARGET_THRIFT_OVERHEAD_RATIO_VS_GRPC,
         "note": "no contrib Thrift interceptor: overhead_ratio_vs_contrib is null; the overhead target compares "
-                f"with the '{GRPC_REFERENCE_KIND}' kind's zoomer overhead, judged at {judged} client thread(s) and "
-                "in the paired phase (more closed-loop client threads saturate the instrumented Thrift server "
-                f"only; see the '{PYTHON_WORK}' control row)",
+                f"with the '{GRPC_REFERENCE_KIND}' kind's zoomer overhead, judged at {JUDGED_THRIFT_THREADS} client "
+                "thread (null when not run) and in the paired phase; overhead_met_by_threads gives every thread "
+                "count. With more closed-loop client threads any row that adds Python to a call saturates the "
+                f"Thrift server's interpreter lock and the bare one does not (see the '{PYTHON_WORK}' control row)",
     }
 
 
@@ -652,15 +663,17 @@ def markdown(summary: dict[str, Any]) -> str:
                     f" | {_fmt(c['spans_lost'], 'd')} |")
         if "overhead_ratio_vs_grpc" in k:
             tg = k["targets"]
-            ratios = ", ".join(f"{n} thr: {_fmt(v, '.2f')} ({_fmt(k['configs'][ZOOMER]['threads'][n]['overhead_us'], '+.0f')}"
+            limit = tg["overhead_ratio_vs_grpc_max"]
+            over = {n: f" > {limit}" if met is False else "" for n, met in tg["overhead_met_by_threads"].items()}
+            ratios = ", ".join(f"{n} thr: {_fmt(v, '.2f')}{over[n]} ({_fmt(k['configs'][ZOOMER]['threads'][n]['overhead_us'], '+.0f')}"
                                f" vs {_fmt(k['overhead_us_grpc'][n], '+.0f')} µs)"
                                for n, v in k["overhead_ratio_vs_grpc"].items())
             p99s = ", ".join(f"{n} thr: {_fmt(v, '.2f')}" for n, v in k["p99_ratio_vs_bare"].items())
             control = ", ".join(f"{n} thr: {_fmt(v, '+.0f')} µs" for n, v in k["control_overhead_us"].items())
             lines += ["", f"- zoomer overhead ÷ the {GRPC_REFERENCE_KIND} kind's zoomer overhead: {ratios} (target ≤ "
-                          f"{tg['overhead_ratio_vs_grpc_max']} at {tg['overhead_threads_judged']} client thread(s): "
-                          f"{_verdict(tg['overhead_met'])}; with more client threads not judged: Python added to a call "
-                          "saturates the Thrift server's interpreter lock there, see the control row)",
+                          f"{tg['overhead_ratio_vs_grpc_max']}, judged at {tg['overhead_threads_judged']} client thread: "
+                          f"{_verdict(tg['overhead_met'])}; with more client threads shown, not judged: Python added "
+                          "to a call saturates the Thrift server's interpreter lock there, see the control row)",
                       f"- control row {PYTHON_WORK} (plain processor, {PYTHON_WORK_US:.0f} µs of plain Python per call, "
                       f"no instrumentation), overhead over bare: {control or 'not run'}",
                       "- no contrib row: OpenTelemetry contrib has no Thrift interceptor (ratio vs contrib: null)",
@@ -769,6 +782,12 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
     empty = [k for k in kinds if not plan.kind_configs(k)]
     if empty:
         p.error(f"no configuration in --configs applies to server kind(s) {', '.join(empty)}")
+    for kind in kinds:
+        pause_s = plan.longest_pause_s(kind)
+        if server_kind(kind).transport == THRIFT and 2 * pause_s >= THRIFT_CLIENT_TIMEOUT_MS / 1000:
+            p.error(f"{kind}: a client connection would wait up to {pause_s:g} s between its slices, too close to "
+                    f"the Thrift servers' idle timeout ({THRIFT_CLIENT_TIMEOUT_MS / 1000:g} s); use fewer "
+                    "--configs or shorter --slice / --warmup")
     if not (1 <= plan.rounds <= 20 and 0 <= plan.warmup_s <= 60 and 0 < plan.slice_s <= 30
             and 1 <= plan.cycles <= 100 and 0 <= plan.collector_nice <= 19):
         p.error("need 1 <= --rounds <= 20, 0 <= --warmup <= 60, 0 < --slice <= 30, 1 <= --cycles <= 100, "

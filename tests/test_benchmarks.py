@@ -83,10 +83,14 @@ def test_thrift_kind_has_no_contrib_ratio_and_is_compared_with_the_grpc_echo(smo
     targets = thrift["targets"]
     assert targets["overhead_ratio_vs_grpc_max"] == 1.1 and targets["overhead_ratio_vs_contrib_max"] is None
     assert "contrib" in targets["note"]
-    # judged at 1 client thread (and in the paired phase), whatever the 8-thread ratio
+    # judged at 1 client thread (and in the paired phase); every thread count's verdict is still given
     assert targets["overhead_threads_judged"] == 1
     one = thrift["overhead_ratio_vs_grpc"]["1"]
     assert targets["overhead_met"] == (None if one is None else one <= 1.1)
+    assert targets["overhead_met_by_threads"] == {n: None if v is None else v <= 1.1
+                                                  for n, v in thrift["overhead_ratio_vs_grpc"].items()}
+    eight = thrift["overhead_ratio_vs_grpc"]["8"]
+    assert (f"8 thr: {eight:.2f} > 1.1 (" in overhead.markdown(smoke)) == (eight is not None and eight > 1.1)
 
 
 def test_thrift_control_row_adds_plain_python_and_no_spans(smoke: dict) -> None:
@@ -100,6 +104,8 @@ def test_thrift_control_row_adds_plain_python_and_no_spans(smoke: dict) -> None:
     assert "control row python_work" in overhead.markdown(smoke)
     helpers = smoke["meta"]["helper_processes"]
     assert all(n == 0 for s, n in helpers.items() if "-python_work-" in s), helpers
+    counters = [c for s, c in smoke["meta"]["instrumentation_counters"].items() if "-python_work-" in s]
+    assert counters and all(c["python_work_us"] == 15.0 and c["loop_iterations"] >= 1 for c in counters)
 
 
 def test_gpu_extra_rows_are_measured_per_request(smoke: dict) -> None:
@@ -222,11 +228,15 @@ def test_thrift_connections_outlast_the_longest_pause_between_their_slices() -> 
     """A client connection waits while the other rows take their slices: up to 2 × (rows − 1) slices when the
     order rotates, or the other rows' warm-ups. With three Thrift rows and 1 s slices that is 4 s, longer than
     thriftpy2's 3 s default idle timeout, after which the server closed the connection and the next calls
-    failed (BrokenPipeError in the full run of 18:52); the benchmark's Thrift servers wait longer."""
+    failed (BrokenPipeError in the full run of 18:52); the benchmark's Thrift servers wait longer, and a plan
+    whose pauses come near their timeout is refused."""
     import _bench_configs
 
-    for mode, (_, warmup_s, slice_s, _) in overhead.MODES.items():
+    full = overhead.parse_args([])
+    assert full.longest_pause_s("thrift_echo") == 2 * (len(full.kind_configs("thrift_echo")) - 1) * full.slice_s
+    for mode in overhead.MODES:
         plan = overhead.parse_args([f"--{mode}"] if mode != "full" else [])
-        rows = len(plan.kind_configs("thrift_echo"))
-        longest_pause_s = max(2 * (rows - 1) * slice_s, (rows - 1) * warmup_s)
-        assert _bench_configs.THRIFT_CLIENT_TIMEOUT_MS / 1000 > 2 * longest_pause_s, mode
+        assert _bench_configs.THRIFT_CLIENT_TIMEOUT_MS / 1000 > 2 * plan.longest_pause_s("thrift_echo"), mode
+    with pytest.raises(SystemExit):
+        overhead.parse_args(["--kinds", "thrift_echo", "--slice", "10"])
+    assert overhead.parse_args(["--kinds", "echo", "--slice", "10"]).slice_s == 10  # gRPC: no idle timeout
