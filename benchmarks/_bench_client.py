@@ -7,6 +7,9 @@ time slices, so that whatever else the machine does hits every server alike::
      "targets": [{"name": CONFIG, "target": "127.0.0.1:P", "server_pid": PID, "helper_pids": [PID]}, ...],
      "paired": false}
 
+A target may name its own server kind (``"kind": K2``, e.g. the gRPC echo servers that a Thrift round's paired
+phase measures side by side with its own): its calls then use that kind's client and payloads.
+
 With ``"paired": true`` the measured part is one stretch of ``S × C × len(targets)`` seconds in which every
 thread sends its calls to all servers in turn (A, B, C, A, ...): every server answers the same calls under the
 same conditions at the same moments, which measures CPU per request far more steadily than slices do (latency
@@ -55,10 +58,9 @@ class _Switch:
 
 
 class _Worker(threading.Thread):
-    def __init__(self, kind: ServerKind, targets: list[str], payloads: list[bytes], offset: int,
-                 switch: _Switch) -> None:
+    def __init__(self, targets: list[tuple[ServerKind, str, list[bytes]]], offset: int, switch: _Switch) -> None:
         super().__init__(daemon=True, name=f"bench-client-{offset}")
-        self.kind, self.targets, self.payloads, self.offset, self.switch = kind, targets, payloads, offset, switch
+        self.targets, self.offset, self.switch = targets, offset, switch  # (kind, address, payloads) each
         n = len(targets)
         self.latency_ns = [array("q") for _ in range(n)]
         self.ok = [0] * n
@@ -67,8 +69,8 @@ class _Worker(threading.Thread):
         self.busy = False
 
     def run(self) -> None:
-        callers = [self.kind.caller(t) for t in self.targets]
-        payloads, n = self.payloads, len(self.payloads)
+        callers = [kind.caller(address) for kind, address, _ in self.targets]
+        payloads = [p for _, _, p in self.targets]
         clock = time.perf_counter_ns
         switch = self.switch
         i = self.offset
@@ -84,7 +86,7 @@ class _Worker(threading.Thread):
                     continue
                 measured = switch.measured
                 call = callers[index][0]
-                payload = payloads[i % n]
+                payload = payloads[index][i % len(payloads[index])]
                 i += 1
                 t0 = clock()
                 try:
@@ -132,18 +134,19 @@ def _paired(switch: _Switch, total_s: float, slices_s: list[float]) -> None:
 
 
 def run_phase(cmd: dict[str, Any], payload_cache: dict[str, list[bytes]]) -> dict[str, Any]:
-    kind = server_kind(cmd["kind"])
-    if kind.name not in payload_cache:
-        payload_cache[kind.name] = kind.payloads()
     targets = cmd["targets"]
+    kinds = [server_kind(t.get("kind", cmd["kind"])) for t in targets]
+    for kind in kinds:
+        if kind.name not in payload_cache:
+            payload_cache[kind.name] = kind.payloads()
+    calls = [(kind, t["target"], payload_cache[kind.name]) for kind, t in zip(kinds, targets)]
     names = [t["name"] for t in targets]
     pids = [int(t["server_pid"]) for t in targets]
     helpers = [tuple(int(p) for p in t.get("helper_pids", ())) for t in targets]
     collector_pid, me = int(cmd.get("collector_pid") or 0), os.getpid()
     slice_s, cycles = float(cmd["slice_s"]), int(cmd["cycles"])
     switch = _Switch()
-    workers = [_Worker(kind, [t["target"] for t in targets], payload_cache[kind.name], i * 7, switch)
-               for i in range(int(cmd["threads"]))]
+    workers = [_Worker(calls, i * 7, switch) for i in range(int(cmd["threads"]))]
     for w in workers:
         w.start()
     slices_s = [0.0] * len(targets)

@@ -83,10 +83,10 @@ def test_thrift_kind_has_no_contrib_ratio_and_is_compared_with_the_grpc_echo(smo
     targets = thrift["targets"]
     assert targets["overhead_ratio_vs_grpc_max"] == 1.1 and targets["overhead_ratio_vs_contrib_max"] is None
     assert "contrib" in targets["note"]
-    # judged at 1 client thread (and in the paired phase); every thread count's verdict is still given
-    assert targets["overhead_threads_judged"] == 1
-    one = thrift["overhead_ratio_vs_grpc"]["1"]
-    assert targets["overhead_met"] == (None if one is None else one <= 1.1)
+    # judged in the paired phase, side by side with gRPC echo servers; every thread count's verdict is still given
+    assert targets["overhead_judged_in"] == "paired"
+    paired = thrift["paired"]["overhead_ratio_vs_grpc"]
+    assert targets["overhead_met"] == targets["overhead_met_paired"] == (None if paired is None else paired <= 1.1)
     assert targets["overhead_met_by_threads"] == {n: None if v is None else v <= 1.1
                                                   for n, v in thrift["overhead_ratio_vs_grpc"].items()}
     eight = thrift["overhead_ratio_vs_grpc"]["8"]
@@ -136,19 +136,24 @@ def test_a_kind_without_any_applicable_configuration_is_refused() -> None:
 
 def test_paired_phase_measures_every_configuration_against_bare_and_contrib(smoke: dict) -> None:
     """The paired phase (8 client threads per server, every thread calling all servers in turn) gives each
-    configuration calls and a CPU per request; overhead and the ratio to contrib's follow from those figures."""
+    configuration calls and a CPU per request; overhead and the ratio to contrib's follow from those figures.
+    A Thrift round's paired phase also measures a gRPC echo bare and zoomer server, side by side with its own
+    rows, and compares the two zoomer overheads."""
     for kind in KINDS:
         paired = smoke[kind]["paired"]
         rows = paired["configs"]
-        assert set(rows) == set(smoke[kind]["configs"]), kind
+        references = {"echo:bare", "echo:zoomer"} if kind == "thrift_echo" else set()
+        assert set(rows) == set(smoke[kind]["configs"]) | references, kind
         assert paired["threads"] == 8 and paired["client_threads"] == 8 * len(rows)  # 8 calls in flight per server
         calls = {row["requests"] for row in rows.values()}
         assert min(calls) > 0 and max(calls) - min(calls) <= paired["client_threads"], (kind, calls)  # in turn
-        bare = rows["bare"]["cpu_us_per_request"]
-        for row in rows.values():
+        for name, row in rows.items():
+            bare = rows["echo:bare" if name in references else "bare"]["cpu_us_per_request"]
             assert row["cpu_us_per_request"] == pytest.approx(
                 row["server_cpu_us_per_request"] + row["helpers_cpu_us_per_request"], abs=0.11)
             assert row["overhead_us"] == pytest.approx(row["cpu_us_per_request"] - bare, abs=0.11)
+            assert len(row["overhead_us_rounds"]) == smoke["meta"]["rounds"]  # one per round, bare's too (0)
+        bare = rows["bare"]["cpu_us_per_request"]
         if "contrib" in rows:
             contrib = rows["contrib"]["cpu_us_per_request"] - bare
             zoomer = rows["zoomer"]
@@ -161,10 +166,17 @@ def test_paired_phase_measures_every_configuration_against_bare_and_contrib(smok
             assert smoke[kind]["targets"]["overhead_met_paired"] == (None if ratio is None else ratio <= 0.5)
         else:
             assert rows["zoomer"]["overhead_ratio_vs_contrib"] is None
-            reference = smoke["echo"]["paired"]["configs"]["zoomer"]["overhead_us"]
+            reference = rows["echo:zoomer"]["overhead_us"]
             ratio = paired["overhead_ratio_vs_grpc"]
             if reference > 0:
                 assert ratio == pytest.approx(rows["zoomer"]["overhead_us"] / reference, rel=1e-3, abs=2e-3)
+            else:
+                assert ratio is None
+            by_round = zip(rows["zoomer"]["overhead_us_rounds"], rows["echo:zoomer"]["overhead_us_rounds"])
+            assert paired["overhead_ratio_vs_grpc_rounds"] == [round(a / b, 3) if b > 0 else None for a, b in by_round]
+            # the reference servers' calls are counted and their spans checked like every row's
+            assert rows["echo:zoomer"]["spans_lost"] == 0 and rows["echo:zoomer"]["requests_answered"] > 0
+            assert rows["echo:bare"]["spans_lost"] is None and rows["echo:bare"]["requests_answered"] > 0
             assert smoke[kind]["targets"]["overhead_met_paired"] == (None if ratio is None else ratio <= 1.1)
 
 
