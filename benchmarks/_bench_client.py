@@ -17,7 +17,7 @@ in a paired phase mixes the servers' effects on each other and is not a per-serv
 
 N threads, each with its own channel to every server, send one request at a time (the kind's payloads,
 round-robin) to the server of the current slice. First each server gets ``warmup_s`` of load (not
-measured). Then C cycles run one ``slice_s`` slice per server, in an order that rotates every cycle. The
+measured; in a paired phase all servers get one ``warmup_s`` together). Then C cycles run one ``slice_s`` slice per server, in an order that rotates every cycle. The
 CPU (``/proc``) of every server's process tree (the server plus its helper processes), of the collector and
 of this client is read once when the measured part starts and once when it ends: a server's CPU over the
 whole phase (its export work included, whenever it ran) is divided by the requests it answered in its
@@ -151,7 +151,7 @@ def run_phase(cmd: dict[str, Any], payload_cache: dict[str, list[bytes]]) -> dic
         w.start()
     slices_s = [0.0] * len(targets)
     try:
-        for index in range(len(targets)):
+        for index in range(1 if cmd.get("paired") else len(targets)):  # paired: one warm-up, all servers
             switch.target = PAIRED if cmd.get("paired") else index
             time.sleep(float(cmd["warmup_s"]))
         switch.measured = True
