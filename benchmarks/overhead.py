@@ -4,9 +4,10 @@ the OpenTelemetry contrib gRPC interceptor, both exporting over real OTLP to the
 Server kinds: sync gRPC echo, the demo DLRM model server, grpc.aio echo, thriftpy2 echo (no contrib row: the
 contrib project has no Thrift interceptor; its zoomer overhead is compared with the gRPC echo's, judged in its
 round's paired phase, which measures a gRPC echo bare and zoomer server side by side with the Thrift rows, beside
-a ``python_work`` control row that adds plain Python to each call and records nothing). Extra rows (``--extras``, ``{"what", "value", "unit"}`` each, under
-``extra_rows`` in the JSON): GPU telemetry over fake sources (``_bench_gpu.py``), the profiler idle and inside
-a session (``_bench_profiling.py``), host telemetry and the CPU samplers (``_bench_host.py``).
+a ``python_work`` control row that adds plain Python to each call and records nothing). Extra rows
+(``--extras``, ``{"what", "value", "unit"}`` each, under ``extra_rows`` in the JSON): GPU telemetry over fake
+sources (``_bench_gpu.py``), the profiler idle and inside a session (``_bench_profiling.py``), host telemetry
+and the CPU samplers (``_bench_host.py``).
 
 Usage::
 
@@ -23,7 +24,11 @@ Method (see benchmarks/RESULTS.md for figures):
 - Interleaving: in each round every configuration gets a fresh server; then, per client thread count (their
   order alternates between rounds), after a warm-up the client cycles through the servers in short slices
   (``--slice`` seconds, ``--cycles`` per server, the order rotating every cycle), so that drift and the
-  neighbours' load hit all configurations alike.
+  neighbours' load hit all configurations alike. Before the slices, a paired phase: after one warm-up, every
+  client thread (the most ``--threads`` per server) calls all the round's servers in turn, so that each
+  answers the same calls at the same moments (CPU per request only). A Thrift round's paired phase also calls
+  a gRPC echo server bare and with zoomer's interceptor (the reference rows ``echo:bare``, ``echo:zoomer``):
+  the Thrift target is judged there.
 - CPU per request = CPU (``/proc/<pid>/stat`` utime + stime) of the server process and of every helper
   process it started (zoomer-serve's export helper), over the whole phase (export work done while another
   server had the load included), divided by the requests it answered in its slices. The collector's CPU
@@ -414,7 +419,7 @@ def _paired_phase(res: Results, kind: str, rnd: int, order: list[str] | tuple[st
     slices of one phase take. Only CPU per request is taken from it.
 
     It runs first, on the round's fresh servers, so that it starts with no export work left over from other
-    phases: after the slices (before 2026-11-29 21:15) it began with whatever a zoomer server had not yet
+    phases: after the slices (until 5cad21c) it began with whatever a zoomer server had not yet
     handed to its export helper (up to half a second of records, made at the slices' rate) and contrib's
     unexported batch, and the reference rows, idle during the slices, had none. What the paired phase leaves
     behind, the slices' warm-ups absorb. (Moving it changed the Thrift ratio little; benchmarks/RESULTS.md.)"""
