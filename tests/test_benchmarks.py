@@ -96,7 +96,9 @@ def test_thrift_kind_has_no_contrib_ratio_and_is_compared_with_the_grpc_echo(smo
     assert targets["overhead_met_by_threads"] == {n: None if v is None else v <= 1.1
                                                   for n, v in thrift["overhead_ratio_vs_grpc"].items()}
     eight = thrift["overhead_ratio_vs_grpc"]["8"]
-    assert (f"8 thr: {eight:.2f} > 1.1 (" in overhead.markdown(smoke)) == (eight is not None and eight > 1.1)
+    # null when the echo's 8-thread overhead came out ≤ 0 (noise in a smoke run): then there is no ratio to mark
+    marked = eight is not None and f"8 thr: {eight:.2f} > 1.1 (" in overhead.markdown(smoke)
+    assert marked == (eight is not None and eight > 1.1)
 
 
 def test_thrift_control_row_adds_plain_python_and_no_spans(smoke: dict) -> None:
