@@ -137,7 +137,7 @@ def row_kind_config(kind: str, row: str) -> tuple[str, str]:
 
 MODES = {  # mode -> (rounds, warmup_s, slice_s, cycles)
     "full": (4, 1.0, 1.0, 6),
-    "quick": (2, 0.3, 0.4, 3),
+    "quick": (2, 0.25, 0.4, 3),
     "smoke": (1, 0.2, 0.2, 1),
 }
 
