@@ -123,7 +123,12 @@ class Plan:
         without both ``bare`` and ``zoomer``."""
         if server_kind(kind).transport != THRIFT or not {BARE, ZOOMER} <= set(self.kind_configs(kind)):
             return ()
-        return tuple(f"{GRPC_REFERENCE_KIND}{REFERENCE_SEP}{c}" for c in (BARE, ZOOMER))
+        return tuple(reference_row(c) for c in (BARE, ZOOMER))
+
+
+def reference_row(config: str) -> str:
+    """The name of a reference row: ``echo:zoomer`` for the :data:`GRPC_REFERENCE_KIND` server with ``config``."""
+    return f"{GRPC_REFERENCE_KIND}{REFERENCE_SEP}{config}"
 
 
 def row_kind_config(kind: str, row: str) -> tuple[str, str]:
@@ -370,7 +375,7 @@ def _one_round(res: Results, kind: str, rnd: int, col: dict[str, Any], client: C
         threads = plan.threads if rnd % 2 == 0 else tuple(reversed(plan.threads))
         for n in threads:
             _log(f"round {rnd + 1}/{plan.rounds}  {kind:<6} {n} client thread(s): {', '.join(order)} ...")
-            targets = _client_targets(order, servers)
+            targets = _client_targets(kind, order, servers)
             client.send(json.dumps({"kind": kind, "threads": n, "warmup_s": plan.warmup_s, "slice_s": plan.slice_s,
                                     "cycles": plan.cycles, "collector_pid": col["pid"], "targets": targets}))
             budget = len(order) * (plan.warmup_s + plan.slice_s * plan.cycles) + 60
@@ -397,18 +402,12 @@ def _one_round(res: Results, kind: str, rnd: int, col: dict[str, Any], client: C
             children.remove(server)
 
 
-def _client_targets(order: Sequence[str], servers: dict[str, tuple[Child, dict[str, Any], str]]
+def _client_targets(kind: str, order: Sequence[str], servers: dict[str, tuple[Child, dict[str, Any], str]]
                     ) -> list[dict[str, Any]]:
-    """The ``targets`` of a client phase command: each server of the round, in ``order`` (a reference row names
-    its own server kind)."""
-    targets = []
-    for c in order:
-        target = {"name": c, "target": f"127.0.0.1:{servers[c][1]['port']}", "server_pid": servers[c][1]["pid"],
-                  "helper_pids": servers[c][1]["helper_pids"]}
-        if REFERENCE_SEP in c:
-            target["kind"] = row_kind_config("", c)[0]
-        targets.append(target)
-    return targets
+    """The ``targets`` of a client phase command: each server of ``kind``'s round, in ``order``, with its server
+    kind (a reference row's is not the round's)."""
+    return [{"name": c, "kind": row_kind_config(kind, c)[0], "target": f"127.0.0.1:{servers[c][1]['port']}",
+             "server_pid": servers[c][1]["pid"], "helper_pids": servers[c][1]["helper_pids"]} for c in order]
 
 
 def _paired_phase(res: Results, kind: str, rnd: int, order: list[str] | tuple[str, ...],
@@ -428,7 +427,7 @@ def _paired_phase(res: Results, kind: str, rnd: int, order: list[str] | tuple[st
     seconds = plan.slice_s * plan.cycles * len(order) / 2
     _log(f"round {rnd + 1}/{plan.rounds}  {kind:<6} "
          f"paired phase, {n} client thread(s), {plan.warmup_s:g} s warm-up, {seconds:.1f} s: {', '.join(order)} ...")
-    targets = _client_targets(order, servers)
+    targets = _client_targets(kind, order, servers)
     client.send(json.dumps({"kind": kind, "threads": n, "warmup_s": plan.warmup_s, "slice_s": seconds / len(order),
                             "cycles": 1, "collector_pid": col["pid"], "targets": targets, "paired": True}))
     phase = client.expect(seconds + 60)
@@ -454,16 +453,17 @@ def _paired_summary(res: Results, kind: str) -> dict[str, Any]:
                            "helpers_cpu_us_per_request": round(helpers_s / calls * 1e6, 1)}
     contrib = per.get(CONTRIB)
     for config, row in per.items():
-        prefix = config[:config.index(REFERENCE_SEP) + 1] if REFERENCE_SEP in config else ""
-        bare = per.get(prefix + BARE)
+        is_reference = row_kind_config(kind, config)[0] != kind
+        bare_name = reference_row(BARE) if is_reference else BARE
+        bare = per.get(bare_name)
         row["overhead_us"] = None if bare is None else round(row["cpu_us_per_request"] - bare["cpu_us_per_request"], 1)
         row["overhead_us_rounds"] = [] if bare is None else [
-            round(a - b, 1) for a, b in zip(res.paired_rounds[(kind, config)], res.paired_rounds[(kind, prefix + BARE)])]
+            round(a - b, 1) for a, b in zip(res.paired_rounds[(kind, config)], res.paired_rounds[(kind, bare_name)])]
         row["overhead_ratio_vs_contrib"] = None
-        if bare is not None and contrib is not None and config != BARE and not prefix:
+        if bare is not None and contrib is not None and config != BARE and not is_reference:
             row["overhead_ratio_vs_contrib"] = _ratio(row["overhead_us"], contrib["cpu_us_per_request"]
                                                       - bare["cpu_us_per_request"])
-        if prefix:
+        if is_reference:
             row.update(_span_accounting(res, kind, config))
     rows = len(res.plan.kind_configs(kind)) + len(res.plan.reference_rows(kind))
     return {"threads": max(res.plan.threads), "client_threads": max(res.plan.threads) * rows, "configs": per}
@@ -562,12 +562,13 @@ def _thrift_targets(kind_out: dict[str, Any], grpc_out: dict[str, Any] | None) -
     control = kind_out["configs"].get(PYTHON_WORK, {}).get("threads", {})
     kind_out["control_overhead_us"] = {n: control[n]["overhead_us"] for n in control}
     paired = kind_out["paired"]["configs"]
-    paired_ref = paired.get(f"{GRPC_REFERENCE_KIND}{REFERENCE_SEP}{ZOOMER}", {}).get("overhead_us")
+    reference = paired.get(reference_row(ZOOMER), {})
+    paired_ref = reference.get("overhead_us")
     paired_own = paired.get(ZOOMER, {}).get("overhead_us")
     paired_ratio = _ratio(paired_own, paired_ref) if (paired_ref or 0) > 0 else None
     kind_out["paired"]["overhead_ratio_vs_grpc"] = paired_ratio
     own_rounds = paired.get(ZOOMER, {}).get("overhead_us_rounds", [])
-    ref_rounds = paired.get(f"{GRPC_REFERENCE_KIND}{REFERENCE_SEP}{ZOOMER}", {}).get("overhead_us_rounds", [])
+    ref_rounds = reference.get("overhead_us_rounds", [])
     kind_out["paired"]["overhead_ratio_vs_grpc_rounds"] = [_ratio(a, b) if b > 0 else None
                                                            for a, b in zip(own_rounds, ref_rounds)]
     met = None if paired_ratio is None else paired_ratio <= TARGET_THRIFT_OVERHEAD_RATIO_VS_GRPC
@@ -779,7 +780,7 @@ def _paired_lines(paired: dict[str, Any] | None, targets: dict[str, Any] | None 
         cells.append(cell)
     verdict = ""
     if "overhead_ratio_vs_grpc" in paired and targets:
-        reference = f"{GRPC_REFERENCE_KIND}{REFERENCE_SEP}{ZOOMER}"
+        reference = reference_row(ZOOMER)
         rounds = ", ".join(_fmt(v, ".2f") for v in paired.get("overhead_ratio_vs_grpc_rounds", []))
         verdict = (f" (zoomer overhead ÷ {reference}'s in the same phase: "
                    f"{_fmt(paired['overhead_ratio_vs_grpc'], '.2f')}, per round {rounds}; "
