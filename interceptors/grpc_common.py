@@ -36,6 +36,10 @@ SERVER_ERROR_CODES = frozenset({
     grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNIMPLEMENTED,
     grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS,
 })
+# A call that ends under its handler with at most this much time left (seconds, the server's clock) ended by its
+# deadline: the server's deadline is the client's plus the request's way there (grpc sends the time left), so the
+# cancel a client sends when its own deadline passes can arrive first, with that much time still left.
+DEADLINE_SLACK_S = 0.1
 # On the client side every code but OK means the call failed (span status ERROR).
 CLIENT_ERROR_CODES = frozenset(code for code in grpc.StatusCode if code is not grpc.StatusCode.OK)
 REQUEST_MESSAGES = "zoomer.rpc.request.messages"
@@ -209,14 +213,14 @@ def final_status(context: Any, exc: BaseException | None, call_over: bool
                  ) -> tuple[grpc.StatusCode, str | None, str | None]:
     """The status the client sees, as ``(code, details, error_type)``: the code the handler set
     (``set_code``, ``abort``), else CANCELLED / DEADLINE_EXCEEDED when the call ended under the handler
-    (``call_over``; DEADLINE_EXCEEDED when no time remains), else UNKNOWN for an exception (``error_type`` =
+    (``call_over``; DEADLINE_EXCEEDED when at most ``DEADLINE_SLACK_S`` remains), else UNKNOWN for an exception (``error_type`` =
     its type), else OK. ``context`` is a sync or an aio ``ServicerContext``."""
     code = context.code()
     if code is not None and code is not grpc.StatusCode.OK:
         return code, _details(context), None
     if call_over:
         remaining = context.time_remaining()
-        if remaining is not None and remaining <= 0:
+        if remaining is not None and remaining <= DEADLINE_SLACK_S:
             return grpc.StatusCode.DEADLINE_EXCEEDED, _details(context), None
         return grpc.StatusCode.CANCELLED, _details(context), None
     if exc is not None and not isinstance(exc, GeneratorExit):

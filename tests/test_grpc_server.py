@@ -8,7 +8,9 @@ handlers (``grpc_echo_aio``): one test body, both servers."""
 from __future__ import annotations
 
 import logging
+import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -166,6 +168,69 @@ def test_deadline_exceeded(echo, collector):
     (span,) = collector.spans("SERVER")
     assert _code(span) == "DEADLINE_EXCEEDED"
     assert span["status_code"] == "ERROR"
+
+
+class _HoldingProxy:
+    """A TCP proxy on 127.0.0.1 that can hold the next bytes from the client for ``hold_s`` seconds before passing
+    them on (bytes behind them wait too, in order); bytes from the server pass straight through."""
+
+    def __init__(self, upstream: str, hold_s: float) -> None:
+        self.upstream = upstream
+        self.hold_s = hold_s
+        self.hold_next = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.target = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            host, port = self.upstream.rsplit(":", 1)
+            server = socket.create_connection((host, int(port)))
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, from_client: bool) -> None:
+        try:
+            while data := source.recv(65536):
+                if from_client and self.hold_next.is_set():
+                    self.hold_next.clear()
+                    time.sleep(self.hold_s)
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                sock.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_deadline_passed_at_the_client_first_is_deadline_exceeded(telemetry, start_echo, collector):
+    """The server's deadline is the client's plus the request's way there (grpc sends the time left), so a slow
+    way in lets the cancel that the client sends at its own deadline reach the server first, with time left on
+    the server's clock. That call still ended by its deadline (the CI run of dff414b saw CANCELLED here)."""
+    server, target = start_echo(server_address="127.0.0.1")
+    proxy = _HoldingProxy(target, hold_s=0.04)
+    client = grpc_echo.Client(proxy.target)
+    try:
+        assert client.unary(b"warm") == b"warm"  # the connection is up; only the next call's bytes are held
+        time.sleep(0.2)
+        proxy.hold_next.set()
+        with pytest.raises(grpc.RpcError) as info:
+            client.unary(b"sleep", timeout=0.3)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        time.sleep(0.3)  # let the handler notice and return
+    finally:
+        client.close()
+        proxy.close()
+    spans = collector.spans("SERVER")
+    assert [_code(s) for s in spans] == ["OK", "DEADLINE_EXCEEDED"]
+    assert spans[1]["status_code"] == "ERROR"
 
 
 def test_client_cancellation(echo, collector):
