@@ -49,6 +49,29 @@ def test_queue_is_bounded_and_drops_are_counted():
     assert stats.dropped_queue == 900
 
 
+def test_unsampled_records_that_do_not_fit_count_as_lost_records_not_as_spans():
+    """An unsampled request exports no span, only its RPC metrics: when the queue drops it, the span counters
+    stay at 0 (they once counted it as a span) and ``dropped_records`` says that a call is missing from the
+    metrics."""
+    from zoomer_serve.recording.sampling import Sampler
+
+    cfg = ExportConfig(max_queue_size=10, max_export_batch_size=5, mode="none")
+    pipeline = ExportPipeline(cfg, {"service.name": "x"})  # not started: nothing drains
+    unsampled = zoomer_serve.RequestRecorder(sink=pipeline.submit, sampler=Sampler("always_off"),
+                                             otel_context=False)
+    sampled = zoomer_serve.RequestRecorder(sink=pipeline.submit, otel_context=False)
+    for _ in range(10):
+        sampled.start("a/fills").end()
+    for _ in range(30):
+        unsampled.start("a/b").end()
+    span = sampled.start("a/c")
+    span.add_child("preprocess", 1, 2, {})
+    span.end()
+    assert pipeline.dropped == 2 and pipeline.dropped_records == 31
+    stats = pipeline.shutdown(0.5)
+    assert (stats.dropped_queue, stats.dropped_records) == (2, 31)
+
+
 def test_the_writer_pickles_a_large_batch_in_frames_of_at_most_128_records():
     """Each pickle.dumps holds the interpreter lock, so a batch goes to the helper in bounded frames, each a
     4-byte big-endian length and a pickled ``(dropped so far, records)``, in order."""

@@ -60,8 +60,9 @@ class ExportPipeline:
         self.cfg = cfg
         self.resource = resource
         self.version = version
-        self.dropped = 0  # spans dropped on the server side (queue full or worker gone)
-        self.submitted = 0  # spans handed to the worker
+        self.dropped = 0  # sampled spans dropped on the server side (queue full or worker gone)
+        self.dropped_records = 0  # records dropped there, sampled or not (their calls miss the RPC metrics)
+        self.submitted = 0  # sampled spans handed to the worker
         self._queue: collections.deque[tuple[Any, ...]] = collections.deque()
         self._max = cfg.max_queue_size
         self._wake_at = max(1, cfg.max_queue_size // 2)
@@ -79,7 +80,8 @@ class ExportPipeline:
         q = self._queue
         n = len(q)
         if n >= self._max or self._closing:
-            self.dropped += 1 + len(record[r.R_CHILDREN] or ())
+            self.dropped += r.exported_spans(record)
+            self.dropped_records += 1
             return
         q.append(record)
         if n == self._wake_at:
@@ -129,10 +131,11 @@ class ExportPipeline:
                 batch.append(popleft())
         except IndexError:
             pass
-        spans = sum(count_spans(rec) for rec in batch)
+        spans = sum(map(r.exported_spans, batch))
         self.submitted += spans
         if self._broken:
             self.dropped += spans
+            self.dropped_records += len(batch)
             return
         try:
             if self._worker is not None:
@@ -144,9 +147,11 @@ class ExportPipeline:
                     stdin.flush()  # a system call: request threads waiting for the interpreter get it here
             else:
                 self.dropped += spans
+                self.dropped_records += len(batch)
         except (BrokenPipeError, OSError, ValueError) as exc:
             self._broken = True
             self.dropped += spans
+            self.dropped_records += len(batch)
             logger.warning("zoomer-serve: the export helper process is gone (%r); spans are now dropped "
                            "and counted (logged once)", exc)
 
@@ -175,11 +180,16 @@ class ExportPipeline:
         elif self._proc is not None:
             stats = self._stop_process(deadline)
         stats.dropped_queue += self.dropped
+        stats.dropped_records += self.dropped_records
         self.final_stats = stats
         if stats.dropped:
             logger.warning("zoomer-serve: %d spans could not be exported to %s (queue full: %d, export failed: "
                            "%d; last error: %s)", stats.dropped, self.cfg.traces_endpoint, stats.dropped_queue,
                            stats.dropped_export, stats.last_error)
+        if stats.dropped_records:
+            logger.warning("zoomer-serve: %d records did not fit the export queue; their calls are missing from "
+                           "the RPC metrics (and their spans, when sampled, are counted above)",
+                           stats.dropped_records)
         return stats
 
     def _stop_process(self, deadline: float) -> ExportStats:
@@ -203,8 +213,3 @@ class ExportPipeline:
             return ExportStats(dropped_export=self.submitted, last_error="the export helper did not report")
         data.pop("event", None)
         return ExportStats(**data)
-
-
-def count_spans(record: tuple[Any, ...]) -> int:
-    """How many spans one record exports (itself and its phases) when sampled."""
-    return 1 + len(record[r.R_CHILDREN] or ())

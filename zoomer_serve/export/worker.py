@@ -40,23 +40,21 @@ SHUTDOWN_FRAME = -1  # a frame ``(SHUTDOWN_FRAME, budget_s)``: flush within budg
 
 @dataclass
 class ExportStats:
-    """Counters of the export path (spans, not requests): ``records`` received by the worker, ``exported``
-    spans the collector accepted, ``dropped_export`` spans lost to export failures, ``dropped_queue`` spans
-    that did not fit a queue (server side included), ``last_error`` the last export failure."""
+    """Counters of the export path: ``records`` received by the worker, ``exported`` spans the collector
+    accepted, ``dropped_export`` spans lost to export failures, ``dropped_queue`` sampled spans that did not fit
+    a queue (server side included), ``dropped_records`` records (sampled or not) that did not fit a queue:
+    their calls are missing from the RPC metrics too; ``last_error`` the last export failure."""
 
     records: int = 0
     exported: int = 0
     dropped_export: int = 0
     dropped_queue: int = 0
+    dropped_records: int = 0
     last_error: str | None = None
 
     @property
     def dropped(self) -> int:
         return self.dropped_export + self.dropped_queue
-
-
-def _span_count(batch: list[tuple[Any, ...]]) -> int:
-    return sum(1 + len(rec[r.R_CHILDREN] or ()) for rec in batch if rec[r.R_FLAGS] & r.F_SAMPLED)
 
 
 class ExportWorker:
@@ -95,7 +93,8 @@ class ExportWorker:
         try:
             self._queue.put_nowait(batch)
         except queue.Full:
-            self.stats.dropped_queue += _span_count(batch)
+            self.stats.dropped_queue += sum(map(r.exported_spans, batch))
+            self.stats.dropped_records += len(batch)
 
     def _run(self) -> None:
         delay = self.cfg.schedule_delay_ms / 1000

@@ -59,3 +59,11 @@ F_SAMPLED = 1
 F_REQUEST = 2
 
 SpanRecord = tuple[Any, ...]
+
+
+def exported_spans(rec: SpanRecord) -> int:
+    """How many spans a record exports: itself and its children (phases) when sampled, else 0 (an unsampled
+    record only feeds the RPC metrics)."""
+    if not rec[R_FLAGS] & F_SAMPLED:
+        return 0
+    return 1 + len(rec[R_CHILDREN] or ())
