@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -188,8 +189,11 @@ def run_demo(args: argparse.Namespace) -> int:
 def _drive(console: Any, target: str, args: argparse.Namespace) -> Any:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    drive_load: Callable[..., Any]
     if args.transport == "thrift":
-        from zoomer_serve.demo.thrift_load import drive_thrift_load as drive_load
+        from zoomer_serve.demo.thrift_load import drive_thrift_load
+
+        drive_load = drive_thrift_load
     else:
         from zoomer_serve.demo.load import drive_load
 

@@ -133,19 +133,19 @@ def make_sender(cfg: ExportConfig, stop: threading.Event, signal: str = "traces"
 def sdk_metric_exporter(cfg: ExportConfig) -> Any:
     """The OpenTelemetry SDK's OTLP metric exporter for the same endpoint, protocol, headers and timeout."""
     if cfg.protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+        from opentelemetry.exporter.otlp.proto.grpc import metric_exporter
     else:
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-    return OTLPMetricExporter(**_sdk_exporter_kwargs(cfg, cfg.metrics_endpoint))
+        from opentelemetry.exporter.otlp.proto.http import metric_exporter  # type: ignore[no-redef]
+    return metric_exporter.OTLPMetricExporter(**_sdk_exporter_kwargs(cfg, cfg.metrics_endpoint))
 
 
 def sdk_span_exporter(cfg: ExportConfig) -> Any:
     """The OpenTelemetry SDK's OTLP span exporter (for spans that user code starts with the API)."""
     if cfg.protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.grpc import trace_exporter
     else:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    return OTLPSpanExporter(**_sdk_exporter_kwargs(cfg, cfg.traces_endpoint))
+        from opentelemetry.exporter.otlp.proto.http import trace_exporter  # type: ignore[no-redef]
+    return trace_exporter.OTLPSpanExporter(**_sdk_exporter_kwargs(cfg, cfg.traces_endpoint))
 
 
 def _sdk_exporter_kwargs(cfg: ExportConfig, endpoint: str) -> dict[str, Any]:

@@ -28,7 +28,7 @@ import json
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from zoomer_serve.profiling.labels import parse_request_label
 
@@ -225,8 +225,9 @@ def summary_to_json(summary: TraceSummary, top_n: int) -> dict[str, Any]:
 
     requests = []
     for key, profile in summary.requests.items():
+        trace_id, span_id = cast(tuple[int, int], key)
         entry = totals(profile)
-        entry.update(key=[f"{key[0]:032x}", f"{key[1]:016x}"], start_us=profile.start_us,
+        entry.update(key=[f"{trace_id:032x}", f"{span_id:016x}"], start_us=profile.start_us,
                      duration_us=profile.duration_us, cpu_op_count=profile.cpu_op_count)
         requests.append(entry)
     return {"requests": requests, "totals": totals(summary.totals), "attributed": totals(summary.attributed),

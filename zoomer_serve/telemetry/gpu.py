@@ -18,6 +18,7 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,7 +106,7 @@ class GpuTelemetry:
 
     def _run(self) -> None:
         cfg = self.config
-        periods = []
+        periods: list[tuple[str, float, Callable[[], object]]] = []
         if self.sampler is not None:
             periods.append(("nvml", cfg.nvml_period_ms / 1000.0, self.sample_now))
         if self.history is not None:
@@ -253,9 +254,10 @@ def _default_memory_source() -> tuple[CudaMemorySource | None, str]:
 def _open_sampler(nvml: Any) -> tuple[NvmlSampler | None, str]:
     if nvml is None:
         try:
-            import pynvml as nvml
+            import pynvml
         except ImportError:
             return None, "NVML bindings not installed (pip install nvidia-ml-py)"
+        nvml = pynvml
     sampler = NvmlSampler(nvml)
     try:
         sampler.open()

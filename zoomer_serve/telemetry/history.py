@@ -296,7 +296,7 @@ class AllocationHistory:
         for action in n.ACTIONS:
             attrs[n.action_count(action)] = totals.count[action]
             attrs[n.action_bytes(action)] = totals.bytes[action]
-        events = []
+        events: list[tuple[int, str, dict[str, Any] | None]] = []
         for _size, _seq, ev in sorted(totals.top, key=lambda item: (-item[0], item[1])):
             ev = dict(ev)
             t_us = ev.pop("t_us")

@@ -130,7 +130,7 @@ class GpuMemoryObserver:
             if flight is None:
                 return
             if dev is None:
-                end = self._boundary(flight)
+                ends = self._boundary(flight)
             else:
                 end = self._counters(dev)
                 if self.peak:  # the boundary, for those still in flight and for this one (already removed)
@@ -146,7 +146,7 @@ class GpuMemoryObserver:
         if tag is not None:
             self.history.end(tag)
         if dev is None:
-            self._set_multi_device(span.attributes, flight, end)
+            self._set_multi_device(span.attributes, flight, ends)
         else:
             self._set_one_device(span.attributes, flight, end, dev)
 

@@ -50,9 +50,10 @@ the class call, without its Python-level ``__new__`` (about 0.15 µs less per re
 class CudaMemorySource(Protocol):
     """CUDA caching-allocator access for one process. Devices are CUDA indices (``torch.cuda`` order)."""
 
-    supports_metadata: bool
-    """Whether :meth:`set_memory_metadata` tags trace entries (``torch.cuda.memory._set_memory_metadata``,
-    torch >= 2.10)."""
+    @property
+    def supports_metadata(self) -> bool:
+        """Whether :meth:`set_memory_metadata` tags trace entries (``torch.cuda.memory._set_memory_metadata``,
+        torch >= 2.10)."""
 
     def is_initialized(self) -> bool:
         """True once the application has initialised CUDA (this seam never does it)."""
