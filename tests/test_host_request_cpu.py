@@ -103,3 +103,37 @@ def test_a_span_ended_on_another_thread_gets_no_cpu_time() -> None:
     assert same.attributes[REQUEST_CPU_TIME] > 0
     assert REQUEST_CPU_TIME not in other.attributes and REQUEST_CPU_TIME not in client.attributes
     assert observer.skipped_other_thread == 1 and observer.open_spans == 0
+
+
+def test_the_clock_reads_this_threads_cpu_time_without_the_interpreter_lock() -> None:
+    """On Linux the reader is the ctypes call (which releases the interpreter lock around the system call), not
+    the ``time.thread_time_ns`` fallback, and it gives the same clock: each thread its own CPU time, in ns."""
+    import sys
+    import time
+
+    from zoomer_serve.host import request_cpu
+
+    if sys.platform.startswith("linux"):
+        assert request_cpu.thread_cpu_ns is not time.thread_time_ns
+    results: dict[str, tuple[int, int, int, int]] = {}
+
+    def measure(name: str, spin: int) -> None:
+        before = time.thread_time_ns()
+        start = request_cpu.thread_cpu_ns()
+        total = 0
+        for i in range(spin):
+            total += i
+        end = request_cpu.thread_cpu_ns()
+        results[name] = (before, start, end, time.thread_time_ns())
+
+    threads = [threading.Thread(target=measure, args=("busy", 3_000_000)),
+               threading.Thread(target=measure, args=("idle", 0))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for before, start, end, after in results.values():
+        assert before <= start <= end <= after
+    busy, idle = results["busy"], results["idle"]
+    assert busy[2] - busy[1] > 10_000_000  # 3 million loop steps: well over 10 ms of this thread's CPU
+    assert idle[2] - idle[1] < 5_000_000  # the other thread's work is not counted in this one's clock

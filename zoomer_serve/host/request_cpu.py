@@ -1,31 +1,79 @@
 """Per-request CPU time: a request observer that puts the thread CPU time of each SERVER span on it as
 ``zoomer.request.cpu_time_ns`` (see :mod:`zoomer_serve.host.names`), next to the span's wall time.
 
-``on_start`` reads ``time.thread_time_ns()`` and the thread id; ``on_end`` reads them again and, when the span
-ends on the thread it started on, sets the difference. Spans that start on an asyncio event loop are skipped
-(the loop's thread runs many requests at once), and so are spans that end on another thread (a streaming
-response finished from gRPC's callback thread). Cost: two clock reads, two thread-id reads and one dict
-insert and pop per request (about 1 µs in a hot loop; see ``benchmarks/_bench_host.py``). In a busy
-multi-threaded server it costs more: each read is a system call (``clock_gettime(CLOCK_THREAD_CPUTIME_ID)``,
-not served by the vDSO) that brings the scheduler's accounting up to date and can preempt the thread there,
-while it holds the interpreter lock; on the 2-core benchmark machine (Linux 6.18) that meant about 0.7 more
-involuntary and 2.4 more voluntary context switches per demo-model request, and 30 to 60 µs more server CPU
-in most paired runs, nothing measurable in others (benchmarks/RESULTS.md). ``ZOOMER_HOST_REQUEST_CPU_TIME=false``
-turns it off.
+``on_start`` reads the thread's CPU time (:data:`thread_cpu_ns`) and the thread id; ``on_end`` reads them again
+and, when the span ends on the thread it started on, sets the difference. Spans that start on an asyncio event
+loop are skipped (the loop's thread runs many requests at once), and so are spans that end on another thread (a
+streaming response finished from gRPC's callback thread). Cost: two clock reads, two thread-id reads and one
+dict insert and pop per request (a few µs in a hot loop; see ``benchmarks/_bench_host.py``).
+
+Why the clock is read without the interpreter lock: each read is a system call
+(``clock_gettime(CLOCK_THREAD_CPUTIME_ID)``, not served by the vDSO) that brings the scheduler's accounting up
+to date, and a thread past its time slice is preempted right there. ``time.thread_time_ns`` holds the
+interpreter lock through the call, so in a busy multi-threaded server the other request threads queued on the
+lock: on the 2-core benchmark machine (Linux 6.18) about 4 more voluntary context switches and 60 to 90 µs
+more CPU per demo-model request. :data:`thread_cpu_ns` makes the same call through ``ctypes``, which lets go
+of the lock around it: the extra switches are gone and the cost is 30 to 50 µs lower (benchmarks/RESULTS.md).
+``ZOOMER_HOST_REQUEST_CPU_TIME=false`` turns the attribute off.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from asyncio import _get_running_loop as _running_loop  # C function: this thread's running loop or None
+from collections.abc import Callable
 from threading import get_ident as _thread_id
-from time import thread_time_ns as _thread_time_ns
 
 from zoomer_serve.host.names import REQUEST_CPU_TIME
 from zoomer_serve.recording import RequestSpan
 from zoomer_serve.recording import records as r
 
 logger = logging.getLogger("zoomer_serve.host")
+
+
+def _unlocked_thread_clock() -> Callable[[], int] | None:
+    """A reader of the calling thread's CPU time in ns (user + system, the value of ``time.thread_time_ns``)
+    that makes the ``clock_gettime(CLOCK_THREAD_CPUTIME_ID)`` system call through ``ctypes``, which releases
+    the interpreter lock around foreign calls. None where libc's ``clock_gettime`` cannot be loaded or does not
+    agree with ``time.thread_time_ns``."""
+    try:
+        import ctypes
+
+        clock_id = time.CLOCK_THREAD_CPUTIME_ID
+        clock_gettime = ctypes.CDLL(None).clock_gettime  # this CDLL's own function object: argtypes stay ours
+    except (AttributeError, ImportError, OSError, TypeError):  # no ctypes, no clock id, no libc (Windows)
+        return None
+
+    class Timespec(ctypes.Structure):
+        _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+    clock_gettime.argtypes = [ctypes.c_int, ctypes.POINTER(Timespec)]
+    clock_gettime.restype = ctypes.c_int
+    local = threading.local()  # one buffer per thread: the call runs while other threads hold the lock
+
+    def read() -> int:
+        try:
+            ts = local.ts
+        except AttributeError:
+            ts = local.ts = Timespec()
+        if clock_gettime(clock_id, ts):
+            return time.thread_time_ns()
+        return ts.tv_sec * 1_000_000_000 + ts.tv_nsec
+
+    before = time.thread_time_ns()
+    value = read()
+    if not before <= value <= time.thread_time_ns():
+        return None
+    return read
+
+
+thread_cpu_ns: Callable[[], int] = _unlocked_thread_clock() or time.thread_time_ns
+"""The calling thread's CPU time in ns (user + system; ``clock_gettime(CLOCK_THREAD_CPUTIME_ID)``), read without
+holding the interpreter lock where ``ctypes`` can call libc (see the module docstring), else
+``time.thread_time_ns``."""
+
 MAX_OPEN = 65_536
 """Open request spans tracked at once; beyond, new spans get no CPU time (counted in ``skipped_full``)."""
 
@@ -59,7 +107,7 @@ class RequestCpuTimeObserver:
                 logger.warning("zoomer-serve: %d request spans are open at once; new ones get no %s (counted)",
                                MAX_OPEN, REQUEST_CPU_TIME)
             return
-        self._open[span] = (_thread_id(), _thread_time_ns())
+        self._open[span] = (_thread_id(), thread_cpu_ns())
 
     def on_end(self, span: RequestSpan) -> None:
         entry = self._open.pop(span, None)
@@ -68,7 +116,7 @@ class RequestCpuTimeObserver:
         if entry[0] != _thread_id():
             self.skipped_other_thread += 1
             return
-        span.attributes[REQUEST_CPU_TIME] = _thread_time_ns() - entry[1]
+        span.attributes[REQUEST_CPU_TIME] = thread_cpu_ns() - entry[1]
 
     @property
     def open_spans(self) -> int:
