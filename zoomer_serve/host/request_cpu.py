@@ -1,8 +1,9 @@
 """Per-request CPU time: a request observer that puts the thread CPU time of each SERVER span on it as
 ``zoomer.request.cpu_time_ns`` (see :mod:`zoomer_serve.host.names`), next to the span's wall time.
 
-``on_start`` reads the thread's CPU time (:data:`thread_cpu_ns`) and the thread id; ``on_end`` reads them again
-and, when the span ends on the thread it started on, sets the difference. Spans that start on an asyncio event
+``on_start`` reads the thread's CPU time (``time.thread_time_ns``) and the thread id; ``on_end`` reads them again
+(the clock through :data:`thread_cpu_ns`) and, when the span ends on the thread it started on, sets the
+difference. Spans that start on an asyncio event
 loop are skipped (the loop's thread runs many requests at once), and so are spans that end on another thread (a
 streaming response finished from gRPC's callback thread). Cost: two clock reads, two thread-id reads and one
 dict insert and pop per request (a few µs in a hot loop; see ``benchmarks/_bench_host.py``).
@@ -13,7 +14,10 @@ to date, and a thread past its time slice is preempted right there. ``time.threa
 interpreter lock through the call, so in a busy multi-threaded server the other request threads queued on the
 lock: on the 2-core benchmark machine (Linux 6.18) about 4 more voluntary context switches and 60 to 90 µs
 more CPU per demo-model request. :data:`thread_cpu_ns` makes the same call through ``ctypes``, which lets go
-of the lock around it: the extra switches are gone and the cost is 30 to 50 µs lower (benchmarks/RESULTS.md).
+of the lock around it: the extra switches are gone and the cost is about 30 µs lower (benchmarks/RESULTS.md).
+Only the end read goes that way: by then the request has run for a while and its slice is likely spent, while
+at the start the thread has just been woken with a fresh slice, and letting go of the lock there would only
+make the request wait to get it back.
 ``ZOOMER_HOST_REQUEST_CPU_TIME=false`` turns the attribute off.
 """
 
@@ -107,7 +111,7 @@ class RequestCpuTimeObserver:
                 logger.warning("zoomer-serve: %d request spans are open at once; new ones get no %s (counted)",
                                MAX_OPEN, REQUEST_CPU_TIME)
             return
-        self._open[span] = (_thread_id(), thread_cpu_ns())
+        self._open[span] = (_thread_id(), time.thread_time_ns())
 
     def on_end(self, span: RequestSpan) -> None:
         entry = self._open.pop(span, None)
