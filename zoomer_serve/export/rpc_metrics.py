@@ -39,6 +39,9 @@ RESPONSE_BYTES = "zoomer.rpc.response.bytes"
 _MAX_ATTRIBUTE_SETS = 10_000  # bounded: a flood of distinct methods cannot grow memory forever
 _CUMULATIVE = metrics_pb2.AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE
 _SIDES = {r.KIND_SERVER: "server", r.KIND_CLIENT: "client"}
+# span kind -> (call duration, request size, response size) metric names
+_NAMES = {kind: (f"rpc.{side}.call.duration", f"rpc.{side}.request.size", f"rpc.{side}.response.size")
+          for kind, side in _SIDES.items()}
 
 
 @dataclass
@@ -79,19 +82,18 @@ class RpcMetrics:
         """Record one request record (a no-op for records without the ``F_REQUEST`` flag)."""
         if not rec[r.R_FLAGS] & r.F_REQUEST:
             return
-        side = _SIDES.get(rec[r.R_KIND])
-        if side is None:
+        names = _NAMES.get(rec[r.R_KIND])
+        if names is None:
             return
         attrs = rec[r.R_ATTRS]
-        key = tuple(attrs.get(k) for k in METRIC_ATTRIBUTE_KEYS)
-        self._point(f"rpc.{side}.call.duration", key, DURATION_BUCKETS_S).record(
-            (rec[r.R_END_NS] - rec[r.R_START_NS]) / 1e9)
+        key = tuple(map(attrs.get, METRIC_ATTRIBUTE_KEYS))
+        self._point(names[0], key, DURATION_BUCKETS_S).record((rec[r.R_END_NS] - rec[r.R_START_NS]) / 1e9)
         req_bytes = attrs.get(REQUEST_BYTES)
         if req_bytes is not None:
-            self._point(f"rpc.{side}.request.size", key, SIZE_BUCKETS_BYTES).record(req_bytes)
+            self._point(names[1], key, SIZE_BUCKETS_BYTES).record(req_bytes)
         resp_bytes = attrs.get(RESPONSE_BYTES)
         if resp_bytes is not None:
-            self._point(f"rpc.{side}.response.size", key, SIZE_BUCKETS_BYTES).record(resp_bytes)
+            self._point(names[2], key, SIZE_BUCKETS_BYTES).record(resp_bytes)
 
     def _point(self, name: str, key: tuple[Any, ...], bounds: tuple[float, ...]) -> HistogramPoint:
         point = self._points.get((name, key))
