@@ -98,5 +98,38 @@ def test_int_attributes_round_trip_at_the_varint_edges_and_are_not_cached():
            ExportTraceServiceRequest.FromString(enc.encode_request(spans)).resource_spans[0].scope_spans[0].spans]
     assert got == [{"n": v, long_key: v, "flag": v == 0} for v in values]
     assert all(type(g["flag"]) is bool for g in got)
-    cached_ints = {key[1] for key in enc._attr_cache if type(key[1]) is int}
+    cached_ints = {key[2] for key in enc._attr_cache if key[1] is int}
     assert cached_ints == {v for v in values if 0 <= v < 1 << 16}  # small ones (counts, sizes, ports) only
+
+
+def test_equal_values_of_other_types_keep_their_own_encoding():
+    """True == 1 == 1.0 in Python, so a cache keyed on (key, value) gave a later int the encoding of an earlier
+    bool under the same key (found in review); each value keeps its type."""
+    enc = SpanEncoder({}, "s", "v")
+    values = [True, 1, 1.0, False, 0, 0.0, "1"]
+    spans = [enc.encode_span(_record(R_ATTRS={"v": v})) for v in values]
+    got = [_attrs(s.attributes)["v"] for s in
+           ExportTraceServiceRequest.FromString(enc.encode_request(spans)).resource_spans[0].scope_spans[0].spans]
+    assert [(type(g), g) for g in got] == [(type(v), v) for v in values]
+
+
+def test_children_with_a_cached_shape_encode_like_encode_span():
+    """encode_child caches what follows the timestamps per shape (name, string attributes, status, flags):
+    children of several requests, shapes repeated and not, parse back the same as encode_span's."""
+    enc, plain = SpanEncoder({}, "s", "v"), SpanEncoder({}, "s", "v")
+    children = []
+    for i in range(3):
+        for name, attrs, status in [("preprocess", {"zoomer.phase": "preprocess"}, r.STATUS_UNSET),
+                                    ("forward", {"zoomer.phase": "forward", "error.type": "OOM"}, r.STATUS_ERROR),
+                                    ("count", {"zoomer.phase": "count", "n": i}, r.STATUS_UNSET),
+                                    ("flag", {"zoomer.phase": "flag", "ok": bool(i)}, r.STATUS_UNSET),
+                                    ("flag", {"zoomer.phase": "flag", "ok": i}, r.STATUS_UNSET)]:
+            children.append(_record(R_TRACE_ID=i + 1, R_SPAN_ID=10 + i, R_NAME=name, R_KIND=r.KIND_INTERNAL,
+                                    R_ATTRS=attrs, R_STATUS=status, R_STATUS_MSG=None, R_EVENTS=None,
+                                    R_LINKS=None, R_TRACE_STATE=None, R_PARENT_REMOTE=False))
+    cached = ExportTraceServiceRequest.FromString(enc.encode_request([enc.encode_child(c) for c in children]))
+    fresh = ExportTraceServiceRequest.FromString(plain.encode_request([plain.encode_span(c) for c in children]))
+    assert cached == fresh
+    spans = cached.resource_spans[0].scope_spans[0].spans
+    assert len(spans) == 15
+    assert [type(_attrs(s.attributes)["ok"]) for s in spans if s.name == "flag"] == [bool, int] * 3

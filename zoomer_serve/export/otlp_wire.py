@@ -122,25 +122,26 @@ class SpanEncoder:
         self._resource_field = _ld(0x0A, resource)  # ResourceSpans.resource
         scope = _ld(0x0A, scope_name.encode()) + _ld(0x12, scope_version.encode())
         self._scope_field = _ld(0x0A, scope)  # ScopeSpans.scope
-        self._attr_cache: dict[tuple[str, Any], bytes] = {}
+        self._attr_cache: dict[tuple[str, type, Any], bytes] = {}
         self._key_cache: dict[str, bytes] = {}
         self._name_cache: dict[tuple[str, int], bytes] = {}
+        self._tail_cache: dict[tuple[Any, ...], bytes] = {}  # encode_child: what follows the timestamps
 
     def _attr(self, key: str, value: Any) -> bytes:
-        if type(value) is int and not 0 <= value < _CACHED_INT_LIMIT:  # ns, ids: unique, so never cached
+        """One ``Span.attributes`` entry. Scalars are cached per (key, type, value): the type is part of the key
+        because ``True == 1 == 1.0``; sequences and other values are encoded each time."""
+        kind = type(value)
+        if kind is int and not 0 <= value < _CACHED_INT_LIMIT:  # ns, ids: unique, so never cached
             return self._int_attr(key, value)
-        cache_key = (key, value) if not isinstance(value, (list, dict)) else None
-        if cache_key is not None:
-            try:
-                hit = self._attr_cache.get(cache_key)
-            except TypeError:  # an unhashable value inside a tuple
-                hit, cache_key = None, None
-            if hit is not None:
-                return hit
-        encoded = _ld(0x4A, encode_key_value(key, value))
-        if cache_key is not None and len(self._attr_cache) < _MAX_CACHE:
-            self._attr_cache[cache_key] = encoded
-        return encoded
+        if kind is not str and kind is not int and kind is not bool and kind is not float:
+            return _ld(0x4A, encode_key_value(key, value))
+        cache_key = (key, kind, value)
+        hit = self._attr_cache.get(cache_key)
+        if hit is None:
+            hit = _ld(0x4A, encode_key_value(key, value))
+            if len(self._attr_cache) < _MAX_CACHE:
+                self._attr_cache[cache_key] = hit
+        return hit
 
     def _int_attr(self, key: str, value: int) -> bytes:
         """``Span.attributes`` entry of an int value: the key's encoded prefix (cached) and the varint."""
@@ -174,6 +175,36 @@ class SpanEncoder:
             parts.append(_pack_parent(0x2208, parent))
         parts.append(self._name_kind(rec[R_NAME], rec[R_KIND]))
         parts.append(_pack_times(0x39, rec[R_START_NS], 0x41, rec[R_END_NS]))
+        parts.append(self._tail(rec))
+        return b"".join(parts)
+
+    def encode_child(self, rec: Sequence[Any]) -> bytes:
+        """:meth:`encode_span` for the child records of a request (its phases), which repeat a few shapes:
+        the fields after the timestamps (attributes, status, flags) are cached per shape (attributes, status,
+        flags; at most :data:`_MAX_CACHE` shapes). Children with events, links, a trace state, more than two
+        attributes or attribute values other than strings take :meth:`encode_span`."""
+        attrs = rec[R_ATTRS]
+        if rec[R_EVENTS] or rec[R_LINKS] or rec[R_TRACE_STATE] or len(attrs) > 2:
+            return self.encode_span(rec)
+        for value in attrs.values():
+            if type(value) is not str:
+                return self.encode_span(rec)
+        key = (rec[R_STATUS], rec[R_STATUS_MSG], rec[R_TRACE_FLAGS], rec[R_PARENT_REMOTE], *attrs.items())
+        tail = self._tail_cache.get(key)
+        if tail is None:
+            tail = self._tail(rec)
+            if len(self._tail_cache) < _MAX_CACHE:
+                self._tail_cache[key] = tail
+        trace_id = rec[R_TRACE_ID]
+        head = _pack_ids(0x0A10, trace_id >> 64, trace_id & _LOW64, 0x1208, rec[R_SPAN_ID])
+        parent = rec[R_PARENT_ID]
+        return b"".join((head, _pack_parent(0x2208, parent) if parent else b"",
+                         self._name_kind(rec[R_NAME], rec[R_KIND]),
+                         _pack_times(0x39, rec[R_START_NS], 0x41, rec[R_END_NS]), tail))
+
+    def _tail(self, rec: Sequence[Any]) -> bytes:
+        """The ``Span`` fields after the timestamps: attributes, events, links, status, flags."""
+        parts = []
         attr = self._attr
         for key, value in rec[R_ATTRS].items():
             if value is not None:

@@ -125,14 +125,14 @@ class ExportWorker:
                     self._metrics.record(rec)
                 except Exception as exc:  # a malformed record must not stop the exporter
                     logger.warning("zoomer-serve: could not aggregate a request record: %r", exc)
-        encode = self._encoder.encode_span
+        encode, encode_child = self._encoder.encode_span, self._encoder.encode_child
         for rec in batch:
             self.stats.records += 1
             try:
                 if rec[r.R_FLAGS] & r.F_SAMPLED:
                     self._pending.append(encode(rec))
                     for child in rec[r.R_CHILDREN] or ():
-                        self._pending.append(encode(child))
+                        self._pending.append(encode_child(child))
             except Exception as exc:  # a malformed record must not stop the exporter
                 self.stats.dropped_export += 1
                 logger.warning("zoomer-serve: could not encode a span record: %r", exc)
