@@ -258,7 +258,7 @@ class ZoomerAioServerInterceptor(ServerInterceptorCore, grpc.aio.ServerIntercept
         return isinstance(exc, asyncio.CancelledError) or context.cancelled()
 
     def _wrap_behavior(self, tracer: ServerCallTracer, behavior: Callable[..., Any], request_streaming: bool,
-                       response_streaming: bool) -> Callable[..., Any] | None:
+                       response_streaming: bool, sized: bool) -> Callable[..., Any] | None:
         # The same tests grpc.aio uses to pick how to drive a handler, so the wrapper is driven the same way.
         if response_streaming and inspect.isasyncgenfunction(behavior):
             return _wrap_async_generator(tracer, behavior, request_streaming)

@@ -181,6 +181,18 @@ def apply_status(span: Any, code: grpc.StatusCode, details: str | None, dup: boo
         attrs["error.type"] = error_type
 
 
+def _sized(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], tuple[Any, int]]:
+    """A request deserializer that also returns the size of the bytes it got (the message as received,
+    uncompressed): ``(message, size)``. What ``ByteSize()`` of the parsed message would say, except for
+    encodings longer than needed, without encoding the message again (about 4 µs for the demo's 1.6 KB
+    request)."""
+
+    def deserialize(data: bytes) -> tuple[Any, int]:
+        return deserializer(data), len(data)
+
+    return deserialize
+
+
 def message_size(message: Any) -> int:
     """Serialized size in bytes of a protobuf message (``ByteSize()``), or of bytes; 0 when unknown."""
     try:
@@ -338,6 +350,7 @@ class ServerInterceptorCore:
     """
 
     place = "grpc_server"  # where internal errors are counted
+    sized_requests = False  # unary requests reach the behavior as (message, bytes received): see _sized
 
     def __init__(self, recorder: RequestRecorder | None = None, *, server_address: str | None = None,
                  server_port: int | None = None, excluded_methods: tuple[str, ...] | None = None,
@@ -356,8 +369,9 @@ class ServerInterceptorCore:
         raise NotImplementedError
 
     def _wrap_behavior(self, tracer: ServerCallTracer, behavior: Callable[..., Any], request_streaming: bool,
-                       response_streaming: bool) -> Callable[..., Any] | None:
-        """The traced version of one handler function, or None to leave the method untraced."""
+                       response_streaming: bool, sized: bool) -> Callable[..., Any] | None:
+        """The traced version of one handler function, or None to leave the method untraced. ``sized``: the
+        request arrives as ``(message, bytes received)`` (the deserializer is wrapped by :func:`_sized`)."""
         raise NotImplementedError
 
     def _handler_for(self, handler: grpc.RpcMethodHandler | None, method: str) -> grpc.RpcMethodHandler | None:
@@ -384,7 +398,9 @@ class ServerInterceptorCore:
         kind = (bool(handler.request_streaming), bool(handler.response_streaming))
         factory, field = _HANDLER_FACTORIES[kind]
         tracer = ServerCallTracer(self, names, self._call_over)
-        behavior = self._wrap_behavior(tracer, getattr(handler, field), *kind)
+        deserializer = handler.request_deserializer
+        sized = self.sized_requests and not kind[0] and deserializer is not None
+        behavior = self._wrap_behavior(tracer, getattr(handler, field), *kind, sized)
         if behavior is None:
             return handler
-        return factory(behavior, handler.request_deserializer, handler.response_serializer)
+        return factory(behavior, _sized(deserializer) if sized else deserializer, handler.response_serializer)

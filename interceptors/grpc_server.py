@@ -30,23 +30,27 @@ def _counting(iterator: Iterator[Any], counts: list[int]) -> Iterator[Any]:
         yield message
 
 
-def _open_call(tracer: ServerCallTracer, request: Any, context: grpc.ServicerContext, streaming_request: bool
-               ) -> tuple[RequestSpan | None, Any, list[int]]:
+def _open_call(tracer: ServerCallTracer, request: Any, context: grpc.ServicerContext, streaming_request: bool,
+               sized: bool) -> tuple[RequestSpan | None, Any, list[int]]:
     """Start the call's span; ``counts`` = [request messages, request bytes, response messages, response
-    bytes], with a streamed request wrapped so that its messages are counted as the handler reads them."""
+    bytes], with a streamed request wrapped so that its messages are counted as the handler reads them;
+    ``sized``: the request is ``(message, bytes received)``. Returns the request the handler gets."""
     span = tracer.start(context)
     counts = [0, 0, 0, 0]
     if streaming_request:
         request = _counting(request, counts)
+    elif sized:
+        request, counts[1] = request
+        counts[0] = 1
     else:
         counts[0], counts[1] = 1, message_size(request)
     return span, request, counts
 
 
-def _wrap_unary_response(tracer: ServerCallTracer, behavior: Callable[..., Any], streaming_request: bool
-                         ) -> Callable[[Any, grpc.ServicerContext], Any]:
+def _wrap_unary_response(tracer: ServerCallTracer, behavior: Callable[..., Any], streaming_request: bool,
+                         sized: bool) -> Callable[[Any, grpc.ServicerContext], Any]:
     def call(request: Any, context: grpc.ServicerContext) -> Any:
-        span, request, counts = _open_call(tracer, request, context, streaming_request)
+        span, request, counts = _open_call(tracer, request, context, streaming_request, sized)
         if span is not None:
             span.activate()
         try:
@@ -66,10 +70,10 @@ def _wrap_unary_response(tracer: ServerCallTracer, behavior: Callable[..., Any],
     return call
 
 
-def _wrap_stream_response(tracer: ServerCallTracer, behavior: Callable[..., Any], streaming_request: bool
-                          ) -> Callable[[Any, grpc.ServicerContext], Iterator[Any]]:
+def _wrap_stream_response(tracer: ServerCallTracer, behavior: Callable[..., Any], streaming_request: bool,
+                          sized: bool) -> Callable[[Any, grpc.ServicerContext], Iterator[Any]]:
     def call(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        span, request, counts = _open_call(tracer, request, context, streaming_request)
+        span, request, counts = _open_call(tracer, request, context, streaming_request, sized)
         if span is not None:
             try:
                 context.add_callback(lambda: tracer.finish(span, context, None, counts))
@@ -121,6 +125,7 @@ class ZoomerServerInterceptor(ServerInterceptorCore, grpc.ServerInterceptor):
     """
 
     place = "grpc_server"
+    sized_requests = True
 
     def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
                           handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
@@ -130,7 +135,7 @@ class ZoomerServerInterceptor(ServerInterceptorCore, grpc.ServerInterceptor):
         return not context.is_active()
 
     def _wrap_behavior(self, tracer: ServerCallTracer, behavior: Callable[..., Any], request_streaming: bool,
-                       response_streaming: bool) -> Callable[..., Any]:
+                       response_streaming: bool, sized: bool) -> Callable[..., Any]:
         if response_streaming:
-            return _wrap_stream_response(tracer, behavior, request_streaming)
-        return _wrap_unary_response(tracer, behavior, request_streaming)
+            return _wrap_stream_response(tracer, behavior, request_streaming, sized)
+        return _wrap_unary_response(tracer, behavior, request_streaming, sized)
