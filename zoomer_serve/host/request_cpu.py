@@ -12,7 +12,7 @@ Why the clock is read without the interpreter lock: each read is a system call
 (``clock_gettime(CLOCK_THREAD_CPUTIME_ID)``, not served by the vDSO) that brings the scheduler's accounting up
 to date, and a thread past its time slice is preempted right there. ``time.thread_time_ns`` holds the
 interpreter lock through the call, so in a busy multi-threaded server the other request threads queued on the
-lock: on the 2-core benchmark machine (Linux 6.18) about 4 more voluntary context switches and 60 to 90 µs
+lock: on the 2-core benchmark machine (Linux 6.18) 3 to 4 more voluntary context switches and 36 to 92 µs
 more CPU per demo-model request. :data:`thread_cpu_ns` makes the same call through ``ctypes``, which lets go
 of the lock around it: the extra switches are gone and the cost is about 30 µs lower (benchmarks/RESULTS.md).
 Only the end read goes that way: by then the request has run for a while and its slice is likely spent, while
