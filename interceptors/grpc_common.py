@@ -225,8 +225,8 @@ def final_status(context: Any, exc: BaseException | None, call_over: bool
                  ) -> tuple[grpc.StatusCode, str | None, str | None]:
     """The status the client sees, as ``(code, details, error_type)``: the code the handler set
     (``set_code``, ``abort``), else CANCELLED / DEADLINE_EXCEEDED when the call ended under the handler
-    (``call_over``; DEADLINE_EXCEEDED when at most ``DEADLINE_SLACK_S`` remains), else UNKNOWN for an exception (``error_type`` =
-    its type), else OK. ``context`` is a sync or an aio ``ServicerContext``."""
+    (``call_over``; DEADLINE_EXCEEDED when at most ``DEADLINE_SLACK_S`` remains), else UNKNOWN for an
+    exception (``error_type`` = its type), else OK. ``context`` is a sync or an aio ``ServicerContext``."""
     code = context.code()
     if code is not None and code is not grpc.StatusCode.OK:
         return code, _details(context), None

@@ -94,7 +94,8 @@ import numpy as np
 
 # Never let DuckDB fetch or load extensions on its own (a SQLite file would make it download sqlite_scanner):
 # a store is plain DuckDB, and this process must not reach the network because of a file it was given.
-NO_EXTENSION_DOWNLOADS: dict[str, str | bool | int | float | list[str]] = {"autoinstall_known_extensions": False, "autoload_known_extensions": False}
+NO_EXTENSION_DOWNLOADS: dict[str, str | bool | int | float | list[str]] = {
+    "autoinstall_known_extensions": False, "autoload_known_extensions": False}
 
 log = logging.getLogger(__name__)
 

@@ -240,10 +240,11 @@ class NvmlSampler:
         self.latest[dev.uuid] = values
 
     def _fields(self, dev: NvmlDevice) -> list[tuple[str, Callable[[NvmlDevice, Values, float], None]]]:
-        fields: list[tuple[str, Callable[[NvmlDevice, Values, float], None]]] = [("utilization", self._utilization), ("memory", self._memory), ("bar1_memory", self._bar1),
-                  ("power", self._power), ("energy", self._energy), ("pcie_throughput", self._pcie),
-                  ("sm_clock", self._sm_clock), ("temperature", self._temperature),
-                  ("clock_event_reasons", self._clock_events), ("process_memory", self._process_memory)]
+        fields: list[tuple[str, Callable[[NvmlDevice, Values, float], None]]] = [
+            ("utilization", self._utilization), ("memory", self._memory), ("bar1_memory", self._bar1),
+            ("power", self._power), ("energy", self._energy), ("pcie_throughput", self._pcie),
+            ("sm_clock", self._sm_clock), ("temperature", self._temperature),
+            ("clock_event_reasons", self._clock_events), ("process_memory", self._process_memory)]
         if dev.gpm:
             fields.append(("gpm", self._gpm))
         return fields
