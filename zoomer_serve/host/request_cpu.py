@@ -3,10 +3,10 @@
 
 ``on_start`` reads the thread's CPU time (``time.thread_time_ns``) and the thread id; ``on_end`` reads them again
 (the clock through :data:`thread_cpu_ns`) and, when the span ends on the thread it started on, sets the
-difference. Spans that start on an asyncio event
-loop are skipped (the loop's thread runs many requests at once), and so are spans that end on another thread (a
-streaming response finished from gRPC's callback thread). Cost: two clock reads, two thread-id reads and one
-dict insert and pop per request (a few µs in a hot loop; see ``benchmarks/_bench_host.py``).
+difference. Spans that start on an asyncio event loop are skipped (the loop's thread runs many requests at
+once), and so are spans that end on another thread (a streaming response finished from gRPC's callback
+thread). Cost: two clock reads, two thread-id reads and one dict insert and pop per request (a few µs in a hot
+loop; see ``benchmarks/_bench_host.py``).
 
 Why the clock is read without the interpreter lock: each read is a system call
 (``clock_gettime(CLOCK_THREAD_CPUTIME_ID)``, not served by the vDSO) that brings the scheduler's accounting up
