@@ -198,6 +198,9 @@ def test_admin_access_rules() -> None:
         AdminConfig(token="t", open_loopback=True)
     with pytest.raises(ConfigError, match="ZOOMER_ADMIN_OPEN_LOOPBACK"):
         AdminConfig.from_env({"ZOOMER_ADMIN_OPEN_LOOPBACK": "yes please"})
+    # the same words as every other ZOOMER_* switch (it once took only true/false/1/0)
+    assert [AdminConfig.from_env({"ZOOMER_ADMIN_OPEN_LOOPBACK": word}).open_loopback
+            for word in ("yes", "On", " 1 ", "no", "off", "FALSE", "")] == [True, True, True, False, False, False, False]
     with pytest.raises(ConfigError, match="ZOOMER_ADMIN_TOKEN is set but empty"):
         AdminConfig.from_env({"ZOOMER_ADMIN_TOKEN": " "})
 

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from zoomer_serve import envvars
 from zoomer_serve.config import ConfigError
 
 MAX_REQUESTS_CAP = 1000
@@ -234,11 +235,9 @@ class AdminConfig:
         values: dict[str, object] = {}
         if "ZOOMER_ADMIN_TOKEN" in env:
             values["token"] = env["ZOOMER_ADMIN_TOKEN"]
-        raw = env.get("ZOOMER_ADMIN_OPEN_LOOPBACK", "").strip().lower()
-        if raw:
-            if raw not in ("true", "false", "1", "0"):
-                raise ConfigError(f"ZOOMER_ADMIN_OPEN_LOOPBACK must be true or false, got {raw!r}")
-            values["open_loopback"] = raw in ("true", "1")
+        if (env.get("ZOOMER_ADMIN_OPEN_LOOPBACK") or "").strip():
+            values["open_loopback"] = envvars.switch(env, "ZOOMER_ADMIN_OPEN_LOOPBACK", False, ConfigError,
+                                                     "true or false")
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
 
