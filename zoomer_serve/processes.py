@@ -1,12 +1,30 @@
-"""Small helpers for the child processes zoomer-serve starts (export helper, demo collector and server):
-they announce themselves with JSON lines on stdout, which the parent waits for with a timeout."""
+"""Small helpers for the child processes zoomer-serve starts (export helper, demo collector and server,
+post-processing of profiles): long-lived ones announce themselves with JSON lines on stdout, which the parent
+waits for with a timeout."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import Any
+
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])  # the folder that holds zoomer_serve/
+
+
+def run_module(module: str, args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m MODULE ARGS...`` with this interpreter, this package importable (its folder first on
+    ``PYTHONPATH``), output captured as text, and wait for it.
+
+    Raises:
+        subprocess.TimeoutExpired: it ran longer than ``timeout_s`` seconds (it is killed).
+    """
+    path = os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, "-m", module, *args], env=dict(os.environ, PYTHONPATH=path),
+                          capture_output=True, text=True, timeout=timeout_s)
 
 
 def wait_for_event(proc: subprocess.Popen[bytes], event: str, timeout_s: float) -> dict[str, Any] | None:
@@ -41,8 +59,6 @@ def start_zoomer_command(argv: list[str], env: dict[str, str], what: str, timeou
     Raises:
         RuntimeError: naming ``what``, when it exits or stays silent for ``timeout_s`` seconds (it is killed).
     """
-    import sys
-
     proc = subprocess.Popen([sys.executable, "-m", "zoomer_serve", *argv], stdout=subprocess.PIPE, env=env)
     ready = wait_for_event(proc, "ready", timeout_s)
     if ready is None:

@@ -55,6 +55,7 @@ from zoomer_serve.host.speedscope import (
     SampledProfile,
     write_speedscope,
 )
+from zoomer_serve.processes import run_module
 
 logger = logging.getLogger("zoomer_serve.host")
 SPEEDSCOPE_SUFFIX = ".cpu.speedscope.json"
@@ -208,13 +209,11 @@ class CpuProfiler:
         from zoomer_serve.host.cpu_postprocess import EXIT_EMPTY
 
         root = str(Path(__file__).resolve().parents[2])
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
         strip = [a for p in (*sys.path, root) if p and os.path.isabs(p) for a in ("--strip", p)]
-        cmd = [sys.executable, "-m", "zoomer_serve.host.cpu_postprocess", str(speedscope), str(collapsed),
-               str(digest), "--rate-hz", str(self.config.cpu_profile_rate_hz), "--top",
-               str(self.config.cpu_profile_top), *strip]
+        args = [str(speedscope), str(collapsed), str(digest), "--rate-hz", str(self.config.cpu_profile_rate_hz),
+                "--top", str(self.config.cpu_profile_top), *strip]
         try:
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=POSTPROCESS_TIMEOUT_S)
+            done = run_module("zoomer_serve.host.cpu_postprocess", args, POSTPROCESS_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"post-processing the CPU profile took longer than {POSTPROCESS_TIMEOUT_S:.0f} s"
                                ) from None

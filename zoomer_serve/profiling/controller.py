@@ -39,13 +39,13 @@ import logging
 import os
 import re
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from zoomer_serve.processes import run_module
 from zoomer_serve.profiling.capture import Activities, Capture, CaptureError
 from zoomer_serve.profiling.config import (
     TRIGGER_ON_DEMAND,
@@ -350,12 +350,10 @@ class ProfilerController:
     def _postprocess(self, raw: Path, packed: Path, digest: Path) -> TraceSummary:
         from zoomer_serve.profiling.postprocess import EXIT_EMPTY
 
-        root = str(Path(__file__).resolve().parents[2])
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
         try:
-            done = subprocess.run([sys.executable, "-m", "zoomer_serve.profiling.postprocess", str(raw), str(packed),
-                                   str(digest), "--top-kernels", str(self.config.top_kernels)], env=env,
-                                  capture_output=True, text=True, timeout=self.config.postprocess_timeout_ms / 1000)
+            done = run_module("zoomer_serve.profiling.postprocess",
+                              [str(raw), str(packed), str(digest), "--top-kernels", str(self.config.top_kernels)],
+                              self.config.postprocess_timeout_ms / 1000)
         except subprocess.TimeoutExpired:
             raise CaptureError(f"post-processing the trace took longer than {self.config.postprocess_timeout_ms} "
                                "ms") from None
