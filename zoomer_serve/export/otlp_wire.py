@@ -165,18 +165,7 @@ class SpanEncoder:
 
     def encode_span(self, rec: Sequence[Any]) -> bytes:
         """Encode one span record as an OTLP ``Span`` message body."""
-        trace_id = rec[R_TRACE_ID]
-        parts = [_pack_ids(0x0A10, trace_id >> 64, trace_id & _LOW64, 0x1208, rec[R_SPAN_ID])]
-        trace_state = rec[R_TRACE_STATE]
-        if trace_state:
-            parts.append(_ld(0x1A, trace_state.encode()))
-        parent = rec[R_PARENT_ID]
-        if parent:
-            parts.append(_pack_parent(0x2208, parent))
-        parts.append(self._name_kind(rec[R_NAME], rec[R_KIND]))
-        parts.append(_pack_times(0x39, rec[R_START_NS], 0x41, rec[R_END_NS]))
-        parts.append(self._tail(rec))
-        return b"".join(parts)
+        return self._head(rec) + self._tail(rec)
 
     def encode_child(self, rec: Sequence[Any]) -> bytes:
         """:meth:`encode_span` for the child records of a request (its phases), which repeat a few shapes:
@@ -195,12 +184,21 @@ class SpanEncoder:
             tail = self._tail(rec)
             if len(self._tail_cache) < _MAX_CACHE:
                 self._tail_cache[key] = tail
+        return self._head(rec) + tail
+
+    def _head(self, rec: Sequence[Any]) -> bytes:
+        """The ``Span`` fields up to the timestamps: ids, trace state, parent, name, kind, start and end."""
         trace_id = rec[R_TRACE_ID]
-        head = _pack_ids(0x0A10, trace_id >> 64, trace_id & _LOW64, 0x1208, rec[R_SPAN_ID])
+        parts = [_pack_ids(0x0A10, trace_id >> 64, trace_id & _LOW64, 0x1208, rec[R_SPAN_ID])]
+        trace_state = rec[R_TRACE_STATE]
+        if trace_state:
+            parts.append(_ld(0x1A, trace_state.encode()))
         parent = rec[R_PARENT_ID]
-        return b"".join((head, _pack_parent(0x2208, parent) if parent else b"",
-                         self._name_kind(rec[R_NAME], rec[R_KIND]),
-                         _pack_times(0x39, rec[R_START_NS], 0x41, rec[R_END_NS]), tail))
+        if parent:
+            parts.append(_pack_parent(0x2208, parent))
+        parts.append(self._name_kind(rec[R_NAME], rec[R_KIND]))
+        parts.append(_pack_times(0x39, rec[R_START_NS], 0x41, rec[R_END_NS]))
+        return b"".join(parts)
 
     def _tail(self, rec: Sequence[Any]) -> bytes:
         """The ``Span`` fields after the timestamps: attributes, events, links, status, flags."""
