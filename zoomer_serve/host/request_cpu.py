@@ -29,6 +29,7 @@ import time
 from asyncio import _get_running_loop as _running_loop  # C function: this thread's running loop or None
 from collections.abc import Callable
 from threading import get_ident as _thread_id
+from time import thread_time_ns as _thread_time_ns
 
 from zoomer_serve.host.names import REQUEST_CPU_TIME
 from zoomer_serve.recording import RequestSpan
@@ -63,17 +64,17 @@ def _unlocked_thread_clock() -> Callable[[], int] | None:
         except AttributeError:
             ts = local.ts = Timespec()
         if clock_gettime(clock_id, ts):
-            return time.thread_time_ns()
+            return _thread_time_ns()
         return ts.tv_sec * 1_000_000_000 + ts.tv_nsec
 
-    before = time.thread_time_ns()
+    before = _thread_time_ns()
     value = read()
-    if not before <= value <= time.thread_time_ns():
+    if not before <= value <= _thread_time_ns():
         return None
     return read
 
 
-thread_cpu_ns: Callable[[], int] = _unlocked_thread_clock() or time.thread_time_ns
+thread_cpu_ns: Callable[[], int] = _unlocked_thread_clock() or _thread_time_ns
 """The calling thread's CPU time in ns (user + system; ``clock_gettime(CLOCK_THREAD_CPUTIME_ID)``), read without
 holding the interpreter lock where ``ctypes`` can call libc (see the module docstring), else
 ``time.thread_time_ns``."""
@@ -111,7 +112,7 @@ class RequestCpuTimeObserver:
                 logger.warning("zoomer-serve: %d request spans are open at once; new ones get no %s (counted)",
                                MAX_OPEN, REQUEST_CPU_TIME)
             return
-        self._open[span] = (_thread_id(), time.thread_time_ns())
+        self._open[span] = (_thread_id(), _thread_time_ns())
 
     def on_end(self, span: RequestSpan) -> None:
         entry = self._open.pop(span, None)
