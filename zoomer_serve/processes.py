@@ -12,7 +12,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])  # the folder that holds zoomer_serve/
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
+"""The folder that holds ``zoomer_serve/`` (put first on the children's ``PYTHONPATH``)."""
 
 
 def run_module(module: str, args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
@@ -22,7 +23,7 @@ def run_module(module: str, args: list[str], timeout_s: float) -> subprocess.Com
     Raises:
         subprocess.TimeoutExpired: it ran longer than ``timeout_s`` seconds (it is killed).
     """
-    path = os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)
+    path = os.pathsep.join(p for p in (PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)
     return subprocess.run([sys.executable, "-m", module, *args], env=dict(os.environ, PYTHONPATH=path),
                           capture_output=True, text=True, timeout=timeout_s)
 

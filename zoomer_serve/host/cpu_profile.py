@@ -55,7 +55,7 @@ from zoomer_serve.host.speedscope import (
     SampledProfile,
     write_speedscope,
 )
-from zoomer_serve.processes import run_module
+from zoomer_serve.processes import PACKAGE_ROOT, run_module
 
 logger = logging.getLogger("zoomer_serve.host")
 SPEEDSCOPE_SUFFIX = ".cpu.speedscope.json"
@@ -208,8 +208,7 @@ class CpuProfiler:
         active sample. Raises RuntimeError with the child's message on failure."""
         from zoomer_serve.host.cpu_postprocess import EXIT_EMPTY
 
-        root = str(Path(__file__).resolve().parents[2])
-        strip = [a for p in (*sys.path, root) if p and os.path.isabs(p) for a in ("--strip", p)]
+        strip = [a for p in (*sys.path, PACKAGE_ROOT) if p and os.path.isabs(p) for a in ("--strip", p)]
         args = [str(speedscope), str(collapsed), str(digest), "--rate-hz", str(self.config.cpu_profile_rate_hz),
                 "--top", str(self.config.cpu_profile_top), *strip]
         try:
