@@ -134,8 +134,7 @@ class ExportPipeline:
         spans = sum(map(r.exported_spans, batch))
         self.submitted += spans
         if self._broken:
-            self.dropped += spans
-            self.dropped_records += len(batch)
+            self._lose(spans, len(batch))
             return
         try:
             if self._worker is not None:
@@ -146,14 +145,17 @@ class ExportPipeline:
                     stdin.write(frame)
                     stdin.flush()  # a system call: request threads waiting for the interpreter get it here
             else:
-                self.dropped += spans
-                self.dropped_records += len(batch)
+                self._lose(spans, len(batch))
         except (BrokenPipeError, OSError, ValueError) as exc:
             self._broken = True
-            self.dropped += spans
-            self.dropped_records += len(batch)
+            self._lose(spans, len(batch))
             logger.warning("zoomer-serve: the export helper process is gone (%r); spans are now dropped "
                            "and counted (logged once)", exc)
+
+    def _lose(self, spans: int, records: int) -> None:
+        """Count a batch that will not reach the worker: its sampled spans and its records."""
+        self.dropped += spans
+        self.dropped_records += records
 
     def _frames(self, batch: list[tuple[Any, ...]]) -> Iterator[bytes]:
         """The helper's frames for ``batch``, made one at a time: length header + pickled ``(dropped so far,
