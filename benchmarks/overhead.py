@@ -359,8 +359,9 @@ def _one_round(res: Results, kind: str, rnd: int, col: dict[str, Any], client: C
     order = configs[shift:] + configs[:shift]
     servers: dict[str, tuple[Child, dict[str, Any], str]] = {}
     started: dict[str, tuple[Child, str]] = {}
+    rows = (*order, *plan.reference_rows(kind))
     try:
-        for config in (*order, *plan.reference_rows(kind)):  # all start at once (start-up is not measured)
+        for config in rows:  # all start at once (start-up is not measured)
             service = f"bench-{kind}-{config.replace(REFERENCE_SEP, '-')}-r{rnd}"
             res.services.setdefault((kind, config), []).append(service)
             server = Child(_python("_bench_server.py") + list(row_kind_config(kind, config)),
@@ -371,7 +372,7 @@ def _one_round(res: Results, kind: str, rnd: int, col: dict[str, Any], client: C
         for config, (server, service) in started.items():
             servers[config] = (server, server.expect(180, "ready"), service)
             res.helper_pids[service] = servers[config][1]["helper_pids"]
-        _paired_phase(res, kind, rnd, (*order, *plan.reference_rows(kind)), servers, col, client)
+        _paired_phase(res, kind, rnd, rows, servers, col, client)
         threads = plan.threads if rnd % 2 == 0 else tuple(reversed(plan.threads))
         for n in threads:
             _log(f"round {rnd + 1}/{plan.rounds}  {kind:<6} {n} client thread(s): {', '.join(order)} ...")
