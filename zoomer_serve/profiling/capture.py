@@ -73,12 +73,7 @@ class Capture:
             raise CaptureError("this torch build has no Kineto profiler")
         if profiler_active():
             raise CaptureError("another torch.profiler session is already running in this process")
-        try:
-            experimental = torch.profiler._ExperimentalConfig(profile_all_threads=True,
-                                                               trace_only=not self.options.with_stack)
-        except TypeError as exc:
-            raise CaptureError(f"torch {torch.__version__} cannot profile all threads "
-                               f"(_ExperimentalConfig(profile_all_threads=...) is missing): {exc}") from None
+        experimental = _experimental_config(trace_only=not self.options.with_stack)
         opts = self.options
         if self.activities.cuda:
             _keep_cupti_for_cuda_graphs()
@@ -110,6 +105,23 @@ class Capture:
             self._prof.export_chrome_trace(str(path))
         except Exception as exc:
             raise CaptureError(f"exporting the trace to {path} failed: {exc!r}") from exc
+
+
+def _experimental_config(trace_only: bool) -> Any:
+    """Kineto's ``_ExperimentalConfig`` with ``profile_all_threads`` and, where this torch has it (2.13 has,
+    2.11 has not), ``trace_only`` (no Python event tree built at stop; only the trace is exported). Raises
+    CaptureError: this torch cannot profile all threads."""
+    import torch
+
+    try:
+        return torch.profiler._ExperimentalConfig(profile_all_threads=True, trace_only=trace_only)
+    except TypeError:
+        pass
+    try:
+        return torch.profiler._ExperimentalConfig(profile_all_threads=True)
+    except TypeError as exc:
+        raise CaptureError(f"torch {torch.__version__} cannot profile all threads "
+                           f"(_ExperimentalConfig(profile_all_threads=...) is missing): {exc}") from None
 
 
 def _keep_cupti_for_cuda_graphs() -> None:
