@@ -105,6 +105,34 @@ def test_a_span_ended_on_another_thread_gets_no_cpu_time() -> None:
     assert observer.skipped_other_thread == 1 and observer.open_spans == 0
 
 
+def test_unsampled_spans_make_no_clock_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unsampled span is not exported, so nothing would carry its CPU time: the observer reads no clock for it
+    (each read is a system call that costs the demo model tens of µs in place, benchmarks/RESULTS.md) and counts
+    it in ``skipped_unsampled``. Sampled spans in the same recorder still get the attribute."""
+    from zoomer_serve.host import request_cpu
+    from zoomer_serve.recording import RequestRecorder
+    from zoomer_serve.recording.propagation import parse_traceparent
+    from zoomer_serve.recording.sampling import Sampler
+
+    reads: list[str] = []
+    start_clock, end_clock = request_cpu._thread_time_ns, request_cpu.thread_cpu_ns
+    monkeypatch.setattr(request_cpu, "_thread_time_ns", lambda: reads.append("start") or start_clock())
+    monkeypatch.setattr(request_cpu, "thread_cpu_ns", lambda: reads.append("end") or end_clock())
+    recorder = RequestRecorder(sampler=Sampler("parentbased_traceidratio", 0.0), otel_context=False)
+    observer = RequestCpuTimeObserver()
+    recorder.add_observer(observer)
+    dropped = recorder.start("svc/Ratio0")  # a root span under ratio 0: not sampled
+    not_sampled = recorder.start("svc/Child", parent=parse_traceparent(f"00-{'a' * 32}-{'b' * 16}-00"))
+    sampled = recorder.start("svc/Child", parent=parse_traceparent(f"00-{'c' * 32}-{'d' * 16}-01"))
+    for span in (dropped, not_sampled, sampled):
+        span.end()
+    assert not dropped.sampled and not not_sampled.sampled and sampled.sampled
+    assert reads == ["start", "end"]
+    assert REQUEST_CPU_TIME in sampled.attributes
+    assert REQUEST_CPU_TIME not in dropped.attributes and REQUEST_CPU_TIME not in not_sampled.attributes
+    assert observer.skipped_unsampled == 2 and observer.open_spans == 0
+
+
 def test_the_clock_reads_this_threads_cpu_time_without_the_interpreter_lock() -> None:
     """On Linux the reader is the ctypes call (which releases the interpreter lock around the system call), not
     the ``time.thread_time_ns`` fallback, and it gives the same clock: each thread its own CPU time, in ns."""

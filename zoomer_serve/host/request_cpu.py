@@ -1,12 +1,13 @@
-"""Per-request CPU time: a request observer that puts the thread CPU time of each SERVER span on it as
-``zoomer.request.cpu_time_ns`` (see :mod:`zoomer_serve.host.names`), next to the span's wall time.
+"""Per-request CPU time: a request observer that puts the thread CPU time of each sampled SERVER span on it as
+``zoomer.request.cpu_time_ns`` (see :mod:`zoomer_serve.host.names`), next to the span's wall time. An unsampled
+span is not exported, so no clock is read for it.
 
 ``on_start`` reads the thread's CPU time (``time.thread_time_ns``) and the thread id; ``on_end`` reads them again
 (the clock through :data:`thread_cpu_ns`) and, when the span ends on the thread it started on, sets the
 difference. Spans that start on an asyncio event loop are skipped (the loop's thread runs many requests at
 once), and so are spans that end on another thread (a streaming response finished from gRPC's callback
 thread). Cost: two clock reads, two thread-id reads and one dict insert and pop per request (a few µs in a hot
-loop; see ``benchmarks/_bench_host.py``).
+loop; see ``benchmarks/_bench_host.py``), but in a busy server the end read costs far more (below).
 
 Why the clock is read without the interpreter lock: each read is a system call
 (``clock_gettime(CLOCK_THREAD_CPUTIME_ID)``, not served by the vDSO) that brings the scheduler's accounting up
@@ -17,7 +18,10 @@ more CPU per demo-model request. :data:`thread_cpu_ns` makes the same call throu
 of the lock around it: the extra switches are gone and the cost is about 30 µs lower (benchmarks/RESULTS.md).
 Only the end read goes that way: by then the request has run for a while and its slice is likely spent, while
 at the start the thread has just been woken with a fresh slice, and letting go of the lock there would only
-make the request wait to get it back.
+make the request wait to get it back. Even so the end read costs the demo model 35 to 45 µs of CPU per request
+on that machine (the start read nothing measurable): the preemption it triggers still happens, just without
+the lock held. No other precise per-thread clock avoids it (``getrusage`` moves only at ticks and switches; a
+perf ``task-clock`` event costs as much); benchmarks/RESULTS.md, runs of 2026-11-30.
 ``ZOOMER_HOST_REQUEST_CPU_TIME=false`` turns the attribute off.
 """
 
@@ -85,22 +89,27 @@ MAX_OPEN = 65_536
 
 class RequestCpuTimeObserver:
     """A :class:`~zoomer_serve.recording.recorder.RequestObserver` (``recorder.add_observer``) that sets
-    ``zoomer.request.cpu_time_ns`` (int, ns) on SERVER spans that start and end on one OS thread.
+    ``zoomer.request.cpu_time_ns`` (int, ns) on sampled SERVER spans that start and end on one OS thread.
 
     Counters of the spans left without the attribute (approximate under concurrency; for tests and
-    diagnostics): ``skipped_event_loop`` (started on an asyncio loop),
+    diagnostics): ``skipped_unsampled`` (not sampled, so not exported: no clock is read for them),
+    ``skipped_event_loop`` (started on an asyncio loop),
     ``skipped_other_thread`` (ended on another thread), ``skipped_full`` (more than :data:`MAX_OPEN` open).
     """
 
     def __init__(self) -> None:
         self._open: dict[RequestSpan, tuple[int, int]] = {}
         self.skipped_event_loop = 0
+        self.skipped_unsampled = 0
         self.skipped_other_thread = 0
         self.skipped_full = 0
         self._warned = False
 
     def on_start(self, span: RequestSpan) -> None:
         if span.kind != r.KIND_SERVER:
+            return
+        if not span.trace_flags & 1:  # not exported: nothing would carry the value
+            self.skipped_unsampled += 1
             return
         if _running_loop() is not None:
             self.skipped_event_loop += 1
