@@ -18,9 +18,9 @@ more CPU per demo-model request. :data:`thread_cpu_ns` makes the same call throu
 of the lock around it: the extra switches are gone and the cost is about 30 µs lower (benchmarks/RESULTS.md).
 Only the end read goes that way: by then the request has run for a while and its slice is likely spent, while
 at the start the thread has just been woken with a fresh slice, and letting go of the lock there would only
-make the request wait to get it back. Even so the end read costs the demo model 35 to 45 µs of CPU per request
-on that machine (the start read nothing measurable): the preemption it triggers still happens, just without
-the lock held. No other precise per-thread clock avoids it (``getrusage`` moves only at ticks and switches; a
+make the request wait to get it back. Even so the reads cost the demo model 50 to 110 µs of CPU per request on
+that machine, nearly all of it the end read (the start read alone: nothing measurable): the preemption it
+triggers still happens, just without the lock held. No other precise per-thread clock avoids it (``getrusage`` moves only at ticks and switches; a
 perf ``task-clock`` event costs as much); benchmarks/RESULTS.md, runs of 2026-11-30.
 ``ZOOMER_HOST_REQUEST_CPU_TIME=false`` turns the attribute off.
 """
