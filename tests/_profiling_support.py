@@ -86,7 +86,7 @@ def check_profile_export(rows: list[dict[str, Any]], session_id: str, covered: s
                          trigger: str) -> dict[str, Any]:
     """The store holds exactly one ``zoomer.profile`` span of ``session_id``, linked to exactly the
     ``covered`` request spans, which are SERVER spans in the store, each with one ``zoomer.profile.request``
-    child inside its time range. Returns the profile span row."""
+    child inside its time range (with CPU operators when the request succeeded). Returns the profile span row."""
     profiles = [r for r in rows if r["name"] == "zoomer.profile"
                 and r["attributes"]["zoomer.profile.session_id"] == session_id]
     assert len(profiles) == 1, [r["attributes"] for r in rows if r["name"] == "zoomer.profile"]
@@ -105,7 +105,9 @@ def check_profile_export(rows: list[dict[str, Any]], session_id: str, covered: s
     for child in children:
         parent = servers[(child["trace_id"], child["parent_span_id"])]
         assert parent["start_ns"] <= child["start_ns"] < child["end_ns"] <= parent["end_ns"]
-        assert child["attributes"]["zoomer.profile.cpu_op.count"] > 0
+        ops = child["attributes"]["zoomer.profile.cpu_op.count"]
+        # an OK request ran the model; a rejected one may have ended before any operator (count checks)
+        assert ops > 0 if parent["attributes"]["rpc.response.status_code"] == "OK" else ops >= 0
         assert child["attributes"]["zoomer.profile.kernel.count"] == 0  # CPU-only torch here
         assert [(lk["trace_id"], lk["span_id"]) for lk in child["links"]] == [(profile["trace_id"],
                                                                               profile["span_id"])]

@@ -281,3 +281,35 @@ def test_outside_a_session_requests_make_no_profiler_calls(model: DLRM, telemetr
     assert served.controller.last is not None and served.controller.last.requests == 10
     assert calls["increment_step"] == 10
     assert calls["record_function"] >= 10  # the request ranges, plus the phases inside them
+
+
+def test_a_request_rejected_before_any_torch_work_is_covered_with_no_ops(model: DLRM, telemetry: Any,
+                                                                         collector: Any, profiles_dir: Path) -> None:
+    """A covered request that the demo rejects while checking counts (INVALID_ARGUMENT before any tensor is
+    built) has a request range with no operators in it: its ``zoomer.profile.request`` child says 0 CPU ops, and
+    the export checks accept it (the steady-state trigger test covered such a request from the default load's
+    2 % of invalid ones, and its check failed, once in a fresh clone's run)."""
+    import numpy as np
+
+    from zoomer_serve.demo import ranker_pb2_grpc
+    from zoomer_serve.demo.load import InvalidKind, make_request
+
+    rng = np.random.default_rng(3)
+    with serve_with_profiling(telemetry, model, profiles_dir) as served:
+        assert served.controller.start(SessionOptions(max_requests=2)).session is not None
+        with grpc.insecure_channel(served.target) as channel:
+            stub = ranker_pb2_grpc.RankerStub(channel)
+            with pytest.raises(grpc.RpcError) as rejected:
+                stub.Predict(make_request(rng, 4, invalid_kind=InvalidKind.EMPTY_BATCH), timeout=30)
+            assert rejected.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert len(stub.Predict(make_request(rng, 4), timeout=30).scores) == 4
+        assert served.controller.wait_idle(60)
+    info = served.controller.last
+    assert info is not None and info.outcome == "done" and info.requests == 2
+    ranges = request_ranges(read_chrome_trace(Path(info.trace_path)))
+    rows = collector.spans()
+    check_profile_export(rows, info.session_id, set(ranges), "on_demand")
+    servers = {r["span_id"]: r for r in rows if r["kind"] == "SERVER"}
+    ops = {servers[c["parent_span_id"]]["attributes"]["rpc.response.status_code"]:
+           c["attributes"]["zoomer.profile.cpu_op.count"] for c in rows if c["name"] == "zoomer.profile.request"}
+    assert ops["INVALID_ARGUMENT"] == 0 and ops["OK"] > 0, ops
