@@ -287,8 +287,8 @@ def test_a_request_rejected_before_any_torch_work_is_covered_with_no_ops(model: 
                                                                          collector: Any, profiles_dir: Path) -> None:
     """A covered request that the demo rejects while checking counts (INVALID_ARGUMENT before any tensor is
     built) has a request range with no operators in it: its ``zoomer.profile.request`` child says 0 CPU ops, and
-    the export checks accept it (the steady-state trigger test covered such a request from the default load's
-    2 % of invalid ones, and its check failed, once in a fresh clone's run)."""
+    the export checks accept it. (The steady-state trigger test failed this check once in a fresh clone's run;
+    its load is 2 % invalid requests, and this is the failure such a request in its session gives.)"""
     import numpy as np
 
     from zoomer_serve.demo import ranker_pb2_grpc
