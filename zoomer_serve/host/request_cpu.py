@@ -20,8 +20,9 @@ Only the end read goes that way: by then the request has run for a while and its
 at the start the thread has just been woken with a fresh slice, and letting go of the lock there would only
 make the request wait to get it back. Even so the reads cost the demo model 50 to 110 µs of CPU per request on
 that machine, nearly all of it the end read (the start read alone: nothing measurable): the preemption it
-triggers still happens, just without the lock held. No other precise per-thread clock avoids it (``getrusage`` moves only at ticks and switches; a
-perf ``task-clock`` event costs as much); benchmarks/RESULTS.md, runs of 2026-11-30.
+triggers still happens, just without the lock held. No other precise per-thread clock avoids it
+(``getrusage`` moves only at ticks and switches; a perf ``task-clock`` event costs as much; benchmarks/RESULTS.md,
+runs of 2026-11-30).
 ``ZOOMER_HOST_REQUEST_CPU_TIME=false`` turns the attribute off.
 """
 
