@@ -349,6 +349,39 @@ def test_request_labels_round_trip_and_give_gpu_time_per_request(tmp_path: Path)
     assert found.severity == "high" and "inside 1 of 6 requests" in found.summary
 
 
+def test_a_request_with_ranges_on_two_threads_is_one_request() -> None:
+    """A request whose model ran in an executor thread has its range on the loop thread and one on the executor
+    thread (opened by its phases): one row of GPU time with the launches of both, its time counted once, and one
+    request for the host-sync finding, which finds the executor thread's sync inside it."""
+    a, b = request_label(1, 1), request_label(2, 2)
+
+    def x(cat: str, name: str, tid: int, ts: float, dur: float, **args: Any) -> dict[str, Any]:
+        return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+    evs = [
+        x("user_annotation", a, 1, 0, 100), x("user_annotation", a, 2, 10, 50),  # loop thread, executor
+        x("user_annotation", b, 1, 200, 50),
+        x("cuda_runtime", "cudaLaunchKernel", 2, 12, 2, correlation=1),
+        x("cuda_runtime", "cudaLaunchKernel", 2, 20, 2, correlation=2),
+        x("cuda_runtime", "cudaDeviceSynchronize", 2, 30, 20, correlation=3),
+        x("cuda_runtime", "cudaLaunchKernel", 1, 210, 2, correlation=4),
+        {**x("kernel", "gemm", 7, 15, 20, correlation=1, device=0, stream=7), "pid": 0},
+        {**x("kernel", "relu", 7, 40, 30, correlation=2, device=0, stream=7), "pid": 0},
+        {**x("kernel", "add", 7, 215, 5, correlation=4, device=0, stream=7), "pid": 0},
+    ]
+    t = load_trace_bytes(json.dumps({"traceEvents": evs}).encode())
+    rows = {(r["trace_id"], r["span_id"]): r for r in request_gpu_time(t).rows()}
+    assert len(rows) == 2
+    first = rows[("0" * 31 + "1", "0" * 15 + "1")]
+    assert (first["start_us"], first["cpu_time_us"], first["gpu_time_us"], first["gpu_ops"]) == (0.0, 100.0, 50.0, 2)
+    assert (first["gpu_span_us"], first["tid"]) == (55.0, 1)
+    second = rows[("0" * 31 + "2", "0" * 15 + "2")]
+    assert (second["cpu_time_us"], second["gpu_time_us"], second["gpu_ops"]) == (50.0, 5.0, 1)
+    found = by_id(detect_trace(t), "cuda.host-sync")[0]
+    assert found.evidence["in_requests_count"] == 1 and found.evidence["requests_with_sync_count"] == 1
+    assert found.evidence["requests_in_trace_count"] == 2 and "inside 1 of 2 requests" in found.summary
+
+
 # ---- detectors --------------------------------------------------------------------------------------------
 
 

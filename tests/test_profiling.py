@@ -29,7 +29,7 @@ from _profiling_support import (
 
 from zoomer_serve.demo.load import drive_load
 from zoomer_serve.demo.model import DLRM, build_model
-from zoomer_serve.profiling import AdminConfig, Result, SessionOptions, State
+from zoomer_serve.profiling import AdminConfig, Result, SessionOptions, State, parse_request_label
 from zoomer_serve.profiling.client import ProfilerClient, ProfilerControlError
 
 LOAD = {"clients": 2, "batch_size": 8}
@@ -313,3 +313,72 @@ def test_a_request_rejected_before_any_torch_work_is_covered_with_no_ops(model: 
     ops = {servers[c["parent_span_id"]]["attributes"]["rpc.response.status_code"]:
            c["attributes"]["zoomer.profile.cpu_op.count"] for c in rows if c["name"] == "zoomer.profile.request"}
     assert ops["INVALID_ARGUMENT"] == 0 and ops["OK"] > 0, ops
+
+
+def test_aio_demo_operators_in_the_executor_belong_to_their_request(model: DLRM, telemetry: Any, collector: Any,
+                                                                    profiles_dir: Path) -> None:
+    """On the grpc.aio demo server a request's range opens on the event loop's thread, while its model runs in
+    ``asyncio.to_thread`` on an executor thread. Each phase there opens the request's range on that thread too,
+    so the request's operators (and, on a GPU, their kernels) are attributed to it: every OK request's
+    ``zoomer.profile.request`` child counts CPU operators, and its range time is the loop thread's range (the
+    executor's ranges lie inside it and are not added on top)."""
+    import time
+
+    import numpy as np
+
+    from zoomer_serve.demo import ranker_pb2_grpc
+    from zoomer_serve.demo.aio_server import serve_aio_forever
+    from zoomer_serve.demo.load import make_request
+    from zoomer_serve.profiling import ProfilerConfig, ProfilerController
+    from zoomer_serve.profiling.summary import summarize_events
+
+    controller = ProfilerController(ProfilerConfig(profiles_dir=profiles_dir), telemetry).attach()
+    stop, ready = threading.Event(), []
+    thread = threading.Thread(target=serve_aio_forever, args=("127.0.0.1", 0, stop),
+                              kwargs={"model": model, "on_ready": ready.append, "grace_s": 1.0}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not ready and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ready, "the aio demo server did not come up"
+    try:
+        assert controller.start(SessionOptions(max_requests=6)).session is not None
+
+        def call(seed: int) -> None:
+            rng = np.random.default_rng(seed)
+            with grpc.insecure_channel(f"127.0.0.1:{ready[0]}") as channel:
+                stub = ranker_pb2_grpc.RankerStub(channel)
+                for _ in range(3):
+                    assert len(stub.Predict(make_request(rng, 8), timeout=30).scores) == 8
+
+        callers = [threading.Thread(target=call, args=(seed,)) for seed in (1, 2)]
+        for caller in callers:
+            caller.start()
+        for caller in callers:
+            caller.join(60)
+        assert controller.wait_idle(60)
+    finally:
+        controller.close(timeout_s=60)
+        stop.set()
+        thread.join(15)
+    info = controller.last
+    assert info is not None and info.outcome == "done" and info.requests == 6
+    data = read_chrome_trace(Path(info.trace_path))
+    ranges: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for ev in data["traceEvents"]:
+        if ev.get("ph") == "X" and ev.get("cat") == "user_annotation":
+            ids = parse_request_label(ev["name"])
+            if ids is not None:
+                ranges.setdefault(ids, []).append(ev)
+    assert len(ranges) == 6
+    check_profile_export(collector.spans(), info.session_id, set(ranges), "on_demand")
+    summary = summarize_events(data["traceEvents"])
+    assert set(summary.requests) == set(ranges)
+    for ids, evs in ranges.items():
+        assert len({ev["tid"] for ev in evs}) >= 2, evs  # the loop thread's range and the executor's
+        outer = max(evs, key=lambda ev: ev["dur"])
+        for ev in evs:  # the executor's ranges lie inside the loop thread's
+            assert outer["ts"] <= ev["ts"] and ev["ts"] + ev["dur"] <= outer["ts"] + outer["dur"] + 1e-3, evs
+        profile = summary.requests[ids]
+        assert profile.cpu_op_count > 0, ids
+        assert profile.start_us == outer["ts"] and profile.duration_us == pytest.approx(outer["dur"], abs=1e-3)

@@ -125,6 +125,28 @@ def test_summary_attribution_rules() -> None:
     assert summary.event_count == 10
 
 
+def test_summary_of_a_request_with_ranges_on_several_threads() -> None:
+    """A request whose work ran in executor threads has a range on each (its phases open them): every thread's
+    operators and launches are its, and its time counts the overlap of its ranges once."""
+    a = request_label(1, 1)
+    events = [
+        _ev("user_annotation", a, 0, 100, tid=1),  # the event loop's thread: the whole request
+        _ev("user_annotation", a, 10, 30, tid=2),  # executor thread 2, inside it
+        _ev("user_annotation", a, 50, 80, tid=3),  # executor thread 3, past its end: 100 to 130 adds 30
+        _ev("user_annotation", a, 200, 10, tid=2),  # a later, separate range of the same request: adds 10
+        _ev("cpu_op", "aten::mm", 12, 5, tid=2),
+        _ev("cuda_runtime", "cudaLaunchKernel", 14, 2, tid=2, correlation=1),
+        _ev("kernel", "gemm", 40, 20, pid=0, tid=7, correlation=1),
+        _ev("cpu_op", "aten::relu", 120, 5, tid=3),
+        _ev("cpu_op", "aten::add", 45, 1, tid=2),  # thread 2 between its ranges: not the request's
+    ]
+    summary = summarize_events(events)
+    req = summary.requests[(1, 1)]
+    assert (req.start_us, req.duration_us) == (0.0, 140.0)
+    assert (req.cpu_op_count, req.cuda_runtime_count, req.kernel_time_us) == (2, 1, 20.0)
+    assert summary.attributed_share == 1.0
+
+
 def test_postprocess_writes_the_gzip_trace_and_a_summary_that_reads_back(tmp_path: Path) -> None:
     from zoomer_serve.profiling.postprocess import EXIT_EMPTY, run
     from zoomer_serve.profiling.summary import summary_from_json

@@ -9,6 +9,7 @@ import pytest
 from zoomer_serve.recording import (
     ParentContext,
     RequestRecorder,
+    RequestSpan,
     Sampler,
     current_request,
     internal_error_counts,
@@ -204,3 +205,56 @@ def test_plain_phases_share_one_attribute_dict_per_name_and_others_get_their_own
     assert first[0] is second[0]
     assert first[1] is not second[1] and first[2] is not second[2]
     assert first[0] == {"zoomer.phase": "forward"}  # the errored phase did not write into the shared dict
+
+
+def test_phases_on_another_thread_open_the_requests_profiler_range_there(tmp_path) -> None:
+    """While a session covers a request (its ``profiler_range`` is set), a phase on another thread opens the
+    request's range there, once per thread however the phases nest; phases on the range's own thread, and
+    phases of a request no session covers, open only their own ranges (a real Kineto capture of all threads)."""
+    import contextvars
+    import json
+
+    import torch
+
+    from zoomer_serve.profiling.capture import Activities, Capture
+    from zoomer_serve.profiling.config import SessionOptions
+
+    rec = RequestRecorder()
+    covered, plain = rec.start("svc/Covered"), rec.start("svc/Plain")
+    covered.profiler_range = ("zoomer.request/covered", threading.get_ident())
+
+    def executor_work(span: RequestSpan, name: str) -> None:
+        span.activate()
+        with phase(f"{name}.outer"), phase(f"{name}.inner"):
+            torch.ones(4) * 2
+        with phase(f"{name}.after"):
+            torch.ones(4) + 1
+        span.deactivate()
+
+    capture = Capture(SessionOptions(cuda=False), Activities(cuda=False))
+    capture.start()
+    try:
+        covered.activate()
+        with phase("covered.here"):
+            torch.ones(4) - 1
+        covered.deactivate()
+        for span, name in ((covered, "covered"), (plain, "plain")):
+            thread = threading.Thread(target=contextvars.copy_context().run, args=(executor_work, span, name))
+            thread.start()
+            thread.join()
+    finally:
+        capture.stop()
+    capture.export_json(tmp_path / "trace.json")
+    events = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+              if e.get("cat") == "user_annotation" and e["name"].startswith(("zoomer.request/", "covered", "plain"))]
+    tid = {e["name"]: e["tid"] for e in events}
+    labels = [e for e in events if e["name"] == "zoomer.request/covered"]
+    # opened by the phases at the top of the executor thread (outer, after), on that thread only
+    assert len(labels) == 2 and {e["tid"] for e in labels} == {tid["covered.outer"]}
+    assert tid["covered.outer"] != tid["covered.here"]
+    assert sorted(e["name"] for e in events) == sorted([
+        "zoomer.request/covered", "zoomer.request/covered", "covered.here", "covered.outer", "covered.inner",
+        "covered.after", "plain.outer", "plain.inner", "plain.after"])
+    for name in ("covered.inner", "covered.after"):
+        ev = next(e for e in events if e["name"] == name)
+        assert any(r["ts"] <= ev["ts"] and ev["ts"] + ev["dur"] <= r["ts"] + r["dur"] for r in labels), name

@@ -8,7 +8,9 @@ Request labels
 While a request runs under ``torch.profiler``, zoomer-serve opens a ``record_function`` range named
 ``zoomer.request/<trace_id>/<span_id>`` around it: ``<trace_id>`` is the request span's W3C trace id (32
 lowercase hex digits) and ``<span_id>`` its span id (16 lowercase hex digits), the ids under which the span
-is stored. The format is defined once, in :mod:`zoomer_serve.profiling.labels` (which writes the ranges);
+is stored. A request whose work runs on other threads (an executor) has ranges of the same name there too,
+opened by its phases: a request is all its ranges. The format is defined once, in
+:mod:`zoomer_serve.profiling.labels` (which writes the ranges);
 this module adapts it to the store's hex ids. The analysis finds these ranges in a Kineto trace
 (``user_annotation`` events) to give GPU time per request and to put requests and kernels on one timeline.
 

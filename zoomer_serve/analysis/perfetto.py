@@ -159,8 +159,10 @@ def write_perfetto(out_path: str | os.PathLike[str], traces: list[KinetoTrace] |
         a = t.annotations
         for i in np.flatnonzero(~a["on_gpu"]):
             ids = parse_request_label(str(a["name"][i]))
-            if ids is not None:
-                linked[ids] = (int(a["pid"][i]), int(a["tid"][i]), t.origin_us + float(a["ts"][i]))
+            if ids is not None:  # of a request with ranges on several threads, its first one
+                at = (int(a["pid"][i]), int(a["tid"][i]), t.origin_us + float(a["ts"][i]))
+                if ids not in linked or at[2] < linked[ids][2]:
+                    linked[ids] = at
     rows = _request_rows(store, traces) if store is not None else np.empty(0, dtype=np.int64)
     counts = {"events": 0, "requests": int(len(rows)), "linked_requests": 0}
     if store is not None:

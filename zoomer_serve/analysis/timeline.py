@@ -27,6 +27,7 @@ import numpy as np
 from zoomer_serve.analysis.kineto import KinetoTrace
 from zoomer_serve.analysis.labels import parse_request_label
 from zoomer_serve.analysis.table import Table
+from zoomer_serve.profiling.summary import interval_union
 
 KERNEL_WAIT_THRESHOLD_US = 30.0
 SHORT_KERNEL_US = 10.0
@@ -401,21 +402,33 @@ def request_gpu_time(trace: KinetoTrace) -> Table:
     """GPU time per request, from the request annotations zoomer-serve writes (see
     :mod:`zoomer_serve.analysis.labels`).
 
-    Columns: ``trace_id``, ``span_id`` (hex), ``start_us`` (relative to the trace origin), ``cpu_time_us``
-    (the annotation's duration), ``gpu_time_us``, ``gpu_ops``, ``gpu_span_us`` (first GPU op start -> last
-    GPU op end), ``pid``, ``tid``. In trace order.
+    Columns: ``trace_id``, ``span_id`` (hex), ``start_us`` (its first range's start, relative to the trace
+    origin), ``cpu_time_us`` (the time its ranges cover, overlaps once), ``gpu_time_us``, ``gpu_ops``
+    (launched inside its ranges), ``gpu_span_us`` (first GPU op start -> last GPU op end), ``pid``, ``tid``
+    (of its first range). One row per request, in trace order: a request whose work ran in executor threads
+    has a range on each thread, all summed here.
     """
     a = trace.annotations
     index = _LaunchIndex(trace)
-    rows = []
+    parts: dict[tuple[str, str], list[tuple[float, float, float, int, float, float, int, int]]] = {}
     for i in np.flatnonzero(~a["on_gpu"]):
         ids = parse_request_label(str(a["name"][i]))
         if ids is None:
             continue
         start, dur = float(a["ts"][i]), float(a["dur"][i])
-        gpu, n, first, last = index.within(int(a["pid"][i]), int(a["tid"][i]), start, start + dur)
-        rows.append((ids[0], ids[1], start, dur, gpu, n, (last - first) if n else 0.0, int(a["pid"][i]),
-                     int(a["tid"][i])))
+        pid, tid = int(a["pid"][i]), int(a["tid"][i])
+        gpu, n, first, last = index.within(pid, tid, start, start + dur)
+        parts.setdefault(ids, []).append((start, start + dur, gpu, n, first, last, pid, tid))
+    rows = []
+    for ids, ranges in parts.items():
+        head = min(ranges)
+        n = sum(p[3] for p in ranges)
+        first = min((p[4] for p in ranges if p[3]), default=0.0)
+        last = max((p[5] for p in ranges if p[3]), default=0.0)
+        _, covered = interval_union([(p[0], p[1]) for p in ranges])
+        rows.append((ids[0], ids[1], head[0], covered, sum(p[2] for p in ranges), n,
+                     (last - first) if n else 0.0, head[6], head[7]))
+    rows.sort(key=lambda row: row[2])
     return Table.from_rows(
         "request_gpu_time",
         ("trace_id", "span_id", "start_us", "cpu_time_us", "gpu_time_us", "gpu_ops", "gpu_span_us", "pid",

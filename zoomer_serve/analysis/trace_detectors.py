@@ -108,17 +108,20 @@ class _Enclosing:
 
 
 class _Requests:
-    """Request annotations (zoomer.request/<trace_id>/<span_id>) per thread."""
+    """Request annotations (zoomer.request/<trace_id>/<span_id>) per thread; ``count``: the requests they are
+    of (a request whose work ran in executor threads has a range on each)."""
 
     def __init__(self, trace: KinetoTrace) -> None:
         a = trace.annotations
         self.ranges: dict[tuple[int, int], list[tuple[float, float, str]]] = {}
+        requests = set()
         for i in np.flatnonzero(~a["on_gpu"]):
             ids = parse_request_label(str(a["name"][i]))
             if ids is not None:
+                requests.add(ids)
                 self.ranges.setdefault((int(a["pid"][i]), int(a["tid"][i])), []).append(
                     (float(a["ts"][i]), float(a["ts"][i] + a["dur"][i]), ids[0]))
-        self.count = sum(len(v) for v in self.ranges.values())
+        self.count = len(requests)
 
     def request_of(self, pid: int, tid: int, ts: float) -> str | None:
         for s, e, trace_id in self.ranges.get((pid, tid), ()):

@@ -2,7 +2,10 @@
 
 Request path (only while a session runs): :meth:`Session.enter` opens a ``record_function`` range named
 with the request's ids (:func:`~zoomer_serve.profiling.labels.request_label`) and :meth:`Session.leave`
-closes it, counts the request as covered, and advances ``KinetoStepTracker`` by one step.
+closes it, counts the request as covered, and advances ``KinetoStepTracker`` by one step. While the range is
+open, the span's ``profiler_range`` holds its name and thread: a ``phase`` of the request that runs on another
+thread (an executor thread of a grpc.aio server) opens a range of the same name there, so that thread's
+operators and kernels are the request's too.
 
 
 Companions (:class:`SessionCompanion`) record something else for the same window as the kernel profiler (the
@@ -194,8 +197,9 @@ class Session:
             return
         import torch
 
+        label = request_label(span.trace_id, span.span_id)
         try:
-            rf = torch.profiler.record_function(request_label(span.trace_id, span.span_id))
+            rf = torch.profiler.record_function(label)
             rf.__enter__()
         except Exception as exc:
             internal_error("profiling.enter", exc)
@@ -203,6 +207,7 @@ class Session:
         with self._lock:
             if not self._closed:
                 self.open[span] = (rf, time.thread_time_ns() - t0)
+                span.profiler_range = (label, threading.get_ident())  # phases on other threads open it too
                 return
         _exit_range(rf)  # the session closed meanwhile
 
@@ -216,6 +221,7 @@ class Session:
             entry = self.open.pop(span, None)
             if entry is None:
                 return
+            span.profiler_range = None
             self._leaving += 1
         t0 = time.thread_time_ns()
         end_ns = time.time_ns()
@@ -261,6 +267,8 @@ class Session:
         with self._lock:
             self._closed = True
             left = list(self.open.values())
+            for span in self.open:
+                span.profiler_range = None
             self.open.clear()
             self.incomplete += len(left) + self._leaving
         for rf, _ in left:

@@ -13,7 +13,8 @@ events (``"ph": "X"``) carry ``ts`` and ``dur`` in µs; the categories used here
   ``args.correlation`` (the CUDA API call that issued them) and, for copies and sets, ``args.bytes``.
 
 Attribution: a CPU-thread event belongs to the innermost request range on the same ``(pid, tid)`` that
-contains its start. A GPU activity belongs to the request of the CUDA API call with the same correlation
+contains its start. A request may have ranges on several threads (its work in an executor thread has one
+there, opened by its phases); all of them are its. A GPU activity belongs to the request of the CUDA API call with the same correlation
 id; when that call was not found (Kineto could not name its thread), to the request of the ``cpu_op`` whose
 ``External id`` the activity carries (Kineto links GPU activities to their launching operator that way).
 Kernels launched outside any request range (warm-up, other threads) stay unattributed; the share of kernel
@@ -95,8 +96,9 @@ class GpuTotals:
 @dataclass
 class RequestProfile(GpuTotals):
     """One request's part of a trace: ``key`` (from the range name; ``(trace_id, span_id)`` for zoomer
-    request ranges), the range's ``start_us`` / ``duration_us`` in trace time, and ``cpu_op_count`` (ATen
-    operators run inside the range on its thread)."""
+    request ranges), ``start_us`` (its first range's start, trace time) and ``duration_us`` (the time its ranges
+    cover, overlaps counted once: a request with ranges on two threads at once counts that time once), and
+    ``cpu_op_count`` (ATen operators run inside its ranges on their threads)."""
 
     key: Hashable = None
     start_us: float = 0.0
@@ -147,6 +149,20 @@ class _Ranges:
         return None
 
 
+def interval_union(intervals: list[tuple[float, float]]) -> tuple[float, float]:
+    """``(first start, time covered)`` of ``(start, end)`` intervals in µs: overlapping time counts once."""
+    intervals.sort()
+    first, covered = intervals[0][0], 0.0
+    cur_start, cur_end = intervals[0]
+    for start, end in intervals[1:]:
+        if start > cur_end:
+            covered += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    return first, covered + cur_end - cur_start
+
+
 def summarize_events(events: Iterable[Mapping[str, Any]], key_of: KeyOf = parse_request_label) -> TraceSummary:
     """Attribute the GPU work of a trace's events to request ranges (see the module docstring).
 
@@ -156,6 +172,7 @@ def summarize_events(events: Iterable[Mapping[str, Any]], key_of: KeyOf = parse_
     events = [e for e in events if e.get("ph") == "X"]
     ranges: dict[tuple[Any, Any], _Ranges] = {}
     requests: dict[Hashable, RequestProfile] = {}
+    spans: dict[Hashable, list[tuple[float, float]]] = {}  # each request's ranges (start, end), µs
     unfinished = 0
     for ev in events:
         if ev.get("cat") != "user_annotation":
@@ -168,12 +185,14 @@ def summarize_events(events: Iterable[Mapping[str, Any]], key_of: KeyOf = parse_
             continue
         start, dur = float(ev["ts"]), float(ev.get("dur", 0.0))
         profile = requests.get(key)
-        if profile is None:  # a key seen twice (two ranges): both count for it
+        if profile is None:  # a key seen twice (ranges on several threads): all count for it
             profile = requests[key] = RequestProfile(key=key, start_us=start)
-        profile.duration_us += dur
+        spans.setdefault(key, []).append((start, start + dur))
         ranges.setdefault((ev.get("pid"), ev.get("tid")), _Ranges()).items.append((start, start + dur, profile))
     for r in ranges.values():
         r.freeze()
+    for key, intervals in spans.items():
+        requests[key].start_us, requests[key].duration_us = interval_union(intervals)
 
     def enclosing(ev: Mapping[str, Any]) -> RequestProfile | None:
         thread = ranges.get((ev.get("pid"), ev.get("tid")))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -48,7 +49,7 @@ class RequestSpan:
     __slots__ = (
         "_recorder", "trace_id", "span_id", "parent_id", "parent_remote", "trace_flags", "trace_state",
         "name", "kind", "start_ns", "attributes", "events", "links", "children", "status", "status_message",
-        "_open", "_tokens", "_phase_stack", "_flags", "otel_parent_context",
+        "_open", "_tokens", "_phase_stack", "_flags", "otel_parent_context", "profiler_range",
     )
 
     def __init__(self, recorder: RequestRecorder, name: str, kind: int, attributes: dict[str, Any],
@@ -80,6 +81,9 @@ class RequestSpan:
         self._tokens: list[Any] | None = None  # created by the first activate()
         self._phase_stack: list[int] | None = None  # created by the first phase
         self.otel_parent_context: Any = None  # an OpenTelemetry Context carrying the caller's baggage
+        # (range name, thread id) while a profiling session covers this span: phases on other threads open
+        # the same range there (see phase)
+        self.profiler_range: tuple[str, int] | None = None
 
     @property
     def sampled(self) -> bool:
@@ -348,6 +352,11 @@ def _profiler_enabled() -> bool:
 _profiler_probe: tuple[Any, Callable[[], bool]] | None = None  # torch's profiler module and C check, once seen
 
 
+class _ThreadRequest(threading.local):
+    request: RequestSpan | None = None  # the request whose profiler range a phase opened on this thread
+
+
+_threads = _ThreadRequest()
 _PHASE_ATTRIBUTES: dict[str, dict[str, Any]] = {}
 _MAX_PHASE_NAMES = 1024
 
@@ -367,32 +376,28 @@ class phase:
     """Time a block of request work as a child span named ``name`` with attribute ``zoomer.phase``.
 
     Usable as a context manager or a decorator. While a torch.profiler session runs, the block is also a
-    ``torch.profiler.record_function`` range of the same name, so kernel profiles line up with phases.
-    Outside a request it only opens that profiler range (when profiling) and records nothing. An exception
+    ``torch.profiler.record_function`` range of the same name, so kernel profiles line up with phases; when
+    the request is covered by a zoomer-serve profiling session and the phase runs on another thread than the
+    one the request's range is open on (an executor thread), the phase also opens the request's range on its
+    thread (once per thread, around the outermost such phase). Outside a request it only opens that profiler
+    range (when profiling) and records nothing. An exception
     leaving the block marks the phase span ERROR and propagates unchanged.
     """
 
-    __slots__ = ("name", "_start_ns", "_request", "_range", "_attrs")
+    __slots__ = ("name", "_start_ns", "_request", "_range", "_attrs", "_request_range")
 
     def __init__(self, name: str, attributes: Mapping[str, Any] | None = None) -> None:
         self.name = name
         self._attrs = dict(attributes) if attributes else None
         self._request: RequestSpan | None = None
         self._range: Any = None
+        self._request_range: Any = None
         self._start_ns = 0
 
     def __enter__(self) -> phase:
-        self._request = _current.get()
+        req = self._request = _current.get()
         if _profiler_enabled():
-            try:
-                import torch
-
-                self._range = torch.profiler.record_function(self.name)
-                self._range.__enter__()
-            except Exception as exc:
-                internal_error("phase.record_function", exc)
-                self._range = None
-        req = self._request
+            self._open_ranges(req)
         if req is not None:
             if req._phase_stack is None:
                 req._phase_stack = []
@@ -400,14 +405,40 @@ class phase:
         self._start_ns = _time_ns()
         return self
 
+    def _open_ranges(self, req: RequestSpan | None) -> None:
+        """Open this phase's ``record_function`` range, inside the request's profiler range when the request
+        is covered by a session and this thread is not the one its range is open on (a request whose work
+        runs in an executor thread, as on the grpc.aio demo server): Kineto ranges are per thread, and
+        without one here this thread's operators and kernels would belong to no request."""
+        try:
+            import torch
+
+            outer = req.profiler_range if req is not None else None
+            if outer is not None and outer[1] != threading.get_ident() and _threads.request is not req:
+                self._request_range = torch.profiler.record_function(outer[0])
+                self._request_range.__enter__()
+                _threads.request = req
+            self._range = torch.profiler.record_function(self.name)
+            self._range.__enter__()
+        except Exception as exc:
+            internal_error("phase.record_function", exc)
+            self._range = None
+
+    def _close_ranges(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        for rf in (self._range, self._request_range):
+            if rf is not None:
+                try:
+                    rf.__exit__(exc_type, exc, tb)
+                except Exception as err:
+                    internal_error("phase.record_function", err)
+        if self._request_range is not None:
+            _threads.request = None
+        self._range = self._request_range = None
+
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         end_ns = _time_ns()
-        if self._range is not None:
-            try:
-                self._range.__exit__(exc_type, exc, tb)
-            except Exception as err:
-                internal_error("phase.record_function", err)
-            self._range = None
+        if self._range is not None or self._request_range is not None:
+            self._close_ranges(exc_type, exc, tb)
         req = self._request
         if req is None:
             return
