@@ -26,7 +26,11 @@ error row and the next step still runs):
    ``PROFILE_REQUESTS`` calls captures kernels and attributes GPU kernel time to the request ranges (target
    at least 95 % of all kernel time in the trace), every covered request has kernels; then the client-side
    latency of the same load outside and inside a session (``benchmarks/_bench_profiling.py``).
-6. ``store``: after a flush, the collector's store: requests, spans with memory attributes, allocation-event
+6. ``aio`` (:func:`check_aio_kernels`): the same on the ``grpc.aio`` demo server, whose model runs in
+   ``asyncio.to_thread``: a session over ``AIO_PROFILE_REQUESTS`` calls, at least 95 % of kernel time
+   attributed to the requests, every covered request with kernels (its phases open its range on the executor
+   thread).
+7. ``store``: after a flush, the collector's store: requests, spans with memory attributes, allocation-event
    child spans attributed to a request (share), the OOM span (event, status, error.type) and OOM metric,
    NVML metrics seen.
 
@@ -61,6 +65,7 @@ C06_EDGE = 5  # windows at each end compared for degradation
 C06_TOLERANCE = 0.15
 PROFILE_REQUESTS = 50
 PROFILE_MIN_SHARE = 0.95
+AIO_PROFILE_REQUESTS = 20
 
 
 @dataclass
@@ -265,8 +270,62 @@ def check_profiler_kernels(ctx: Context) -> None:
         controller.close(timeout_s=60)
 
 
+def check_aio_kernels(ctx: Context) -> None:
+    """Step 6 (kernel profiling on the grpc.aio demo server, whose model runs in ``asyncio.to_thread``): the
+    request range opens on the event loop's thread and the phases open it again on the executor thread, so
+    the kernels launched there are attributed to their requests."""
+    from zoomer_serve.demo.aio_server import serve_aio_forever
+    from zoomer_serve.demo.load import drive_load
+    from zoomer_serve.demo.model import build_model
+    from zoomer_serve.profiling import (
+        ProfilerConfig,
+        ProfilerController,
+        SessionOptions,
+        load_trace,
+        summarize_events,
+    )
+
+    stop, ready = threading.Event(), []
+    server = threading.Thread(target=serve_aio_forever, args=("127.0.0.1", 0, stop), daemon=True,
+                              kwargs={"model": build_model(device="cuda"), "on_ready": ready.append, "grace_s": 2.0})
+    server.start()
+    deadline = time.monotonic() + 60
+    while not ready and server.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ctx.row("aio", "grpc.aio demo server on cuda", f"port {ready[0]}" if ready else "did not start", bool(ready))
+    if not ready:
+        stop.set()
+        return
+    controller = ProfilerController(ProfilerConfig(profiles_dir=ctx.out / "profiles_aio"), ctx.telemetry).attach()
+    try:
+        target = f"127.0.0.1:{ready[0]}"
+        drive_load(target, 5.0, clients=4, batch_size=64, max_requests=40, invalid_share=0.0)  # warm-up
+        reply = controller.start(SessionOptions(max_requests=AIO_PROFILE_REQUESTS, cuda=True))
+        load = drive_load(target, 60.0, clients=4, batch_size=64, max_requests=AIO_PROFILE_REQUESTS,
+                          stream_share=0.2, invalid_share=0.0)
+        finished = controller.wait_idle(120)
+        info = controller.last
+        ctx.row("aio", "session done, one covered request per call",
+                f"{info.outcome if info else reply.message}: {info.requests if info else 0} of {load.total_calls}",
+                bool(finished and info and info.outcome == "done" and info.requests == load.total_calls))
+        if info is None or info.trace_path is None:
+            return
+        summary = summarize_events(load_trace(info.trace_path)["traceEvents"])
+        share = summary.attributed_share or 0.0
+        reqs = list(summary.requests.values())
+        ctx.row("aio", f"kernel time attributed to request ranges (target >= {PROFILE_MIN_SHARE:.0%})",
+                f"{share:.1%} of {summary.totals.kernel_time_us:,.0f} µs", share >= PROFILE_MIN_SHARE)
+        ctx.row("aio", "requests in the trace with kernels",
+                f"{sum(r.kernel_count > 0 for r in reqs)} of {len(reqs)}",
+                len(reqs) == info.requests and all(r.kernel_count > 0 for r in reqs))
+    finally:
+        controller.close(timeout_s=60)
+        stop.set()
+        server.join(15)
+
+
 def check_store(ctx: Context) -> None:
-    """Step 5: flush everything, stop the collector, read the store."""
+    """Step 7: flush everything, stop the collector, read the store."""
     import zoomer_serve
     from zoomer_serve.collector.store import open_readonly
     from zoomer_serve.telemetry import names as n
@@ -316,7 +375,7 @@ def check_store(ctx: Context) -> None:
 
 
 STEPS: list[Callable[[Context], None]] = [check_load, check_oom, check_overhead, check_c06, check_profiler_kernels,
-                                          check_store]
+                                          check_aio_kernels, check_store]
 
 
 # -- helpers -----------------------------------------------------------------------------------------------
