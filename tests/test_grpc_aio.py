@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -219,41 +218,28 @@ def test_demo_ranker_on_aio_server_same_spans_and_phases(telemetry, collector):
     """serve_aio_forever (the CLI's entry) serves the demo Ranker: the same responses and errors as the sync
     server, a request span per call with server.port, and the model's phases as its children (the model runs
     in the default executor with the request span current)."""
+    from _aio_demo import aio_demo_server
+
     from zoomer_serve.demo import ranker_pb2_grpc
-    from zoomer_serve.demo.aio_server import serve_aio_forever
     from zoomer_serve.demo.load import InvalidKind, make_request
     from zoomer_serve.demo.model import DLRMConfig, build_model
 
     cfg = DLRMConfig(table_sizes=(1000, 500, 100), embedding_dim=8, bottom_mlp=(16,), top_mlp=(16,))
     model = build_model(cfg, device="cpu")
-    stop, ready = threading.Event(), []
-    thread = threading.Thread(target=serve_aio_forever, args=("127.0.0.1", 0, stop),
-                              kwargs={"model": model, "on_ready": ready.append, "grace_s": 1.0}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not ready and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert ready, "the aio demo server did not come up"
-    port = ready[0]
     rng = np.random.default_rng(0)
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = ranker_pb2_grpc.RankerStub(channel)
-            request = make_request(rng, 8, cfg, request_id="r1")
-            first = stub.Predict(request, timeout=10)
-            assert first.request_id == "r1" and len(first.scores) == 8
-            assert list(stub.Predict(request, timeout=10).scores) == list(first.scores)
-            streamed = list(stub.PredictStream(iter([request, make_request(rng, 3, cfg)]), timeout=10))
-            assert [len(r.scores) for r in streamed] == [8, 3]
-            assert list(streamed[0].scores) == list(first.scores)
-            with pytest.raises(grpc.RpcError) as info:
-                stub.Predict(make_request(rng, 2, cfg, InvalidKind.ID_OUT_OF_RANGE), timeout=10)
-            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "out of range" in info.value.details()
-    finally:
-        stop.set()
-        thread.join(15)
-    assert not thread.is_alive()
+    with aio_demo_server(model) as port, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = ranker_pb2_grpc.RankerStub(channel)
+        request = make_request(rng, 8, cfg, request_id="r1")
+        first = stub.Predict(request, timeout=10)
+        assert first.request_id == "r1" and len(first.scores) == 8
+        assert list(stub.Predict(request, timeout=10).scores) == list(first.scores)
+        streamed = list(stub.PredictStream(iter([request, make_request(rng, 3, cfg)]), timeout=10))
+        assert [len(r.scores) for r in streamed] == [8, 3]
+        assert list(streamed[0].scores) == list(first.scores)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Predict(make_request(rng, 2, cfg, InvalidKind.ID_OUT_OF_RANGE), timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "out of range" in info.value.details()
     spans = collector.spans()
     requests = [s for s in spans if s["kind"] == "SERVER"]
     assert [(s["name"], s["attributes"]["rpc.response.status_code"]) for s in requests] == [

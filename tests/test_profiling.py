@@ -322,45 +322,34 @@ def test_aio_demo_operators_in_the_executor_belong_to_their_request(model: DLRM,
     so the request's operators (and, on a GPU, their kernels) are attributed to it: every OK request's
     ``zoomer.profile.request`` child counts CPU operators, and its range time is the loop thread's range (the
     executor's ranges lie inside it and are not added on top)."""
-    import time
-
     import numpy as np
+    from _aio_demo import aio_demo_server
 
     from zoomer_serve.demo import ranker_pb2_grpc
-    from zoomer_serve.demo.aio_server import serve_aio_forever
     from zoomer_serve.demo.load import make_request
     from zoomer_serve.profiling import ProfilerConfig, ProfilerController
     from zoomer_serve.profiling.summary import summarize_events
 
     controller = ProfilerController(ProfilerConfig(profiles_dir=profiles_dir), telemetry).attach()
-    stop, ready = threading.Event(), []
-    thread = threading.Thread(target=serve_aio_forever, args=("127.0.0.1", 0, stop),
-                              kwargs={"model": model, "on_ready": ready.append, "grace_s": 1.0}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not ready and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert ready, "the aio demo server did not come up"
     try:
-        assert controller.start(SessionOptions(max_requests=6)).session is not None
+        with aio_demo_server(model) as port:
+            assert controller.start(SessionOptions(max_requests=6)).session is not None
 
-        def call(seed: int) -> None:
-            rng = np.random.default_rng(seed)
-            with grpc.insecure_channel(f"127.0.0.1:{ready[0]}") as channel:
-                stub = ranker_pb2_grpc.RankerStub(channel)
-                for _ in range(3):
-                    assert len(stub.Predict(make_request(rng, 8), timeout=30).scores) == 8
+            def call(seed: int) -> None:
+                rng = np.random.default_rng(seed)
+                with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    stub = ranker_pb2_grpc.RankerStub(channel)
+                    for _ in range(3):
+                        assert len(stub.Predict(make_request(rng, 8), timeout=30).scores) == 8
 
-        callers = [threading.Thread(target=call, args=(seed,)) for seed in (1, 2)]
-        for caller in callers:
-            caller.start()
-        for caller in callers:
-            caller.join(60)
-        assert controller.wait_idle(60)
+            callers = [threading.Thread(target=call, args=(seed,)) for seed in (1, 2)]
+            for caller in callers:
+                caller.start()
+            for caller in callers:
+                caller.join(60)
+            assert controller.wait_idle(60)
     finally:
         controller.close(timeout_s=60)
-        stop.set()
-        thread.join(15)
     info = controller.last
     assert info is not None and info.outcome == "done" and info.requests == 6
     data = read_chrome_trace(Path(info.trace_path))

@@ -27,7 +27,6 @@ import numpy as np
 from zoomer_serve.analysis.kineto import KinetoTrace
 from zoomer_serve.analysis.labels import parse_request_label
 from zoomer_serve.analysis.table import Table
-from zoomer_serve.profiling.summary import interval_union
 
 KERNEL_WAIT_THRESHOLD_US = 30.0
 SHORT_KERNEL_US = 10.0
@@ -425,7 +424,7 @@ def request_gpu_time(trace: KinetoTrace) -> Table:
         n = sum(p[3] for p in ranges)
         first = min((p[4] for p in ranges if p[3]), default=0.0)
         last = max((p[5] for p in ranges if p[3]), default=0.0)
-        _, covered = interval_union([(p[0], p[1]) for p in ranges])
+        covered = union_length(np.array([p[0] for p in ranges]), np.array([p[1] for p in ranges]))
         rows.append((ids[0], ids[1], head[0], covered, sum(p[2] for p in ranges), n,
                      (last - first) if n else 0.0, head[6], head[7]))
     rows.sort(key=lambda row: row[2])
