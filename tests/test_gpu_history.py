@@ -98,6 +98,41 @@ def test_concurrent_requests_on_their_own_threads_get_their_own_entries():
         assert child[r.R_ATTRS][n.action_bytes("alloc")] == k * k * 1000
 
 
+def test_allocations_of_a_requests_phases_on_an_executor_thread_are_its_own():
+    """A request whose model runs on an executor thread (as on the grpc.aio demo, ``asyncio.to_thread``): its
+    phase there tags that thread with the request for the phase's duration, so those allocations are the
+    request's; the executor thread is untagged again afterwards, and its allocations outside phases stay
+    unattributed."""
+    import contextvars
+
+    from zoomer_serve.recording import phase
+
+    fake = FakeCudaMemory()
+    rec, history, got = _setup(fake)
+    span = rec.start("svc/Aio")
+    fake.free(fake.allocate(100))  # on the request's own thread
+
+    def executor() -> None:
+        span.activate()
+        with phase("forward"), phase("inner"):
+            fake.free(fake.allocate(2000))
+            fake.free(fake.allocate(3000))
+        span.deactivate()
+        assert fake.current_metadata() == ""
+        fake.allocate(7)  # this thread, outside the request's phases
+
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(executor,))
+    thread.start()
+    thread.join()
+    span.end()
+    history.drain()
+    (child,) = _children(got, span)
+    assert child[r.R_ATTRS][n.action_count("alloc")] == 3
+    assert child[r.R_ATTRS][n.action_bytes("alloc")] == 100 + 2000 + 3000
+    assert history.stats.unattributed == 1  # the allocation of 7 B outside the phases
+    assert span.thread_joins == ()
+
+
 def test_a_request_running_across_drains_is_sent_once_after_it_ends():
     fake = FakeCudaMemory()
     rec, history, got = _setup(fake)

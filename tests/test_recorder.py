@@ -207,10 +207,77 @@ def test_plain_phases_share_one_attribute_dict_per_name_and_others_get_their_own
     assert first[0] == {"zoomer.phase": "forward"}  # the errored phase did not write into the shared dict
 
 
+def test_thread_joins_follow_a_request_to_the_other_threads_its_phases_run_on() -> None:
+    """A thread join added on the request's own thread is entered by the request's outermost phase on each
+    other thread (once, however the phases nest) and exited there; phases on the request's own thread, and
+    after the join is removed, do not touch it; a join whose enter raises is counted, and the phase goes on."""
+    import contextvars
+
+    calls: list[tuple[str, str, int]] = []
+
+    class Join:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def enter(self) -> str:
+            calls.append(("enter", self.name, threading.get_ident()))
+            return f"token-{self.name}"
+
+        def exit(self, token: str) -> None:
+            calls.append(("exit", token, threading.get_ident()))
+
+    class Broken:
+        def enter(self) -> None:
+            raise RuntimeError("enter failed")
+
+        def exit(self, token: None) -> None:
+            raise AssertionError("never entered, never exited")
+
+    got: list[tuple] = []
+    rec = RequestRecorder(sink=got.append, otel_context=False)
+    span = rec.start("svc/M")
+    a, b = Join("a"), Join("b")
+    span.add_thread_join(a)
+    span.add_thread_join(Broken())
+    span.add_thread_join(b)
+    before = internal_error_counts().get("thread_join.enter:Broken", 0)
+    span.activate()
+    with phase("home"):
+        pass
+    span.deactivate()
+    assert calls == []
+
+    def work() -> int:
+        span.activate()
+        with phase("outer"), phase("inner"):
+            assert calls[-1][0] == "enter"  # entered before the body runs
+        with phase("again"):
+            pass
+        span.deactivate()
+        return threading.get_ident()
+
+    worker = []
+    thread = threading.Thread(target=lambda: worker.append(contextvars.copy_context().run(work)))
+    thread.start()
+    thread.join()
+    assert calls == [("enter", "a", worker[0]), ("enter", "b", worker[0]), ("exit", "token-b", worker[0]),
+                     ("exit", "token-a", worker[0])] * 2
+    assert internal_error_counts()["thread_join.enter:Broken"] == before + 2
+    span.remove_thread_join(a)
+    calls.clear()
+    thread = threading.Thread(target=lambda: worker.append(contextvars.copy_context().run(work)))
+    thread.start()
+    thread.join()
+    assert [c[:2] for c in calls] == [("enter", "b"), ("exit", "token-b")] * 2
+    span.end()
+    assert sorted(c[6] for c in got[0][15]) == ["again", "again", "home", "inner", "inner", "outer", "outer"]
+
+
 def test_phases_on_another_thread_open_the_requests_profiler_range_there(tmp_path) -> None:
-    """While a session covers a request (its ``profiler_range`` is set), a phase on another thread opens the
-    request's range there, once per thread however the phases nest; phases on the range's own thread, and
-    phases of a request no session covers, open only their own ranges (a real Kineto capture of all threads)."""
+    """While a session covers a request (its range is a thread join of the span), a phase on another thread
+    opens the request's range there, once per thread however the phases nest; phases on the range's own
+    thread, and phases of a request no session covers, open only their own ranges (a real Kineto capture of
+    all threads)."""
     import contextvars
     import json
 
@@ -218,11 +285,11 @@ def test_phases_on_another_thread_open_the_requests_profiler_range_there(tmp_pat
 
     from zoomer_serve.profiling.capture import Activities, Capture
     from zoomer_serve.profiling.config import SessionOptions
+    from zoomer_serve.profiling.session import RequestRange
 
     rec = RequestRecorder()
     covered, plain = rec.start("svc/Covered"), rec.start("svc/Plain")
-    covered.profiler_range = ("zoomer.request/covered", threading.get_ident())
-
+    covered.add_thread_join(RequestRange("zoomer.request/covered"))
     def executor_work(span: RequestSpan, name: str) -> None:
         span.activate()
         with phase(f"{name}.outer"), phase(f"{name}.inner"):

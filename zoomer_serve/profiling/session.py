@@ -3,9 +3,9 @@
 Request path (only while a session runs): :meth:`Session.enter` opens a ``record_function`` range named
 with the request's ids (:func:`~zoomer_serve.profiling.labels.request_label`) and :meth:`Session.leave`
 closes it, counts the request as covered, and advances ``KinetoStepTracker`` by one step. While the range is
-open, the span's ``profiler_range`` holds its name and thread: a ``phase`` of the request that runs on another
-thread (an executor thread of a grpc.aio server) opens a range of the same name there, so that thread's
-operators and kernels are the request's too.
+open it is one of the span's thread joins (:class:`RequestRange`): a ``phase`` of the request that runs on
+another thread (an executor thread of a grpc.aio server) opens a range of the same name there, so that
+thread's operators and kernels are the request's too.
 
 
 Companions (:class:`SessionCompanion`) record something else for the same window as the kernel profiler (the
@@ -165,7 +165,7 @@ class Session:
         self.kernel_time_us = 0.0
         self.attributed_share: float | None = None
         self.covered: list[CoveredRequest] = []
-        self.open: dict[RequestSpan, tuple[Any, int]] = {}
+        self.open: dict[RequestSpan, tuple[Any, int, RequestRange]] = {}
         self.incomplete = 0
         self.wrapper_ns = 0  # thread CPU time spent in enter/leave on the request path (the overhead figure)
         self.running = threading.Event()  # set once running, or once the start failed
@@ -195,21 +195,18 @@ class Session:
         t0 = time.thread_time_ns()
         if not self.covers(span) or next(self._admitted) >= self.max_requests:
             return
-        import torch
-
-        label = request_label(span.trace_id, span.span_id)
+        join = RequestRange(request_label(span.trace_id, span.span_id))
         try:
-            rf = torch.profiler.record_function(label)
-            rf.__enter__()
+            rf = join.enter()
         except Exception as exc:
             internal_error("profiling.enter", exc)
             return
         with self._lock:
             if not self._closed:
-                self.open[span] = (rf, time.thread_time_ns() - t0)
-                span.profiler_range = (label, threading.get_ident())  # phases on other threads open it too
+                self.open[span] = (rf, time.thread_time_ns() - t0, join)
+                span.add_thread_join(join)  # the request's phases on other threads open the range there too
                 return
-        _exit_range(rf)  # the session closed meanwhile
+        join.exit(rf)  # the session closed meanwhile
 
     def leave(self, span: RequestSpan) -> None:
         """Close the request's range, count it as covered, advance the Kineto step; ask for the stop once
@@ -221,12 +218,12 @@ class Session:
             entry = self.open.pop(span, None)
             if entry is None:
                 return
-            span.profiler_range = None
             self._leaving += 1
         t0 = time.thread_time_ns()
         end_ns = time.time_ns()
-        rf, enter_ns = entry
-        _exit_range(rf)
+        rf, enter_ns, join = entry
+        span.remove_thread_join(join)
+        join.exit(rf)
         from torch.autograd.profiler import KinetoStepTracker
 
         with self._lock:
@@ -266,13 +263,12 @@ class Session:
         (they are in the trace as unfinished and not covered)."""
         with self._lock:
             self._closed = True
-            left = list(self.open.values())
-            for span in self.open:
-                span.profiler_range = None
+            left = list(self.open.items())
             self.open.clear()
             self.incomplete += len(left) + self._leaving
-        for rf, _ in left:
-            _exit_range(rf)
+        for span, (rf, _, join) in left:
+            span.remove_thread_join(join)
+            join.exit(rf)
 
     def drop_uncovered(self, in_trace: Any) -> None:
         """Keep as covered only the requests whose finished range is in the trace (``in_trace`` holds
@@ -291,8 +287,26 @@ class Session:
             attributed_share=self.attributed_share, requests_incomplete=self.incomplete)
 
 
-def _exit_range(rf: Any) -> None:
-    try:
-        rf.__exit__(None, None, None)
-    except Exception as exc:
-        internal_error("profiling.range_exit", exc)
+class RequestRange:
+    """A covered request's ``record_function`` range (named ``label``), as a thread join of its span
+    (:meth:`~zoomer_serve.recording.recorder.RequestSpan.add_thread_join`): the session opens it on the
+    request's thread, and the request's phases open it on any other thread they run on. ``enter`` raises
+    what torch raises; ``exit`` never raises (failures are counted)."""
+
+    __slots__ = ("label",)
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+
+    def enter(self) -> Any:
+        import torch
+
+        rf = torch.profiler.record_function(self.label)
+        rf.__enter__()
+        return rf
+
+    def exit(self, rf: Any) -> None:
+        try:
+            rf.__exit__(None, None, None)
+        except Exception as exc:
+            internal_error("profiling.range_exit", exc)

@@ -6,6 +6,7 @@ from zoomer_serve.recording.recorder import (
     RequestObserver,
     RequestRecorder,
     RequestSpan,
+    ThreadJoin,
     current_request,
     phase,
 )
@@ -17,6 +18,7 @@ __all__ = [
     "RequestRecorder",
     "RequestSpan",
     "Sampler",
+    "ThreadJoin",
     "current_request",
     "format_traceparent",
     "internal_error",

@@ -49,7 +49,7 @@ class RequestSpan:
     __slots__ = (
         "_recorder", "trace_id", "span_id", "parent_id", "parent_remote", "trace_flags", "trace_state",
         "name", "kind", "start_ns", "attributes", "events", "links", "children", "status", "status_message",
-        "_open", "_tokens", "_phase_stack", "_flags", "otel_parent_context", "profiler_range",
+        "_open", "_tokens", "_phase_stack", "_flags", "otel_parent_context", "thread_joins", "home_thread",
     )
 
     def __init__(self, recorder: RequestRecorder, name: str, kind: int, attributes: dict[str, Any],
@@ -81,9 +81,8 @@ class RequestSpan:
         self._tokens: list[Any] | None = None  # created by the first activate()
         self._phase_stack: list[int] | None = None  # created by the first phase
         self.otel_parent_context: Any = None  # an OpenTelemetry Context carrying the caller's baggage
-        # (range name, thread id) while a profiling session covers this span: phases on other threads open
-        # the same range there (see phase)
-        self.profiler_range: tuple[str, int] | None = None
+        self.thread_joins: tuple[ThreadJoin, ...] = ()  # see add_thread_join
+        self.home_thread = 0  # the thread the joins were added on
 
     @property
     def sampled(self) -> bool:
@@ -144,6 +143,18 @@ class RequestSpan:
             self._recorder.sink(rec)
         return span_id
 
+    def add_thread_join(self, join: ThreadJoin) -> None:
+        """Carry ``join`` to the other threads this request's work runs on: on each thread other than this one
+        (the one calling, the request's own), the request's outermost :class:`phase` there calls
+        ``join.enter()`` when it starts and ``join.exit(token)`` with what enter returned when it ends. For
+        per-thread state that should follow the request: a profiler range, an allocator tag."""
+        self.home_thread = threading.get_ident()
+        self.thread_joins = (*self.thread_joins, join)
+
+    def remove_thread_join(self, join: ThreadJoin) -> None:
+        """Stop carrying ``join`` (phases already running on other threads still call its exit)."""
+        self.thread_joins = tuple(j for j in self.thread_joins if j is not join)
+
     def activate(self) -> None:
         """Make this span current on this thread or task (see the module docstring). Pair with
         :meth:`deactivate` on the same thread or task."""
@@ -196,6 +207,17 @@ class RequestObserver(Protocol):
     def on_start(self, span: RequestSpan) -> None: ...
 
     def on_end(self, span: RequestSpan) -> None: ...
+
+
+class ThreadJoin(Protocol):
+    """Per-thread state that follows a request onto the other threads its phases run on (see
+    :meth:`RequestSpan.add_thread_join`). ``enter`` runs on such a thread as the request's outermost phase
+    there starts and returns a token; ``exit(token)`` runs on the same thread as that phase ends. Both must be
+    cheap; exceptions are counted and logged once."""
+
+    def enter(self) -> Any: ...
+
+    def exit(self, token: Any) -> None: ...
 
 
 class RequestRecorder:
@@ -353,10 +375,36 @@ _profiler_probe: tuple[Any, Callable[[], bool]] | None = None  # torch's profile
 
 
 class _ThreadRequest(threading.local):
-    request: RequestSpan | None = None  # the request whose profiler range a phase opened on this thread
+    request: RequestSpan | None = None  # the request whose thread joins a phase entered on this thread
 
 
 _threads = _ThreadRequest()
+
+
+def _join_thread(req: RequestSpan) -> list[tuple[ThreadJoin, Any]] | None:
+    """Enter ``req``'s thread joins on this thread, unless it is the request's own or an outer phase of the
+    request already entered them here. Returns what :func:`_leave_thread` needs, or None."""
+    if _threads.request is req or req.home_thread == threading.get_ident():
+        return None
+    entered = []
+    for join in req.thread_joins:
+        try:
+            entered.append((join, join.enter()))
+        except Exception as exc:
+            internal_error(f"thread_join.enter:{type(join).__name__}", exc)
+    _threads.request = req
+    return entered
+
+
+def _leave_thread(entered: list[tuple[ThreadJoin, Any]]) -> None:
+    for join, token in reversed(entered):
+        try:
+            join.exit(token)
+        except Exception as exc:
+            internal_error(f"thread_join.exit:{type(join).__name__}", exc)
+    _threads.request = None
+
+
 _PHASE_ATTRIBUTES: dict[str, dict[str, Any]] = {}
 _MAX_PHASE_NAMES = 1024
 
@@ -376,28 +424,37 @@ class phase:
     """Time a block of request work as a child span named ``name`` with attribute ``zoomer.phase``.
 
     Usable as a context manager or a decorator. While a torch.profiler session runs, the block is also a
-    ``torch.profiler.record_function`` range of the same name, so kernel profiles line up with phases; when
-    the request is covered by a zoomer-serve profiling session and the phase runs on another thread than the
-    one the request's range is open on (an executor thread), the phase also opens the request's range on its
-    thread (once per thread, around the outermost such phase). Outside a request it only opens that profiler
-    range (when profiling) and records nothing. An exception
-    leaving the block marks the phase span ERROR and propagates unchanged.
+    ``torch.profiler.record_function`` range of the same name, so kernel profiles line up with phases. On a
+    thread other than the request's own (an executor thread), the request's outermost phase there also enters
+    the request's thread joins (:meth:`RequestSpan.add_thread_join`: its profiler range while a profiling
+    session covers it, its allocator tag while allocation history records), so that thread's work is the
+    request's. Outside a request it only opens that profiler range (when profiling) and records nothing. An
+    exception leaving the block marks the phase span ERROR and propagates unchanged.
     """
 
-    __slots__ = ("name", "_start_ns", "_request", "_range", "_attrs", "_request_range")
+    __slots__ = ("name", "_start_ns", "_request", "_range", "_attrs", "_joined")
 
     def __init__(self, name: str, attributes: Mapping[str, Any] | None = None) -> None:
         self.name = name
         self._attrs = dict(attributes) if attributes else None
         self._request: RequestSpan | None = None
         self._range: Any = None
-        self._request_range: Any = None
+        self._joined: list[tuple[ThreadJoin, Any]] | None = None
         self._start_ns = 0
 
     def __enter__(self) -> phase:
         req = self._request = _current.get()
+        if req is not None and req.thread_joins:
+            self._joined = _join_thread(req)
         if _profiler_enabled():
-            self._open_ranges(req)
+            try:
+                import torch
+
+                self._range = torch.profiler.record_function(self.name)
+                self._range.__enter__()
+            except Exception as exc:
+                internal_error("phase.record_function", exc)
+                self._range = None
         if req is not None:
             if req._phase_stack is None:
                 req._phase_stack = []
@@ -405,40 +462,17 @@ class phase:
         self._start_ns = _time_ns()
         return self
 
-    def _open_ranges(self, req: RequestSpan | None) -> None:
-        """Open this phase's ``record_function`` range, inside the request's profiler range when the request
-        is covered by a session and this thread is not the one its range is open on (a request whose work
-        runs in an executor thread, as on the grpc.aio demo server): Kineto ranges are per thread, and
-        without one here this thread's operators and kernels would belong to no request."""
-        try:
-            import torch
-
-            outer = req.profiler_range if req is not None else None
-            if outer is not None and outer[1] != threading.get_ident() and _threads.request is not req:
-                self._request_range = torch.profiler.record_function(outer[0])
-                self._request_range.__enter__()
-                _threads.request = req
-            self._range = torch.profiler.record_function(self.name)
-            self._range.__enter__()
-        except Exception as exc:
-            internal_error("phase.record_function", exc)
-            self._range = None
-
-    def _close_ranges(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        for rf in (self._range, self._request_range):
-            if rf is not None:
-                try:
-                    rf.__exit__(exc_type, exc, tb)
-                except Exception as err:
-                    internal_error("phase.record_function", err)
-        if self._request_range is not None:
-            _threads.request = None
-        self._range = self._request_range = None
-
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         end_ns = _time_ns()
-        if self._range is not None or self._request_range is not None:
-            self._close_ranges(exc_type, exc, tb)
+        if self._range is not None:
+            try:
+                self._range.__exit__(exc_type, exc, tb)
+            except Exception as err:
+                internal_error("phase.record_function", err)
+            self._range = None
+        if self._joined is not None:
+            _leave_thread(self._joined)
+            self._joined = None
         req = self._request
         if req is None:
             return

@@ -12,8 +12,10 @@ up per request. Once a request has ended before a drain's snapshot, its totals l
 entries as span events. Entries with no (or an unknown) tag are counted as unattributed.
 
 On the request path: one formatted tag and one ``_set_memory_metadata`` call at the start, a clear at the
-end (when the request ends on the thread that started it). An asyncio server runs many requests on one
-thread: the tag is then the latest started request's, so attribution is only as good as the thread model.
+end (when the request ends on the thread that started it). The request's phases that run on other threads
+(an executor thread of a grpc.aio server) tag those threads for their duration too. An asyncio server runs many
+requests on its loop thread: allocations made there, outside phases on other threads, carry the latest
+started request's tag, so attribution is only as good as the thread model.
 
 :meth:`AllocationHistory.dump_snapshot` writes the snapshot pickle that https://pytorch.org/memory_viz opens,
 in a worker thread, within a time budget; a failure, an empty snapshot or a timeout raises
@@ -28,7 +30,7 @@ import os
 import pickle
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,16 +119,24 @@ class _Totals:
 
 class _Tag:
     """A tagged request: its span (to send the child), the thread that tagged it, when it ended
-    (monotonic ns, 0 while running) and its totals (drain thread only)."""
+    (monotonic ns, 0 while running) and its totals (drain thread only). Also a thread join of the span
+    (``RequestSpan.add_thread_join``): the request's phases on other threads tag those threads too."""
 
-    __slots__ = ("span", "key", "thread", "ended_ns", "totals")
+    __slots__ = ("span", "key", "thread", "ended_ns", "totals", "_set_metadata")
 
-    def __init__(self, span: RequestSpan, key: str, thread: int) -> None:
+    def __init__(self, span: RequestSpan, key: str, thread: int, set_metadata: Callable[[str], None]) -> None:
         self.span = span
         self.key = key
         self.thread = thread
         self.ended_ns = 0
         self.totals: _Totals | None = None
+        self._set_metadata = set_metadata
+
+    def enter(self) -> None:
+        self._set_metadata(self.key)
+
+    def exit(self, _token: None) -> None:
+        self._set_metadata("")
 
 
 class AllocationHistory:
@@ -195,14 +205,16 @@ class AllocationHistory:
             self.stats.tags_dropped += 1
             return None
         key = f"{TAG_PREFIX}{span.trace_id:032x}/{span.span_id:016x}"
-        tag = _Tag(span, key, threading.get_ident())
+        tag = _Tag(span, key, threading.get_ident(), self._set_metadata)
         tags[key] = tag
         self._set_metadata(key)
+        span.add_thread_join(tag)  # its phases in executor threads tag their allocations there
         return tag
 
     def end(self, tag: _Tag) -> None:
         """The request ended: clear the thread's tag when it is the thread that set it."""
         tag.ended_ns = time.monotonic_ns()
+        tag.span.remove_thread_join(tag)
         if tag.thread == threading.get_ident():
             self._set_metadata("")
 
