@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from zoomer_serve.analysis import gpu_utilization, kernel_breakdown, load_trace
-from zoomer_serve.analysis.timeline import union_length
+from zoomer_serve.intervals import union_length
 
 KINETO = Path(__file__).resolve().parents[2] / "shared" / "data" / "kineto"
 if not KINETO.is_dir():

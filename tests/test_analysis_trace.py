@@ -28,7 +28,8 @@ from zoomer_serve.analysis import (
 )
 from zoomer_serve.analysis.kineto import TraceFormatError, load_trace_bytes
 from zoomer_serve.analysis.labels import parse_request_label
-from zoomer_serve.analysis.timeline import idle_gaps, merge_intervals, union_length
+from zoomer_serve.analysis.timeline import idle_gaps
+from zoomer_serve.intervals import merge_intervals, union_length
 
 KINETO = Path(__file__).resolve().parents[2] / "shared" / "data" / "kineto"
 pytestmark = pytest.mark.skipif(not KINETO.is_dir(), reason=f"real Kineto traces not found at {KINETO}")

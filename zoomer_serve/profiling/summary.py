@@ -31,6 +31,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
+
+from zoomer_serve.intervals import union_length
 from zoomer_serve.profiling.labels import parse_request_label
 
 RUNTIME_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
@@ -149,20 +152,6 @@ class _Ranges:
         return None
 
 
-def interval_union(intervals: list[tuple[float, float]]) -> tuple[float, float]:
-    """``(first start, time covered)`` of ``(start, end)`` intervals in µs: overlapping time counts once."""
-    intervals.sort()
-    first, covered = intervals[0][0], 0.0
-    cur_start, cur_end = intervals[0]
-    for start, end in intervals[1:]:
-        if start > cur_end:
-            covered += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    return first, covered + cur_end - cur_start
-
-
 def summarize_events(events: Iterable[Mapping[str, Any]], key_of: KeyOf = parse_request_label) -> TraceSummary:
     """Attribute the GPU work of a trace's events to request ranges (see the module docstring).
 
@@ -191,8 +180,9 @@ def summarize_events(events: Iterable[Mapping[str, Any]], key_of: KeyOf = parse_
         ranges.setdefault((ev.get("pid"), ev.get("tid")), _Ranges()).items.append((start, start + dur, profile))
     for r in ranges.values():
         r.freeze()
-    for key, intervals in spans.items():
-        requests[key].start_us, requests[key].duration_us = interval_union(intervals)
+    for key, intervals in spans.items():  # a request's time: its ranges' union (overlaps once)
+        starts, ends = np.array([i[0] for i in intervals]), np.array([i[1] for i in intervals])
+        requests[key].start_us, requests[key].duration_us = float(starts.min()), union_length(starts, ends)
 
     def enclosing(ev: Mapping[str, Any]) -> RequestProfile | None:
         thread = ranges.get((ev.get("pid"), ev.get("tid")))
