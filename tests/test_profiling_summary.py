@@ -140,9 +140,12 @@ def test_summary_of_a_request_with_ranges_on_several_threads() -> None:
         _ev("cpu_op", "aten::relu", 120, 5, tid=3),
         _ev("cpu_op", "aten::add", 45, 1, tid=2),  # thread 2 between its ranges: not the request's
     ]
+    # a request with one range keeps its duration exactly (epoch-µs timestamps lose bits in end - start)
+    events.append(_ev("user_annotation", request_label(2, 2), 1.7e15 + 0.3, 123.4, tid=4))
     summary = summarize_events(events)
     req = summary.requests[(1, 1)]
     assert (req.start_us, req.duration_us) == (0.0, 140.0)
+    assert summary.requests[(2, 2)].duration_us == 123.4
     assert (req.cpu_op_count, req.cuda_runtime_count, req.kernel_time_us) == (2, 1, 20.0)
     assert summary.attributed_share == 1.0
 

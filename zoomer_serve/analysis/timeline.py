@@ -390,7 +390,7 @@ def request_gpu_time(trace: KinetoTrace) -> Table:
     """
     a = trace.annotations
     index = _LaunchIndex(trace)
-    parts: dict[tuple[str, str], list[tuple[float, float, float, int, float, float, int, int]]] = {}
+    parts: dict[tuple[str, str], list[tuple[float, float, float, int, float, float, int, int, float]]] = {}
     for i in np.flatnonzero(~a["on_gpu"]):
         ids = parse_request_label(str(a["name"][i]))
         if ids is None:
@@ -398,14 +398,15 @@ def request_gpu_time(trace: KinetoTrace) -> Table:
         start, dur = float(a["ts"][i]), float(a["dur"][i])
         pid, tid = int(a["pid"][i]), int(a["tid"][i])
         gpu, n, first, last = index.within(pid, tid, start, start + dur)
-        parts.setdefault(ids, []).append((start, start + dur, gpu, n, first, last, pid, tid))
+        parts.setdefault(ids, []).append((start, start + dur, gpu, n, first, last, pid, tid, dur))
     rows = []
     for ids, ranges in parts.items():
         head = min(ranges)
         n = sum(p[3] for p in ranges)
         first = min((p[4] for p in ranges if p[3]), default=0.0)
         last = max((p[5] for p in ranges if p[3]), default=0.0)
-        covered = union_length(np.array([p[0] for p in ranges]), np.array([p[1] for p in ranges]))
+        covered = head[8] if len(ranges) == 1 else union_length(
+            np.array([p[0] for p in ranges]), np.array([p[1] for p in ranges]))
         rows.append((ids[0], ids[1], head[0], covered, sum(p[2] for p in ranges), n,
                      (last - first) if n else 0.0, head[6], head[7]))
     rows.sort(key=lambda row: row[2])

@@ -14,8 +14,8 @@ events (``"ph": "X"``) carry ``ts`` and ``dur`` in µs; the categories used here
 
 Attribution: a CPU-thread event belongs to the innermost request range on the same ``(pid, tid)`` that
 contains its start. A request may have ranges on several threads (its work in an executor thread has one
-there, opened by its phases); all of them are its. A GPU activity belongs to the request of the CUDA API call with the same correlation
-id; when that call was not found (Kineto could not name its thread), to the request of the ``cpu_op`` whose
+there, opened by its phases); all of them are its. A GPU activity belongs to the request of the CUDA API
+call with the same correlation id; when that call was not found (Kineto could not name its thread), to the request of the ``cpu_op`` whose
 ``External id`` the activity carries (Kineto links GPU activities to their launching operator that way).
 Kernels launched outside any request range (warm-up, other threads) stay unattributed; the share of kernel
 time attributed is reported.
@@ -176,13 +176,15 @@ def summarize_events(events: Iterable[Mapping[str, Any]], key_of: KeyOf = parse_
         profile = requests.get(key)
         if profile is None:  # a key seen twice (ranges on several threads): all count for it
             profile = requests[key] = RequestProfile(key=key, start_us=start)
+        profile.duration_us += dur
         spans.setdefault(key, []).append((start, start + dur))
         ranges.setdefault((ev.get("pid"), ev.get("tid")), _Ranges()).items.append((start, start + dur, profile))
     for r in ranges.values():
         r.freeze()
-    for key, intervals in spans.items():  # a request's time: its ranges' union (overlaps once)
-        starts, ends = np.array([i[0] for i in intervals]), np.array([i[1] for i in intervals])
-        requests[key].start_us, requests[key].duration_us = float(starts.min()), union_length(starts, ends)
+    for key, intervals in spans.items():  # several ranges: the time they cover (overlaps once)
+        if len(intervals) > 1:
+            starts, ends = np.array([i[0] for i in intervals]), np.array([i[1] for i in intervals])
+            requests[key].start_us, requests[key].duration_us = float(starts.min()), union_length(starts, ends)
 
     def enclosing(ev: Mapping[str, Any]) -> RequestProfile | None:
         thread = ranges.get((ev.get("pid"), ev.get("tid")))
