@@ -7,9 +7,9 @@ would stop the loop: no other call could be accepted, read or streamed meanwhile
 would stall. ``asyncio.to_thread`` copies the task's context into the worker thread, so the request span
 made current by ``ZoomerAioServerInterceptor`` is current there too: ``phase()`` spans (preprocess, forward,
 postprocess) and OpenTelemetry spans inside the model code are children of the request span, as on the sync
-server, and inside a profiling session those phases open the request's profiler range on the worker thread, so
-its operators and kernels are attributed to the request. Concurrency of model calls is bounded by the default executor (``min(32, cpus + 4)`` threads); torch
-releases the GIL inside its kernels.
+server, and inside a profiling session those phases open the request's profiler range on the worker
+thread, so its operators and kernels are attributed to the request. Concurrency of model calls is bounded by
+the default executor (``min(32, cpus + 4)`` threads); torch releases the GIL inside its kernels.
 
 Entry points: :func:`build_aio_server` (a coroutine, inside a running loop) and :func:`serve_aio_forever`
 (blocking, for a CLI: runs its own loop until a ``threading.Event`` is set).

@@ -5,7 +5,8 @@ named ``zoomer.request/<trace_id>/<span_id>``: the request span's W3C trace id (
 span id (16 lowercase hex digits). In the Chrome trace the range is a ``user_annotation`` event; the analysis
 side finds a request's kernels through it. The range opens on the thread that starts the request; a request
 whose work runs on other threads has ranges of the same name there too, opened by its phases
-(:class:`zoomer_serve.recording.recorder.phase`), and all of them are its. :data:`REQUEST_LABEL_PREFIX` is the one definition of the format.
+(:class:`zoomer_serve.recording.recorder.phase`), and all of them are its. :data:`REQUEST_LABEL_PREFIX` is
+the one definition of the format.
 """
 
 from __future__ import annotations

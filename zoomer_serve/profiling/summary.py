@@ -15,8 +15,9 @@ events (``"ph": "X"``) carry ``ts`` and ``dur`` in µs; the categories used here
 Attribution: a CPU-thread event belongs to the innermost request range on the same ``(pid, tid)`` that
 contains its start. A request may have ranges on several threads (its work in an executor thread has one
 there, opened by its phases); all of them are its. A GPU activity belongs to the request of the CUDA API
-call with the same correlation id; when that call was not found (Kineto could not name its thread), to the request of the ``cpu_op`` whose
-``External id`` the activity carries (Kineto links GPU activities to their launching operator that way).
+call with the same correlation id; when that call was not found (Kineto could not name its thread), to the
+request of the ``cpu_op`` whose ``External id`` the activity carries (Kineto links GPU activities to their
+launching operator that way).
 Kernels launched outside any request range (warm-up, other threads) stay unattributed; the share of kernel
 time attributed is reported.
 """
