@@ -218,54 +218,24 @@ def check_profiler_kernels(ctx: Context) -> None:
 
     from _bench_profiling import session_latency_rows
 
-    from zoomer_serve.demo.load import drive_load
-    from zoomer_serve.profiling import (
-        ProfilerConfig,
-        ProfilerController,
-        SessionOptions,
-        load_trace,
-        summarize_events,
-    )
+    from zoomer_serve.profiling import ProfilerConfig, ProfilerController
 
     controller = ProfilerController(ProfilerConfig(profiles_dir=ctx.out / "profiles"), ctx.telemetry).attach()
     try:
-        started = time.monotonic()
-        reply = controller.start(SessionOptions(max_requests=PROFILE_REQUESTS, cuda=True))
-        ctx.row("profile", "CUDA session starts (CPU + CUDA activities)", f"{reply.message} "
-                f"({time.monotonic() - started:.1f} s)", reply.session is not None and reply.session.cuda)
-        load = drive_load(ctx.target, 60.0, clients=4, batch_size=64, max_requests=PROFILE_REQUESTS,
-                          stream_share=0.2, invalid_share=0.0)
-        finished = controller.wait_idle(120)
-        info = controller.last
-        ctx.row("profile", "session done, one covered request per call",
-                f"{info.outcome if info else 'none'}: {info.requests if info else 0} of {load.total_calls} calls, "
-                f"{info.error or ''}", bool(finished and info and info.outcome == "done"
-                                            and info.requests == load.total_calls == PROFILE_REQUESTS))
-        if info is None or info.trace_path is None:
-            return
-        ctx.row("profile", "trace (gzip Chrome trace)", f"{info.trace_path} ({info.trace_bytes:,} B)",
-                info.trace_bytes > 0)
-        summary = summarize_events(load_trace(info.trace_path)["traceEvents"])
-        share = summary.attributed_share or 0.0
-        ctx.row("profile", "kernels in the trace; GPU kernel time", f"{summary.totals.kernel_count:,}; "
-                f"{summary.totals.kernel_time_us:,.0f} µs", summary.totals.kernel_count > 0)
-        ctx.row("profile", f"kernel time attributed to request ranges (target >= {PROFILE_MIN_SHARE:.0%})",
-                f"{share:.1%} ({summary.attributed.kernel_time_us:,.0f} µs)", share >= PROFILE_MIN_SHARE)
-        reqs = list(summary.requests.values())
-        with_kernels = [r for r in reqs if r.kernel_count > 0]
-        ctx.row("profile", "request ranges in the trace with kernels", f"{len(with_kernels)} of {len(reqs)}",
-                len(reqs) == info.requests and len(with_kernels) == len(reqs))
+        summary = _kernel_session(ctx, "profile", controller, ctx.target, PROFILE_REQUESTS)
+        reqs = list(summary.requests.values()) if summary is not None else []
         if reqs:
             median = statistics.median
             ctx.row("profile", "per request (median): kernels, kernel µs, launch (CUDA API) µs, memcpy B",
                     f"{median([r.kernel_count for r in reqs]):.0f}, {median([r.kernel_time_us for r in reqs]):.1f}, "
                     f"{median([r.cuda_runtime_time_us for r in reqs]):.1f}, "
                     f"{median([r.memcpy_bytes for r in reqs]):,.0f}")
-            top = summary.totals.top_kernels(1)
+            top = summary.totals.top_kernels(1) if summary is not None else []
             ctx.row("profile", "top kernel by GPU time", f"{top[0].name[:60]} ({top[0].time_us:,.0f} µs)"
                     if top else "none")
-        for row in session_latency_rows(ctx.target, controller, n_requests=100, rounds=2, cuda=True):
-            ctx.row("profile", row["what"], f"{row['value']} {row['unit']}")
+        if summary is not None:
+            for row in session_latency_rows(ctx.target, controller, n_requests=100, rounds=2, cuda=True):
+                ctx.row("profile", row["what"], f"{row['value']} {row['unit']}")
     finally:
         controller.close(timeout_s=60)
 
@@ -274,54 +244,56 @@ def check_aio_kernels(ctx: Context) -> None:
     """Step 6 (kernel profiling on the grpc.aio demo server, whose model runs in ``asyncio.to_thread``): the
     request range opens on the event loop's thread and the phases open it again on the executor thread, so
     the kernels launched there are attributed to their requests."""
-    from zoomer_serve.demo.aio_server import serve_aio_forever
+    from zoomer_serve.demo.aio_server import aio_server_in_thread
     from zoomer_serve.demo.load import drive_load
     from zoomer_serve.demo.model import build_model
-    from zoomer_serve.profiling import (
-        ProfilerConfig,
-        ProfilerController,
-        SessionOptions,
-        load_trace,
-        summarize_events,
-    )
+    from zoomer_serve.profiling import ProfilerConfig, ProfilerController
 
-    stop, ready = threading.Event(), []
-    server = threading.Thread(target=serve_aio_forever, args=("127.0.0.1", 0, stop), daemon=True,
-                              kwargs={"model": build_model(device="cuda"), "on_ready": ready.append, "grace_s": 2.0})
-    server.start()
-    deadline = time.monotonic() + 60
-    while not ready and server.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    ctx.row("aio", "grpc.aio demo server on cuda", f"port {ready[0]}" if ready else "did not start", bool(ready))
-    if not ready:
-        stop.set()
-        return
     controller = ProfilerController(ProfilerConfig(profiles_dir=ctx.out / "profiles_aio"), ctx.telemetry).attach()
     try:
-        target = f"127.0.0.1:{ready[0]}"
-        drive_load(target, 5.0, clients=4, batch_size=64, max_requests=40, invalid_share=0.0)  # warm-up
-        reply = controller.start(SessionOptions(max_requests=AIO_PROFILE_REQUESTS, cuda=True))
-        load = drive_load(target, 60.0, clients=4, batch_size=64, max_requests=AIO_PROFILE_REQUESTS,
-                          stream_share=0.2, invalid_share=0.0)
-        finished = controller.wait_idle(120)
-        info = controller.last
-        ctx.row("aio", "session done, one covered request per call",
-                f"{info.outcome if info else reply.message}: {info.requests if info else 0} of {load.total_calls}",
-                bool(finished and info and info.outcome == "done" and info.requests == load.total_calls))
-        if info is None or info.trace_path is None:
-            return
-        summary = summarize_events(load_trace(info.trace_path)["traceEvents"])
-        share = summary.attributed_share or 0.0
-        reqs = list(summary.requests.values())
-        ctx.row("aio", f"kernel time attributed to request ranges (target >= {PROFILE_MIN_SHARE:.0%})",
-                f"{share:.1%} of {summary.totals.kernel_time_us:,.0f} µs", share >= PROFILE_MIN_SHARE)
-        ctx.row("aio", "requests in the trace with kernels",
-                f"{sum(r.kernel_count > 0 for r in reqs)} of {len(reqs)}",
-                len(reqs) == info.requests and all(r.kernel_count > 0 for r in reqs))
+        with aio_server_in_thread(build_model(device="cuda"), grace_s=2.0, start_timeout_s=60.0) as port:
+            target = f"127.0.0.1:{port}"
+            ctx.row("aio", "grpc.aio demo server on cuda", target, True)
+            drive_load(target, 5.0, clients=4, batch_size=64, max_requests=40, invalid_share=0.0)  # warm-up
+            _kernel_session(ctx, "aio", controller, target, AIO_PROFILE_REQUESTS)
     finally:
         controller.close(timeout_s=60)
-        stop.set()
-        server.join(15)
+
+
+def _kernel_session(ctx: Context, step: str, controller: Any, target: str, requests: int) -> Any:
+    """A CUDA profiling session over ``requests`` calls to ``target``, with the rows both kernel steps share:
+    the session starts and ends with one covered request per call, the trace, its kernels, the share of kernel
+    time attributed to request ranges (target PROFILE_MIN_SHARE), every covered request with kernels. Returns
+    the trace's summary (``summarize_events``), or None when the session wrote no trace."""
+    from zoomer_serve.demo.load import drive_load
+    from zoomer_serve.profiling import SessionOptions, load_trace, summarize_events
+
+    started = time.monotonic()
+    reply = controller.start(SessionOptions(max_requests=requests, cuda=True))
+    ctx.row(step, "CUDA session starts (CPU + CUDA activities)", f"{reply.message} "
+            f"({time.monotonic() - started:.1f} s)", reply.session is not None and reply.session.cuda)
+    load = drive_load(target, 60.0, clients=4, batch_size=64, max_requests=requests, stream_share=0.2,
+                      invalid_share=0.0)
+    finished = controller.wait_idle(120)
+    info = controller.last
+    ctx.row(step, "session done, one covered request per call",
+            f"{info.outcome if info else 'none'}: {info.requests if info else 0} of {load.total_calls} calls, "
+            f"{(info.error or '') if info else ''}", bool(finished and info and info.outcome == "done"
+                                                        and info.requests == load.total_calls == requests))
+    if info is None or info.trace_path is None:
+        return None
+    ctx.row(step, "trace (gzip Chrome trace)", f"{info.trace_path} ({info.trace_bytes:,} B)", info.trace_bytes > 0)
+    summary = summarize_events(load_trace(info.trace_path)["traceEvents"])
+    share = summary.attributed_share or 0.0
+    ctx.row(step, "kernels in the trace; GPU kernel time", f"{summary.totals.kernel_count:,}; "
+            f"{summary.totals.kernel_time_us:,.0f} µs", summary.totals.kernel_count > 0)
+    ctx.row(step, f"kernel time attributed to request ranges (target >= {PROFILE_MIN_SHARE:.0%})",
+            f"{share:.1%} ({summary.attributed.kernel_time_us:,.0f} µs)", share >= PROFILE_MIN_SHARE)
+    reqs = list(summary.requests.values())
+    with_kernels = [r for r in reqs if r.kernel_count > 0]
+    ctx.row(step, "requests in the trace with kernels", f"{len(with_kernels)} of {len(reqs)}",
+            len(reqs) == info.requests and len(with_kernels) == len(reqs))
+    return summary
 
 
 def check_store(ctx: Context) -> None:

@@ -218,16 +218,15 @@ def test_demo_ranker_on_aio_server_same_spans_and_phases(telemetry, collector):
     """serve_aio_forever (the CLI's entry) serves the demo Ranker: the same responses and errors as the sync
     server, a request span per call with server.port, and the model's phases as its children (the model runs
     in the default executor with the request span current)."""
-    from _aio_demo import aio_demo_server
-
     from zoomer_serve.demo import ranker_pb2_grpc
+    from zoomer_serve.demo.aio_server import aio_server_in_thread
     from zoomer_serve.demo.load import InvalidKind, make_request
     from zoomer_serve.demo.model import DLRMConfig, build_model
 
     cfg = DLRMConfig(table_sizes=(1000, 500, 100), embedding_dim=8, bottom_mlp=(16,), top_mlp=(16,))
     model = build_model(cfg, device="cpu")
     rng = np.random.default_rng(0)
-    with aio_demo_server(model) as port, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+    with aio_server_in_thread(model, grace_s=1.0) as port, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = ranker_pb2_grpc.RankerStub(channel)
         request = make_request(rng, 8, cfg, request_id="r1")
         first = stub.Predict(request, timeout=10)

@@ -323,16 +323,16 @@ def test_aio_demo_operators_in_the_executor_belong_to_their_request(model: DLRM,
     ``zoomer.profile.request`` child counts CPU operators, and its range time is the loop thread's range (the
     executor's ranges lie inside it and are not added on top)."""
     import numpy as np
-    from _aio_demo import aio_demo_server
 
     from zoomer_serve.demo import ranker_pb2_grpc
+    from zoomer_serve.demo.aio_server import aio_server_in_thread
     from zoomer_serve.demo.load import make_request
     from zoomer_serve.profiling import ProfilerConfig, ProfilerController
     from zoomer_serve.profiling.summary import summarize_events
 
     controller = ProfilerController(ProfilerConfig(profiles_dir=profiles_dir), telemetry).attach()
     try:
-        with aio_demo_server(model) as port:
+        with aio_server_in_thread(model, grace_s=1.0) as port:
             assert controller.start(SessionOptions(max_requests=6)).session is not None
 
             def call(seed: int) -> None:

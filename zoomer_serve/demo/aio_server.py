@@ -11,15 +11,18 @@ server, and inside a profiling session those phases open the request's profiler 
 thread, so its operators and kernels are attributed to the request. Concurrency of model calls is bounded by
 the default executor (``min(32, cpus + 4)`` threads); torch releases the GIL inside its kernels.
 
-Entry points: :func:`build_aio_server` (a coroutine, inside a running loop) and :func:`serve_aio_forever`
-(blocking, for a CLI: runs its own loop until a ``threading.Event`` is set).
+Entry points: :func:`build_aio_server` (a coroutine, inside a running loop), :func:`serve_aio_forever`
+(blocking, for a CLI: runs its own loop until a ``threading.Event`` is set) and :func:`aio_server_in_thread`
+(``serve_aio_forever`` in a background thread, for tests and checks).
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -149,6 +152,36 @@ def serve_aio_forever(
     """
     asyncio.run(_serve(host, port, stop_event or threading.Event(), model, interceptors, config, grace_s,
                        on_ready))
+
+
+@contextmanager
+def aio_server_in_thread(model: DLRM | None = None, host: str = "127.0.0.1", port: int = 0, *,
+                         grace_s: float = 5.0, start_timeout_s: float = 30.0) -> Iterator[int]:
+    """:func:`serve_aio_forever` (with its default ``ZoomerAioServerInterceptor``) in a daemon thread; yields the
+    bound port once the server accepts calls, and stops it when the block ends.
+
+    Raises:
+        RuntimeError: the server did not come up within ``start_timeout_s`` seconds (its error, such as a
+            ServerBindError, is printed by the thread), or its thread did not end within ``grace_s`` + 10 s of
+            the stop.
+    """
+    stop = threading.Event()
+    ready: list[int] = []
+    thread = threading.Thread(target=serve_aio_forever, args=(host, port, stop), daemon=True,
+                              kwargs={"model": model, "on_ready": ready.append, "grace_s": grace_s})
+    thread.start()
+    deadline = time.monotonic() + start_timeout_s
+    while not ready and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        if not ready:
+            raise RuntimeError(f"the aio demo server did not come up within {start_timeout_s:.0f} s")
+        yield ready[0]
+    finally:
+        stop.set()
+        thread.join(grace_s + 10)
+    if thread.is_alive():
+        raise RuntimeError(f"the aio demo server did not stop within {grace_s + 10:.0f} s")
 
 
 async def _serve(host: str, port: int, stop_event: threading.Event, model: DLRM | None,
