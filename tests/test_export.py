@@ -72,24 +72,63 @@ def test_unsampled_records_that_do_not_fit_count_as_lost_records_not_as_spans():
     assert (stats.dropped_queue, stats.dropped_records) == (2, 31)
 
 
-def test_the_writer_pickles_a_large_batch_in_frames_of_at_most_128_records():
-    """Each pickle.dumps holds the interpreter lock, so a batch goes to the helper in bounded frames, each a
-    4-byte big-endian length and a pickled ``(dropped so far, records)``, in order."""
+def _records(n: int, attributes: dict | None = None) -> list[tuple]:
+    got: list[tuple] = []
+    recorder = zoomer_serve.RequestRecorder(sink=got.append, otel_context=False)
+    for i in range(n):
+        recorder.start("a/b", attributes={"i": i, **(attributes or {})}).end()
+    return got
+
+
+def _decode_frames(frames: list[bytes]) -> list[tuple]:
     import pickle
     import struct
 
-    pipeline = ExportPipeline(ExportConfig(mode="none"), {"service.name": "x"})
-    pipeline.dropped = 7
-    batch = [(i,) for i in range(300)]
-    frames = list(pipeline._frames(batch))
     decoded = []
     for frame in frames:
         (length,) = struct.unpack(">I", frame[:4])
         assert length == len(frame) - 4
         decoded.append(pickle.loads(frame[4:]))
-    assert [len(records) for _, records in decoded] == [128, 128, 44]
-    assert {dropped for dropped, _ in decoded} == {7}
-    assert [rec for _, records in decoded for rec in records] == batch
+    return decoded
+
+
+def test_the_writer_pickles_a_large_batch_in_frames_of_at_most_128_records():
+    """Each pickle.dumps holds the interpreter lock, so a batch goes to the helper in bounded frames, each a
+    4-byte big-endian length and a pickled ``("records", (the server side's loss counters, records))``, in
+    order."""
+    pipeline = ExportPipeline(ExportConfig(mode="none"), {"service.name": "x"})
+    pipeline.dropped = 7
+    batch = _records(300)
+    made = list(pipeline._frames(batch))
+    decoded = _decode_frames([frame for frame, _, _ in made])
+    assert [n for _, _, n in made] == [128, 128, 44] and [s for _, s, _ in made] == [128, 128, 44]
+    assert {kind for kind, _ in decoded} == {"records"}
+    assert [len(records) for _, (_, records) in decoded] == [128, 128, 44]
+    assert {counters["queue_full"] for _, (counters, _) in decoded} == {7}
+    assert [rec for _, (_, records) in decoded for rec in records] == batch
+
+
+def test_frames_are_bounded_by_bytes_and_a_record_too_large_for_any_frame_is_dropped_and_counted(monkeypatch):
+    """C14: a burst of large records goes to the helper as several frames, each within MAX_FRAME_BYTES (once a
+    75 MB frame made the helper exit for the rest of the process's life); a single record over the bound is
+    dropped and counted (spans and records), never sent."""
+    from zoomer_serve.export import frames as frames_mod
+
+    monkeypatch.setattr(frames_mod, "MAX_FRAME_BYTES", 200_000)
+    pipeline = ExportPipeline(ExportConfig(mode="none"), {"service.name": "x"})
+    small = _records(50)
+    large = _records(10, {"blob": "x" * 60_000})
+    huge = _records(2, {"blob": "y" * 300_000})
+    batch = small[:25] + large[:5] + huge[:1] + large[5:] + huge[1:] + small[25:]
+    made = list(pipeline._frames(batch))
+    assert all(len(frame) - 4 <= 200_000 for frame, _, _ in made)
+    assert len(made) >= 4
+    sent = [rec for _, (_, records) in _decode_frames([f for f, _, _ in made]) for rec in records]
+    assert sent == small[:25] + large + small[25:]
+    assert sum(n for _, _, n in made) == 60 and sum(s for _, s, _ in made) == 60
+    assert (pipeline.dropped_too_large, pipeline.dropped_records) == (2, 2)
+    stats = pipeline.shutdown(0.5)
+    assert stats.dropped_too_large == 2 and stats.dropped >= 2
 
 
 def test_sdk_disabled_records_nothing(monkeypatch):

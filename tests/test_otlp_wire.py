@@ -133,3 +133,38 @@ def test_children_with_a_cached_shape_encode_like_encode_span():
     spans = cached.resource_spans[0].scope_spans[0].spans
     assert len(spans) == 15
     assert [type(_attrs(s.attributes)["ok"]) for s in spans if s.name == "flag"] == [bool, int] * 3
+
+
+def test_span_limits_cut_values_and_counts_and_say_how_much_in_the_dropped_fields():
+    """C14: the OpenTelemetry span limits, applied when the span is encoded (off the request path): values cut to
+    the length limit (strings, bytes, strings in arrays), attributes / events / links and their own attributes cut
+    to the count limits, and what was cut counted in the OTLP ``dropped_*_count`` fields (a request span's own
+    drops of events and links past the limit come in its record)."""
+    from zoomer_serve.config import SpanLimits
+
+    limits = SpanLimits(attribute_value_length=5, attribute_count=3, event_count=2, link_count=1,
+                        event_attribute_count=1, link_attribute_count=1)
+    enc = SpanEncoder({}, "zs", "1", limits)
+    attrs = {"a": "abcdefgh", "b": b"0123456789", "c": ["xxxxxxx", "yy", 3], "d": 4, "e": "kept?",
+             r.DROPPED_KEY: (4, 2)}
+    events = [(1, f"e{i}", {"k1": "v" * 10, "k2": "w"}) for i in range(3)]
+    links = [(0xAB, 0xCD, {"l1": "z" * 9, "l2": "q"}), (0xAB, 0xCE, None)]
+    payload = enc.encode_request([enc.encode_span(_record(R_ATTRS=attrs, R_EVENTS=events, R_LINKS=links))])
+    span = ExportTraceServiceRequest.FromString(payload).resource_spans[0].scope_spans[0].spans[0]
+    assert _attrs(span.attributes) == {"a": "abcde", "b": b"01234", "c": ["xxxxx", "yy", 3]}
+    assert span.dropped_attributes_count == 2
+    assert [e.name for e in span.events] == ["e0", "e1"] and span.dropped_events_count == 4 + 1
+    assert _attrs(span.events[0].attributes) == {"k1": "vvvvv"} and span.events[0].dropped_attributes_count == 1
+    assert len(span.links) == 1 and span.dropped_links_count == 2 + 1
+    assert _attrs(span.links[0].attributes) == {"l1": "zzzzz"} and span.links[0].dropped_attributes_count == 1
+
+
+def test_long_strings_are_not_kept_in_the_encoding_cache():
+    """C14: the encoder's cache is bounded by entries and by bytes: a burst of unique 1 MB strings (exception
+    messages, payload dumps) is encoded each time, never kept."""
+    from zoomer_serve.export import otlp_wire
+
+    enc = SpanEncoder({}, "zs", "1")
+    for i in range(20):
+        enc.encode_span(_record(R_ATTRS={"blob": f"{i}" + "x" * 1_000_000}))
+    assert sum(len(v) for v in enc._attr_cache.values()) < 100 * otlp_wire._MAX_CACHED_STR

@@ -21,6 +21,9 @@ environment. A bad value raises :class:`ConfigError` naming the variable and the
 | old RPC names too | ``OTEL_SEMCONV_STABILITY_OPT_IN`` containing ``rpc/dup`` | off |
 | SDK off | ``OTEL_SDK_DISABLED=true`` (as the spec says, any value but ``true`` is false; one other than ``false`` logs a warning) | false |
 | export mode | ``ZOOMER_EXPORT_MODE``: ``process`` (a helper process encodes and sends), ``thread``, ``none`` | ``process`` |
+| span limits | ``OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT``, ``OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT``, ``OTEL_ATTRIBUTE_COUNT_LIMIT``, ``OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT``, ``OTEL_SPAN_EVENT_COUNT_LIMIT``, ``OTEL_SPAN_LINK_COUNT_LIMIT``, ``OTEL_EVENT_ATTRIBUTE_COUNT_LIMIT``, ``OTEL_LINK_ATTRIBUTE_COUNT_LIMIT`` (see :class:`SpanLimits`) | none for lengths, 128 for counts |
+| exception text | ``ZOOMER_EXCEPTION_VALUE_LENGTH_LIMIT``: characters kept of ``exception.message``, ``exception.stacktrace`` and error status messages | 8192 |
+| flush on SIGTERM / SIGINT | ``ZOOMER_SIGNAL_HANDLERS``: ``on`` / ``off`` (see :mod:`zoomer_serve.lifecycle`) | ``on`` |
 | excluded methods | ``ZOOMER_EXCLUDED_METHODS`` (comma-separated globs over ``pkg.Service/Method``) | health, reflection, the profiler admin service |
 | store | ``ZOOMER_STORE`` | ``./zoomer-data/zoomer.duckdb`` |
 | GPU telemetry | ``ZOOMER_GPU`` and ``ZOOMER_GPU_*`` (see :mod:`zoomer_serve.telemetry.config`) | ``auto`` |
@@ -90,6 +93,52 @@ class ExportConfig:
                               f"({self.max_export_batch_size} > {self.max_queue_size})")
 
 
+@dataclass(frozen=True)
+class SpanLimits:
+    """OpenTelemetry's span limits, read from their standard variables (the span-specific one first, then the
+    general one), and zoomer-serve's bound on exception text.
+
+    ``attribute_value_length``: characters (bytes for byte values) kept of a string attribute value, and of each
+    string in an array (None: no limit, the OpenTelemetry default); ``attribute_count``, ``event_count``,
+    ``link_count``, ``event_attribute_count``, ``link_attribute_count``: how many are kept per span / event /
+    link (128 each by default). What is cut is counted in the exported span's ``dropped_attributes_count``,
+    ``dropped_events_count``, ``dropped_links_count`` (and the event's and link's own). Counts apply when the
+    span is recorded (events, links) or encoded (attributes, lengths: off the request path).
+    ``exception_value_length``: characters kept of ``exception.message`` and ``exception.stacktrace`` (whose
+    first and last parts are kept, around a note of how much was cut) and of an error status message, 8192 by
+    default: an exception's text is unbounded, a span must not be.
+    """
+
+    attribute_value_length: int | None = None
+    attribute_count: int = 128
+    event_count: int = 128
+    link_count: int = 128
+    event_attribute_count: int = 128
+    link_attribute_count: int = 128
+    exception_value_length: int = 8192
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> SpanLimits:
+        """Raises ConfigError naming the variable on a value that is not a non-negative integer."""
+        def limit(names: tuple[str, ...], default: int | None) -> int | None:
+            for name in names:
+                if (env.get(name) or "").strip():
+                    return envvars.integer(env, name, 0, ConfigError, minimum=0)
+            return default
+
+        general = ("OTEL_ATTRIBUTE_COUNT_LIMIT",)
+        return cls(
+            attribute_value_length=limit(("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT",
+                                          "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT"), None),
+            attribute_count=limit(("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", *general), 128) or 0,
+            event_count=limit(("OTEL_SPAN_EVENT_COUNT_LIMIT",), 128) or 0,
+            link_count=limit(("OTEL_SPAN_LINK_COUNT_LIMIT",), 128) or 0,
+            event_attribute_count=limit(("OTEL_EVENT_ATTRIBUTE_COUNT_LIMIT", *general), 128) or 0,
+            link_attribute_count=limit(("OTEL_LINK_ATTRIBUTE_COUNT_LIMIT", *general), 128) or 0,
+            exception_value_length=limit(("ZOOMER_EXCEPTION_VALUE_LENGTH_LIMIT",), 8192) or 0,
+        )
+
+
 @dataclass
 class ZoomerConfig:
     """Everything :func:`zoomer_serve.configure` needs. Build it with :meth:`from_env`."""
@@ -104,6 +153,8 @@ class ZoomerConfig:
     sdk_disabled: bool = False
     gpu: GpuTelemetryConfig = field(default_factory=lambda: _gpu_config({}))
     host: HostConfig = field(default_factory=lambda: _host_config({}))
+    signal_handlers: bool = True
+    span_limits: SpanLimits = field(default_factory=SpanLimits)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ZoomerConfig:
@@ -124,6 +175,8 @@ class ZoomerConfig:
             sdk_disabled=otel_bool(env, "OTEL_SDK_DISABLED"),
             gpu=_gpu_config(env),
             host=_host_config(env),
+            signal_handlers=envvars.switch(env, "ZOOMER_SIGNAL_HANDLERS", True, ConfigError, "on or off"),
+            span_limits=SpanLimits.from_env(env),
         )
 
 

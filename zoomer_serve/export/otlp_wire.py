@@ -17,7 +17,9 @@ import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from zoomer_serve.config import SpanLimits
 from zoomer_serve.recording.records import (
+    DROPPED_KEY,
     EV_ATTRS,
     EV_NAME,
     EV_TIME_NS,
@@ -49,6 +51,7 @@ _pack_flags = struct.Struct("<HI").pack
 _LOW64 = (1 << 64) - 1
 _CACHED_INT_LIMIT = 1 << 16  # int attribute values below it (counts, sizes, ports) are cached; larger ones not
 _MAX_CACHE = 50_000  # attribute encodings kept; bounded so unique values cannot grow memory forever
+_MAX_CACHED_STR = 256  # longer strings are encoded each time: the cache's memory stays bounded by bytes too
 
 _FLAG_HAS_IS_REMOTE = 0x100
 _FLAG_IS_REMOTE = 0x200
@@ -114,10 +117,15 @@ class SpanEncoder:
     """Encodes span records (see :mod:`zoomer_serve.recording.records`) into OTLP request bytes.
 
     One encoder per exporter; it caches the encoded form of attribute pairs and span names, bounded by
-    ``_MAX_CACHE`` entries. Not thread-safe: use it from the export thread only.
+    ``_MAX_CACHE`` entries (strings over ``_MAX_CACHED_STR`` characters are never cached). It applies the span
+    limits (:class:`~zoomer_serve.config.SpanLimits`): attribute values cut to the length limit, attributes,
+    events, links and their attributes cut to the count limits, what was cut counted in the OTLP
+    ``dropped_*_count`` fields. Not thread-safe: use it from the export thread only.
     """
 
-    def __init__(self, resource_attributes: Mapping[str, Any], scope_name: str, scope_version: str) -> None:
+    def __init__(self, resource_attributes: Mapping[str, Any], scope_name: str, scope_version: str,
+                 limits: SpanLimits | None = None) -> None:
+        self.limits = limits or SpanLimits()
         resource = b"".join(_ld(0x0A, encode_key_value(k, v)) for k, v in resource_attributes.items())
         self._resource_field = _ld(0x0A, resource)  # ResourceSpans.resource
         scope = _ld(0x0A, scope_name.encode()) + _ld(0x12, scope_version.encode())
@@ -127,18 +135,45 @@ class SpanEncoder:
         self._name_cache: dict[tuple[str, int], bytes] = {}
         self._tail_cache: dict[tuple[Any, ...], bytes] = {}  # encode_child: what follows the timestamps
 
+    def _cut(self, value: Any) -> Any:
+        """``value`` within the attribute value length limit (strings, bytes, and the strings of a list)."""
+        limit = self.limits.attribute_value_length
+        if limit is None:
+            return value
+        if isinstance(value, (str, bytes, bytearray)):
+            return value[:limit] if len(value) > limit else value
+        if isinstance(value, (list, tuple)):
+            return [v[:limit] if isinstance(v, (str, bytes, bytearray)) and len(v) > limit else v for v in value]
+        return value
+
+    def _key_values(self, items: Iterable[tuple[str, Any]], limit: int, tag: int) -> tuple[bytes, int]:
+        """Encoded ``KeyValue`` fields (``tag``) of the first ``limit`` non-None ``items``, values cut to the
+        length limit; and how many were dropped."""
+        out, kept, dropped = [], 0, 0
+        for key, value in items:
+            if value is None:
+                continue
+            if kept >= limit:
+                dropped += 1
+                continue
+            out.append(_ld(tag, encode_key_value(key, self._cut(value))))
+            kept += 1
+        return b"".join(out), dropped
+
     def _attr(self, key: str, value: Any) -> bytes:
         """One ``Span.attributes`` entry. Scalars are cached per (key, type, value): the type is part of the key
-        because ``True == 1 == 1.0``; sequences and other values are encoded each time."""
+        because ``True == 1 == 1.0``; sequences, other values and long strings are encoded each time."""
         kind = type(value)
         if kind is int and not 0 <= value < _CACHED_INT_LIMIT:  # ns, ids: unique, so never cached
             return self._int_attr(key, value)
         if kind is not str and kind is not int and kind is not bool and kind is not float:
-            return _ld(0x4A, encode_key_value(key, value))
+            return _ld(0x4A, encode_key_value(key, self._cut(value)))
+        if kind is str and len(value) > _MAX_CACHED_STR:
+            return _ld(0x4A, encode_key_value(key, self._cut(value)))
         cache_key = (key, kind, value)
         hit = self._attr_cache.get(cache_key)
         if hit is None:
-            hit = _ld(0x4A, encode_key_value(key, value))
+            hit = _ld(0x4A, encode_key_value(key, self._cut(value)))
             if len(self._attr_cache) < _MAX_CACHE:
                 self._attr_cache[cache_key] = hit
         return hit
@@ -201,27 +236,46 @@ class SpanEncoder:
         return b"".join(parts)
 
     def _tail(self, rec: Sequence[Any]) -> bytes:
-        """The ``Span`` fields after the timestamps: attributes, events, links, status, flags."""
+        """The ``Span`` fields after the timestamps: attributes, events, links (each within the span limits, with
+        their ``dropped_*_count``), status, flags."""
         parts = []
         attr = self._attr
+        limits = self.limits
+        kept = dropped = 0
+        dropped_events = dropped_links = 0
         for key, value in rec[R_ATTRS].items():
-            if value is not None:
-                parts.append(attr(key, value))
+            if value is None:
+                continue
+            if key == DROPPED_KEY:
+                dropped_events, dropped_links = value
+                continue
+            if kept >= limits.attribute_count:
+                dropped += 1
+                continue
+            parts.append(attr(key, value))
+            kept += 1
+        if dropped:
+            parts.append(b"\x50" + varint(dropped))  # Span.dropped_attributes_count (field 10)
         events = rec[R_EVENTS]
         if events:
-            for ev in events:
+            dropped_events += max(0, len(events) - limits.event_count)
+            for ev in events[:limits.event_count]:
                 body = b"\x09" + _pack_q(ev[EV_TIME_NS]) + _ld(0x12, ev[EV_NAME].encode("utf-8", "replace"))
-                for key, value in (ev[EV_ATTRS] or {}).items():
-                    if value is not None:
-                        body += _ld(0x1A, encode_key_value(key, value))
+                attrs, cut = self._key_values((ev[EV_ATTRS] or {}).items(), limits.event_attribute_count, 0x1A)
+                body += attrs + (b"\x20" + varint(cut) if cut else b"")  # Event.dropped_attributes_count (4)
                 parts.append(_ld(0x5A, body))
+        if dropped_events:
+            parts.append(b"\x60" + varint(dropped_events))  # Span.dropped_events_count (field 12)
         links = rec[R_LINKS]
         if links:
-            for link_trace, link_span, link_attrs in links:
+            dropped_links += max(0, len(links) - limits.link_count)
+            for link_trace, link_span, link_attrs in links[:limits.link_count]:
                 body = _ld(0x0A, link_trace.to_bytes(16, "big")) + _ld(0x12, link_span.to_bytes(8, "big"))
-                for key, value in (link_attrs or {}).items():
-                    body += _ld(0x22, encode_key_value(key, value))
+                attrs, cut = self._key_values((link_attrs or {}).items(), limits.link_attribute_count, 0x22)
+                body += attrs + (b"\x28" + varint(cut) if cut else b"")  # Link.dropped_attributes_count (5)
                 parts.append(_ld(0x6A, body))
+        if dropped_links:
+            parts.append(b"\x70" + varint(dropped_links))  # Span.dropped_links_count (field 14)
         status = rec[R_STATUS]
         if status:
             body = b""

@@ -4,45 +4,47 @@ writer thread that moves records in batches to the export worker.
 The request path calls :meth:`ExportPipeline.submit`: one length check and one ``deque.append``
 (no lock, no system call, no encoding). When the queue holds ``max_queue_size`` records, new records are
 dropped and counted (``dropped``), never blocking a request. A writer thread wakes every 500 ms (or when the
-queue is half full), takes everything queued, and either pickles it into frames of at most 128 records on the
-helper process's stdin (``mode="process"``) or hands it to an in-process
-:class:`~zoomer_serve.export.worker.ExportWorker` thread (``mode="thread"``).
+queue is half full), takes everything queued, and either pickles it into frames on the helper process's stdin
+(``mode="process"``, see :mod:`zoomer_serve.export.frames` and :mod:`zoomer_serve.export.helper_process`) or
+hands it to an in-process :class:`~zoomer_serve.export.worker.ExportWorker` thread (``mode="thread"``).
 
 Why 500 ms: each hand-off has a fixed cost (waking the writer here and the helper there, cold caches), about
 250 µs of helper CPU measured on the demo model server; at 50 ms that was about 40 µs per request at 110
 requests/s, at 500 ms about 5 (benchmarks/RESULTS.md). Spans still reach the collector well within the
-export schedule delay (``OTEL_BSP_SCHEDULE_DELAY``, 5 s by default). Why 128-record frames, each written
-before the next is pickled: pickling holds the interpreter lock for the whole call (about 2.6 µs per record),
-and a thread waiting for the lock only forces a switch after ``sys.getswitchinterval()`` (5 ms); the write in
-between releases the lock, so request threads wait at most about one frame's pickling (0.3 ms).
+export schedule delay (``OTEL_BSP_SCHEDULE_DELAY``, 5 s by default). Why frames of at most 128 records, each
+written before the next is pickled: pickling holds the interpreter lock for the whole call (about 2.6 µs per
+record), and a thread waiting for the lock only forces a switch after ``sys.getswitchinterval()`` (5 ms); the
+write in between releases the lock, so request threads wait at most about one frame's pickling (0.3 ms).
+A frame is also bounded by bytes (:data:`~zoomer_serve.export.frames.MAX_FRAME_BYTES`): a larger one is split,
+and a record larger on its own is dropped and counted (``dropped_too_large``), never sent.
+
+A helper process that dies (killed, out of memory) is started again by the writer thread, at most once per
+:data:`RESTART_BACKOFF_S`; what it took with it is counted (``lost_in_helper``: spans written to it that its last
+reported counters do not account for), and so is every record lost while none runs. Export never stays off
+for the rest of the process's life.
 """
 
 from __future__ import annotations
 
 import collections
-import json
 import logging
-import os
-import pickle
-import struct
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
-from zoomer_serve.config import ExportConfig
-from zoomer_serve.export.worker import SHUTDOWN_FRAME, ExportStats, ExportWorker
-from zoomer_serve.processes import wait_for_event
+from zoomer_serve.config import ExportConfig, SpanLimits
+from zoomer_serve.export import frames
+from zoomer_serve.export.helper_process import READY_TIMEOUT_S, HelperProcess
+from zoomer_serve.export.worker import ExportStats, ExportWorker
 from zoomer_serve.recording import records as r
 
 logger = logging.getLogger("zoomer_serve.export")
-_FRAME_HEADER = struct.Struct(">I")
 _WRITER_PERIOD_S = 0.5
 _FRAME_RECORDS = 128  # records per pickled frame: bounds how long one pickle.dumps holds the interpreter
-_READY_TIMEOUT_S = 30.0
+RESTART_BACKOFF_S = 5.0
+"""Least time between two starts of a helper process after one died (seconds)."""
 
 
 class ExportPipeline:
@@ -52,26 +54,39 @@ class ExportPipeline:
         cfg: export settings (mode, queue size, endpoint ...).
         resource: resource attributes of every exported span and metric.
         version: instrumentation scope version.
+        limits: the span limits the encoder applies.
     Raises:
-        RuntimeError from :meth:`start` when the helper process does not come up (mode ``process``).
+        RuntimeError from :meth:`start` when the helper process does not come up (mode ``process``, waiting
+        for it).
     """
 
-    def __init__(self, cfg: ExportConfig, resource: dict[str, Any], version: str = "0") -> None:
+    def __init__(self, cfg: ExportConfig, resource: dict[str, Any], version: str = "0",
+                 limits: SpanLimits | None = None) -> None:
         self.cfg = cfg
         self.resource = resource
         self.version = version
+        self.limits = limits or SpanLimits()
         self.dropped = 0  # sampled spans dropped on the server side (queue full or worker gone)
         self.dropped_records = 0  # records dropped there, sampled or not (their calls miss the RPC metrics)
         self.submitted = 0  # sampled spans handed to the worker
+        self.dropped_too_large = 0  # sampled spans of records too large for any frame
+        self.lost_in_helper = 0  # sampled spans that a helper which died did not report
+        self.helper_restarts = 0
         self._queue: collections.deque[tuple[Any, ...]] = collections.deque()
         self._max = cfg.max_queue_size
         self._wake_at = max(1, cfg.max_queue_size // 2)
         self._wake = threading.Event()
         self._closing = False
         self._writer: threading.Thread | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._write_lock = threading.Lock()  # one thread at a time moves records to the worker
+        self._helper: HelperProcess | None = None
+        self._helpers_started = 0
+        self._next_start = 0.0  # time.monotonic() before which no helper is started again
+        self._deadline = float("inf")  # time.monotonic() by which shutdown must be done
+        self._logged_helper_gone = False
+        self._flush_seq = 0
         self._worker: ExportWorker | None = None
-        self._broken = False
+        self._disowned = False
         self.final_stats: ExportStats | None = None
 
     # -- request path -------------------------------------------------------------------------------
@@ -88,30 +103,36 @@ class ExportPipeline:
             self._wake.set()
 
     # -- lifecycle ----------------------------------------------------------------------------------
-    def start(self) -> None:
-        if self.cfg.mode == "process":
-            self._start_process()
+    def start(self, wait_for_helper: bool = True) -> None:
+        """Start the worker and the writer thread. ``wait_for_helper`` (mode ``process``): start the helper
+        process now and wait until it is ready (so that its start-up does not land on the first requests);
+        when False the writer thread starts it once there are records to send (a forked child uses this).
+
+        Raises:
+            RuntimeError: the helper did not start (``wait_for_helper`` only).
+        """
+        if self.cfg.mode == "process" and wait_for_helper:
+            self._helper = self._start_helper()
         elif self.cfg.mode == "thread":
-            self._worker = ExportWorker(self.cfg, self.resource, self.version)
+            self._worker = ExportWorker(self.cfg, self.resource, self.version, self.limits)
             self._worker.start()
         self._writer = threading.Thread(target=self._write_loop, name="zoomer-export-writer", daemon=True)
         self._writer.start()
 
-    def _start_process(self) -> None:
-        spec = {"export": asdict(self.cfg), "resource": self.resource, "version": self.version}
-        env = dict(os.environ, ZOOMER_WORKER_CONFIG=json.dumps(spec))
-        self._proc = subprocess.Popen(  # a subprocess (fork+exec), never a bare fork: grpcio is not fork-safe
-            [sys.executable, "-m", "zoomer_serve.export.helper"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, env=env, close_fds=True)
-        if wait_for_event(self._proc, "ready", _READY_TIMEOUT_S) is None:
-            self._proc.kill()
-            raise RuntimeError("zoomer-serve: the export helper process did not start within "
-                               f"{_READY_TIMEOUT_S:.0f} s (python -m zoomer_serve.export.helper; see its stderr)")
+    def _start_helper(self, timeout_s: float = READY_TIMEOUT_S) -> HelperProcess:
+        spec = {"export": asdict(self.cfg), "resource": self.resource, "version": self.version,
+                "limits": asdict(self.limits)}
+        helper = HelperProcess(spec).start(timeout_s)
+        self._helpers_started += 1
+        if self._helpers_started > 1:
+            self.helper_restarts += 1
+        return helper
 
     @property
     def helper_pid(self) -> int | None:
         """The pid of the export helper process (mode ``process``), else None."""
-        return self._proc.pid if self._proc is not None else None
+        helper = self._helper
+        return helper.pid if helper is not None else None
 
     def _write_loop(self) -> None:
         while not self._closing:
@@ -120,7 +141,20 @@ class ExportPipeline:
             self._drain_once()
         self._drain_once()
 
-    def _drain_once(self) -> None:
+    def _drain_once(self, timeout_s: float = -1) -> bool:
+        """Move everything queued to the worker; False when the write lock was not had within ``timeout_s``
+        (-1: wait as long as it takes)."""
+        if not self._write_lock.acquire(timeout=timeout_s):
+            return False
+        try:
+            self._drain_locked()
+        finally:
+            self._write_lock.release()
+        return True
+
+    def _drain_locked(self) -> None:
+        if self._disowned:
+            return
         q = self._queue
         if not q:
             return
@@ -133,36 +167,132 @@ class ExportPipeline:
             pass
         spans = sum(map(r.exported_spans, batch))
         self.submitted += spans
-        if self._broken:
+        if self._worker is not None:
+            self._worker.put(batch)
+        elif self.cfg.mode == "process":
+            self._send_to_helper(batch, spans)
+        else:
+            self._lose(spans, len(batch))
+
+    def _send_to_helper(self, batch: list[tuple[Any, ...]], spans: int) -> None:
+        helper = self._live_helper()
+        if helper is None:
             self._lose(spans, len(batch))
             return
+        left_spans, left_records = spans, len(batch)
+        for frame, frame_spans, frame_records in self._frames(batch):
+            try:
+                helper.send(frame)
+            except (OSError, ValueError) as exc:
+                self._lose(left_spans, left_records)
+                self._helper_gone(helper, exc)
+                return
+            helper.sent_spans += frame_spans
+            helper.sent_records += frame_records
+            left_spans -= frame_spans
+            left_records -= frame_records
+
+    def _live_helper(self) -> HelperProcess | None:
+        """The running helper, started again if the last one died (at most once per RESTART_BACKOFF_S)."""
+        helper = self._helper
+        if helper is not None and helper.alive():
+            return helper
+        if helper is not None:
+            self._helper_gone(helper, None)
+        now = time.monotonic()
+        if now < self._next_start:
+            return None
+        self._next_start = now + RESTART_BACKOFF_S
         try:
-            if self._worker is not None:
-                self._worker.put(batch)
-            elif self._proc is not None and self._proc.stdin is not None:
-                stdin = self._proc.stdin
-                for frame in self._frames(batch):
-                    stdin.write(frame)
-                    stdin.flush()  # a system call: request threads waiting for the interpreter get it here
-            else:
-                self._lose(spans, len(batch))
-        except (BrokenPipeError, OSError, ValueError) as exc:
-            self._broken = True
-            self._lose(spans, len(batch))
-            logger.warning("zoomer-serve: the export helper process is gone (%r); spans are now dropped "
-                           "and counted (logged once)", exc)
+            self._helper = self._start_helper(min(READY_TIMEOUT_S, max(1.0, self._deadline - now - 1.0)))
+        except (RuntimeError, OSError) as exc:
+            logger.warning("zoomer-serve: could not start the export helper process (%r); records are dropped "
+                           "and counted until it starts", exc)
+            return None
+        return self._helper
+
+    def _helper_gone(self, helper: HelperProcess, exc: BaseException | None) -> None:
+        """Count what a helper that died took with it; the next drain starts a new one."""
+        if self._helper is helper:
+            self._helper = None
+        helper.kill()
+        self.lost_in_helper += helper.unreported_spans()
+        if not self._logged_helper_gone:
+            self._logged_helper_gone = True
+            logger.warning("zoomer-serve: the export helper process is gone (%s); starting a new one, and "
+                           "counting the spans it took with it (logged once)", exc or "it exited")
 
     def _lose(self, spans: int, records: int) -> None:
         """Count a batch that will not reach the worker: its sampled spans and its records."""
         self.dropped += spans
         self.dropped_records += records
 
-    def _frames(self, batch: list[tuple[Any, ...]]) -> Iterator[bytes]:
-        """The helper's frames for ``batch``, made one at a time: length header + pickled ``(dropped so far,
-        records)``, at most :data:`_FRAME_RECORDS` records each."""
+    def _counters(self) -> dict[str, int]:
+        """The server side's loss counters that the helper reports with its own (see frames.RECORDS)."""
+        return {"queue_full": self.dropped, "too_large": self.dropped_too_large,
+                "helper_lost": self.lost_in_helper}
+
+    def _frames(self, batch: list[tuple[Any, ...]]) -> Iterator[tuple[bytes, int, int]]:
+        """The helper's frames for ``batch``, made one at a time, as ``(frame, spans, records)``: at most
+        :data:`_FRAME_RECORDS` records and :data:`~zoomer_serve.export.frames.MAX_FRAME_BYTES` bytes each. A
+        chunk whose pickle is too large is split in halves; a single record too large is dropped and counted."""
         for i in range(0, len(batch), _FRAME_RECORDS):
-            payload = pickle.dumps((self.dropped, batch[i:i + _FRAME_RECORDS]), protocol=pickle.HIGHEST_PROTOCOL)
-            yield _FRAME_HEADER.pack(len(payload)) + payload
+            yield from self._bounded_frames(batch[i:i + _FRAME_RECORDS])
+
+    def _bounded_frames(self, chunk: list[tuple[Any, ...]]) -> Iterator[tuple[bytes, int, int]]:
+        payload = frames.pickled(frames.RECORDS, (self._counters(), chunk))
+        if len(payload) <= frames.MAX_FRAME_BYTES:
+            yield frames.framed(payload), sum(map(r.exported_spans, chunk)), len(chunk)
+        elif len(chunk) > 1:
+            mid = len(chunk) // 2
+            yield from self._bounded_frames(chunk[:mid])
+            yield from self._bounded_frames(chunk[mid:])
+        else:
+            spans = r.exported_spans(chunk[0])
+            self.dropped_too_large += spans
+            self.dropped_records += 1
+            if self.dropped_too_large == spans:
+                logger.warning("zoomer-serve: dropped a span record of %d bytes (frames to the export helper are "
+                               "limited to %d bytes); counting such records (logged once; see the OTEL_*_LIMIT "
+                               "span limits)", len(payload), frames.MAX_FRAME_BYTES)
+
+    # -- flush, fork, shutdown ----------------------------------------------------------------------
+    def hand_off(self, timeout_s: float = 1.0) -> bool:
+        """Move every queued record to the worker now (to the helper process's pipe, where it outlives this
+        process); True when done within ``timeout_s``. Cheap: no export is waited for."""
+        return self._drain_once(max(0.0, timeout_s))
+
+    def flush(self, timeout_s: float) -> bool:
+        """Export everything recorded so far now and wait for it (exported or counted as dropped), within
+        ``timeout_s``; True when that happened in time."""
+        deadline = time.monotonic() + timeout_s
+        if not self.hand_off(timeout_s):
+            return False
+        if self._worker is not None:
+            return self._worker.flush(max(0.0, deadline - time.monotonic()))
+        with self._write_lock:
+            helper = self._helper
+            if helper is None:
+                return self.cfg.mode != "process" or not self.submitted
+            self._flush_seq += 1
+            seq = self._flush_seq
+            try:
+                helper.send(frames.encode(frames.FLUSH, seq))
+            except (OSError, ValueError):
+                return False
+        return helper.wait_event("flushed", deadline - time.monotonic(), seq) is not None
+
+    def disown(self) -> None:
+        """In a process forked from this pipeline's: let go of everything that belongs to the parent (its
+        helper process and queued records) without touching it; this object records nothing more."""
+        self._disowned = True
+        self._closing = True
+        self._queue = collections.deque()
+        if self._helper is not None:
+            self._helper.disown()
+            self._helper = None
+        self._worker = None
+        self.final_stats = ExportStats()
 
     def shutdown(self, timeout_s: float | None = None) -> ExportStats:
         """Flush queued records and stop the worker, within about ``timeout_s`` (default: the export
@@ -171,7 +301,7 @@ class ExportPipeline:
         if self.final_stats is not None:
             return self.final_stats
         budget = self.cfg.timeout_ms / 1000 if timeout_s is None else timeout_s
-        deadline = time.monotonic() + budget + 1.0
+        deadline = self._deadline = time.monotonic() + budget + 1.0
         self._closing = True
         self._wake.set()
         if self._writer is not None:
@@ -179,39 +309,41 @@ class ExportPipeline:
         stats = ExportStats()
         if self._worker is not None:
             stats = self._worker.shutdown(max(0.1, deadline - time.monotonic() - 0.5))
-        elif self._proc is not None:
-            stats = self._stop_process(deadline)
+        elif self._helper is not None:
+            stats = self._stop_helper(self._helper, deadline)
         stats.dropped_queue += self.dropped
         stats.dropped_records += self.dropped_records
+        stats.dropped_too_large += self.dropped_too_large
+        stats.lost_in_helper += self.lost_in_helper
+        stats.helper_restarts += self.helper_restarts
         self.final_stats = stats
-        if stats.dropped:
-            logger.warning("zoomer-serve: %d spans could not be exported to %s (queue full: %d, export failed: "
-                           "%d; last error: %s)", stats.dropped, self.cfg.traces_endpoint, stats.dropped_queue,
-                           stats.dropped_export, stats.last_error)
-        if stats.dropped_records:
-            logger.warning("zoomer-serve: %d records did not fit the export queue; their calls are missing from "
-                           "the RPC metrics (and their spans, when sampled, are counted above)",
-                           stats.dropped_records)
+        _log_losses(stats, self.cfg.traces_endpoint)
         return stats
 
-    def _stop_process(self, deadline: float) -> ExportStats:
-        proc = self._proc
-        assert proc is not None
-        try:
-            if proc.stdin is not None:
-                budget_s = max(0.1, deadline - time.monotonic() - 0.5)  # leave time to report and exit
-                payload = pickle.dumps((SHUTDOWN_FRAME, budget_s), protocol=pickle.HIGHEST_PROTOCOL)
-                proc.stdin.write(_FRAME_HEADER.pack(len(payload)) + payload)
-                proc.stdin.close()
-        except OSError:
-            pass
-        data = wait_for_event(proc, "stats", max(0.1, deadline - time.monotonic()))
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if data is None:
-            return ExportStats(dropped_export=self.submitted, last_error="the export helper did not report")
-        data.pop("event", None)
-        return ExportStats(**data)
+    def _stop_helper(self, helper: HelperProcess, deadline: float) -> ExportStats:
+        with self._write_lock:
+            data = helper.stop(deadline)
+        if data is not None:
+            data = {k: v for k, v in data.items() if k in ExportStats.__dataclass_fields__}
+            return ExportStats(**data)
+        # It did not report: what its last counters account for is known, the rest is not (never claimed lost).
+        last = {k: v for k, v in helper.counters.items() if k in ExportStats.__dataclass_fields__}
+        stats = ExportStats(**last)
+        stats.unknown = helper.unreported_spans()
+        stats.last_error = "the export helper did not report its final counters"
+        return stats
+
+
+def _log_losses(stats: ExportStats, endpoint: str) -> None:
+    """One warning per kind of loss, with its count (nothing when nothing was lost)."""
+    if stats.dropped:
+        logger.warning("zoomer-serve: %d spans could not be exported to %s (queue full: %d, export failed: %d, "
+                       "too large: %d, lost with a helper process: %d; last error: %s)", stats.dropped, endpoint,
+                       stats.dropped_queue, stats.dropped_export, stats.dropped_too_large, stats.lost_in_helper,
+                       stats.last_error)
+    if stats.dropped_records:
+        logger.warning("zoomer-serve: %d records did not reach the exporter; their calls are missing from the RPC "
+                       "metrics (and their spans, when sampled, are counted above)", stats.dropped_records)
+    if stats.unknown:
+        logger.warning("zoomer-serve: the export helper did not report the outcome of %d spans before the "
+                       "shutdown deadline; they may or may not have reached %s", stats.unknown, endpoint)

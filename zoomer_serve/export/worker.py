@@ -5,56 +5,62 @@ record batches over a pipe, so encoding and sending never hold the server's inte
 the server process (``thread``). Either way it keeps a bounded queue of record batches; a batch that does
 not fit is dropped and counted, never blocking the sender.
 
-Protocol of the helper process (``python -m zoomer_serve.export.helper``): the configuration is JSON in
-the environment variable ``ZOOMER_WORKER_CONFIG``; stdin carries frames of a 4-byte big-endian length and a
-pickled ``(parent_dropped_total, [record, ...])``, and last ``(SHUTDOWN_FRAME, budget_s)``; stdout carries JSON lines: ``{"event": "ready"}`` once
-started, ``{"event": "stats", ...}`` when stdin closes and everything is flushed (or the deadline passed).
+The helper process's loop and protocol are in :mod:`zoomer_serve.export.helper` and
+:mod:`zoomer_serve.export.frames`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import pickle
 import queue
-import struct
-import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
-from zoomer_serve.config import ExportConfig
+from zoomer_serve.config import ExportConfig, SpanLimits
 from zoomer_serve.export.otlp_wire import SpanEncoder
 from zoomer_serve.export.rpc_metrics import RpcMetrics
 from zoomer_serve.export.transport import make_sender
 from zoomer_serve.recording import records as r
 
 logger = logging.getLogger("zoomer_serve.export")
-_FRAME_HEADER = struct.Struct(">I")
-MAX_FRAME_BYTES = 64 * 1024 * 1024
 SCOPE_NAME = "zoomer_serve"
-SHUTDOWN_FRAME = -1  # a frame ``(SHUTDOWN_FRAME, budget_s)``: flush within budget_s seconds and exit
 
 
 @dataclass
 class ExportStats:
-    """Counters of the export path: ``records`` received by the worker, ``exported`` spans the collector
-    accepted, ``dropped_export`` spans lost to export failures, ``dropped_queue`` sampled spans that did not fit
-    a queue (server side included), ``dropped_records`` records (sampled or not) that did not fit a queue:
-    their calls are missing from the RPC metrics too; ``last_error`` the last export failure."""
+    """Counters of the export path, in spans unless named otherwise.
+
+    ``records``: records the worker received; ``exported``: spans the collector accepted; ``dropped_export``:
+    spans lost to export failures; ``dropped_queue``: sampled spans that did not fit a queue (server side
+    included); ``dropped_records``: records (sampled or not) that never reached a worker: their calls are
+    missing from the RPC metrics too; ``dropped_too_large``: spans of records too large for a frame to the
+    helper (:data:`zoomer_serve.export.frames.MAX_FRAME_BYTES`); ``lost_in_helper``: spans handed to a helper
+    process that died before it reported them exported or dropped; ``helper_restarts``: helper processes
+    started again after one died; ``unknown``: spans whose outcome no helper reported (it did not answer
+    at shutdown: neither counted as exported nor as dropped); ``last_error``: the last export failure.
+    """
 
     records: int = 0
     exported: int = 0
     dropped_export: int = 0
     dropped_queue: int = 0
     dropped_records: int = 0
+    dropped_too_large: int = 0
+    lost_in_helper: int = 0
+    helper_restarts: int = 0
+    unknown: int = 0
     last_error: str | None = None
 
     @property
     def dropped(self) -> int:
-        return self.dropped_export + self.dropped_queue
+        """Every span known to be lost, whatever the reason."""
+        return self.dropped_export + self.dropped_queue + self.dropped_too_large + self.lost_in_helper
+
+
+SPAN_OUTCOMES = ("exported", "dropped_export", "dropped_queue")
+"""The :class:`ExportStats` fields that account for the spans a worker received: every span it got ends in one."""
 
 
 class ExportWorker:
@@ -63,16 +69,19 @@ class ExportWorker:
     aggregates the RPC metrics of every request record, exported every ``cfg.metric_export_interval_ms``
     and at shutdown (see :mod:`zoomer_serve.export.rpc_metrics`)."""
 
-    def __init__(self, cfg: ExportConfig, resource: dict[str, Any], version: str = "0") -> None:
+    def __init__(self, cfg: ExportConfig, resource: dict[str, Any], version: str = "0",
+                 limits: SpanLimits | None = None) -> None:
         self.cfg = cfg
         self.stats = ExportStats()
-        self.parent_dropped = 0
+        # the server side's own loss counters, cumulative (see zoomer_serve.export.frames): reported with ours
+        self.parent_counters: dict[str, int] = {}
         self._resource = resource
         self._version = version
         self._stop = threading.Event()
-        self._queue: queue.Queue[list[tuple[Any, ...]] | None] = queue.Queue(
+        # record batches; None stops the thread; an Event asks for a flush of everything before it
+        self._queue: queue.Queue[list[tuple[Any, ...]] | threading.Event | None] = queue.Queue(
             maxsize=max(4, cfg.max_queue_size // 16))
-        self._encoder = SpanEncoder(resource, SCOPE_NAME, version)
+        self._encoder = SpanEncoder(resource, SCOPE_NAME, version, limits)
         self._sender = make_sender(cfg, self._stop, "traces")
         self._metric_sender = make_sender(cfg, self._stop, "metrics")
         self._pending: list[bytes] = []
@@ -96,6 +105,16 @@ class ExportWorker:
             self.stats.dropped_queue += sum(map(r.exported_spans, batch))
             self.stats.dropped_records += len(batch)
 
+    def flush(self, timeout_s: float) -> bool:
+        """Export every span and the metrics of every record put so far, now (not at the next schedule);
+        True when that was done within ``timeout_s`` seconds (exported or counted as dropped)."""
+        done = threading.Event()
+        try:
+            self._queue.put(done, timeout=timeout_s)
+        except queue.Full:
+            return False
+        return done.wait(timeout_s)
+
     def _run(self) -> None:
         delay = self.cfg.schedule_delay_ms / 1000
         metric_interval = self.cfg.metric_export_interval_ms / 1000
@@ -108,6 +127,12 @@ class ExportWorker:
                 batch = []
             if batch is None:
                 return
+            if isinstance(batch, threading.Event):
+                now = time.monotonic()
+                self._flush(now + self.cfg.timeout_ms / 1000)
+                self._export_metrics(now + self.cfg.timeout_ms / 1000)
+                batch.set()
+                continue
             self._ingest(batch)
             now = time.monotonic()
             due = now - self._last_flush >= delay
@@ -161,7 +186,9 @@ class ExportWorker:
         return {"otel.sdk.exporter.span.exported": {
             (): self.stats.exported,
             (("error.type", "export_failed"),): self.stats.dropped_export,
-            (("error.type", "queue_full"),): self.stats.dropped_queue + self.parent_dropped,
+            (("error.type", "queue_full"),): self.stats.dropped_queue + self.parent_counters.get("queue_full", 0),
+            (("error.type", "too_large"),): self.parent_counters.get("too_large", 0),
+            (("error.type", "helper_lost"),): self.parent_counters.get("helper_lost", 0),
         }}
 
     def _export_metrics(self, deadline: float) -> bool:
@@ -207,60 +234,7 @@ class ExportWorker:
                 batch = self._queue.get_nowait()
             except queue.Empty:
                 return
-            if batch:
+            if isinstance(batch, threading.Event):
+                batch.set()  # shutdown flushes right after
+            elif batch:
                 self._ingest(batch)
-
-
-def _read_exact(stream: Any, n: int) -> bytes | None:
-    buf = b""
-    while len(buf) < n:
-        chunk = stream.read(n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return buf
-
-
-def _emit(event: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(event) + "\n")
-    sys.stdout.flush()
-
-
-def main() -> None:
-    """Entry point of the helper process (see the module docstring)."""
-    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    try:
-        os.nice(5)
-    except OSError:
-        pass
-    spec = json.loads(os.environ["ZOOMER_WORKER_CONFIG"])
-    worker = ExportWorker(ExportConfig(**spec["export"]), spec["resource"], spec.get("version", "0"))
-    worker.start()
-    _emit({"event": "ready", "pid": os.getpid()})
-    stdin = sys.stdin.buffer
-    budget_s = spec["export"]["timeout_ms"] / 1000  # when stdin just closes (the parent died)
-    while True:
-        header = _read_exact(stdin, _FRAME_HEADER.size)
-        if header is None:
-            break
-        (length,) = _FRAME_HEADER.unpack(header)
-        if length > MAX_FRAME_BYTES:
-            logger.error("zoomer-serve exporter: frame of %d bytes exceeds the limit; stopping", length)
-            break
-        payload = _read_exact(stdin, length)
-        if payload is None:
-            break
-        parent_dropped, batch = pickle.loads(payload)
-        if parent_dropped == SHUTDOWN_FRAME:  # the parent's last frame: the time left for the shutdown, s
-            budget_s = float(batch)
-            break
-        worker.parent_dropped = parent_dropped
-        worker.put(batch)
-    stats = worker.shutdown(budget_s)
-    _emit({"event": "stats", **asdict(stats)})
-    sys.stdout.flush()
-    os._exit(0)  # do not wait for SDK threads still retrying against an unreachable collector
-
-
-if __name__ == "__main__":
-    main()

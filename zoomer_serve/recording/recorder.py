@@ -22,6 +22,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
+from zoomer_serve.config import SpanLimits
 from zoomer_serve.recording import records as r
 from zoomer_serve.recording.errors import internal_error
 from zoomer_serve.recording.propagation import ParentContext, new_span_id, new_trace_id
@@ -31,7 +32,8 @@ Sink = Callable[[tuple[Any, ...]], None]
 F = TypeVar("F", bound=Callable[..., Any])
 
 _current: contextvars.ContextVar[RequestSpan | None] = contextvars.ContextVar("zoomer_request", default=None)
-_time_ns = time.time_ns
+_time_ns = time.time_ns  # wall clock: where a span starts
+_mono_ns = time.monotonic_ns  # how long it lasts: an NTP step of the wall clock during a request changes nothing
 
 
 def _drop(record: tuple[Any, ...]) -> None:
@@ -42,7 +44,10 @@ class RequestSpan:
     """One request (or any span an adapter records) between its start and its end.
 
     Attributes: ``trace_id`` (128-bit int), ``span_id`` (64-bit int), ``parent_id`` (int, 0 for a root),
-    ``start_ns`` (Unix epoch ns), ``sampled`` (bool: the span is exported; metrics count it either way).
+    ``start_ns`` (Unix epoch ns, read from the wall clock once), ``mono_ns`` (``time.monotonic_ns()`` at that
+    start), ``sampled`` (bool: the span is exported; metrics count it either way). Every later time of the span
+    (its end, its phases, its events) is ``start_ns`` plus a monotonic delta (:meth:`now_ns`), as OpenTelemetry
+    SDKs do, so durations never go negative or jump when the wall clock is stepped.
     Methods never raise into the caller's request handling beyond argument type errors.
     """
 
@@ -50,14 +55,19 @@ class RequestSpan:
         "_recorder", "trace_id", "span_id", "parent_id", "parent_remote", "trace_flags", "trace_state",
         "name", "kind", "start_ns", "attributes", "events", "links", "children", "status", "status_message",
         "_open", "_tokens", "_phase_stack", "_flags", "otel_parent_context", "thread_joins", "home_thread",
+        "mono_ns", "dropped_events", "dropped_links",
     )
 
     def __init__(self, recorder: RequestRecorder, name: str, kind: int, attributes: dict[str, Any],
-                 parent: ParentContext | None, start_ns: int, sampled: bool, is_request: bool) -> None:
+                 parent: ParentContext | None, start_ns: int, sampled: bool, is_request: bool,
+                 mono_ns: int = 0) -> None:
         self._recorder = recorder
         self.name = name
         self.kind = kind
         self.start_ns = start_ns
+        self.mono_ns = mono_ns or _mono_ns()
+        self.dropped_events = 0
+        self.dropped_links = 0
         self.attributes = attributes
         self.span_id = new_span_id()
         if parent is None:
@@ -88,6 +98,14 @@ class RequestSpan:
     def sampled(self) -> bool:
         return bool(self.trace_flags & 1)
 
+    def now_ns(self) -> int:
+        """Now on this span's clock: Unix epoch ns, ``start_ns`` plus the monotonic time since the start."""
+        return self.start_ns + (_mono_ns() - self.mono_ns)
+
+    def time_at(self, mono_ns: int) -> int:
+        """The Unix epoch ns on this span's clock of a ``time.monotonic_ns()`` reading."""
+        return self.start_ns + (mono_ns - self.mono_ns)
+
     @property
     def is_open(self) -> bool:
         return bool(self._open)
@@ -100,30 +118,49 @@ class RequestSpan:
         self.attributes.update(attributes)
 
     def add_event(self, name: str, attributes: dict[str, Any] | None = None, time_ns: int | None = None) -> None:
-        """Add a span event at ``time_ns`` (Unix epoch ns; now when omitted)."""
-        if self.events is None:
-            self.events = []
-        self.events.append((time_ns or _time_ns(), name, attributes))
+        """Add a span event at ``time_ns`` (Unix epoch ns; now when omitted). Past the span's event count limit
+        (``OTEL_SPAN_EVENT_COUNT_LIMIT``) the event is dropped and counted (``dropped_events_count``)."""
+        events = self.events
+        if events is None:
+            events = self.events = []
+        elif len(events) >= self._recorder.limits.event_count:
+            self.dropped_events += 1
+            return
+        events.append((time_ns or self.now_ns(), name, attributes))
 
     def add_link(self, trace_id: int, span_id: int, attributes: dict[str, Any] | None = None) -> None:
-        """Link this span to another span (ids as ints)."""
-        if self.links is None:
-            self.links = []
-        self.links.append((trace_id, span_id, attributes))
+        """Link this span to another span (ids as ints). Past the link count limit (``OTEL_SPAN_LINK_COUNT_LIMIT``)
+        the link is dropped and counted (``dropped_links_count``)."""
+        links = self.links
+        if links is None:
+            links = self.links = []
+        elif len(links) >= self._recorder.limits.link_count:
+            self.dropped_links += 1
+            return
+        links.append((trace_id, span_id, attributes))
 
     def record_exception(self, exc: BaseException) -> None:
-        """Add the semantic-convention ``exception`` event (type, message, stacktrace)."""
-        stack = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        """Add the semantic-convention ``exception`` event (type, message, stacktrace), the message and the stack
+        trace bounded (``ZOOMER_EXCEPTION_VALUE_LENGTH_LIMIT``, see :class:`~zoomer_serve.config.SpanLimits`)."""
+        limit = self._recorder.limits.exception_value_length
+        parts = traceback.format_exception(type(exc), exc, exc.__traceback__)
+        if limit:  # a long message must not push the frames out: each part gets a share
+            parts = [bounded_text(part, max(80, limit // 4)) for part in parts]
+        stack = "".join(parts)
         self.add_event("exception", {
             "exception.type": type(exc).__qualname__,
-            "exception.message": str(exc),
-            "exception.stacktrace": stack,
+            "exception.message": bounded_text(str(exc), limit),
+            "exception.stacktrace": bounded_text(stack, limit, keep_tail=True),
         })
 
     def set_status(self, status: int, message: str | None = None) -> None:
-        """Set the span status: ``records.STATUS_OK`` / ``STATUS_ERROR`` / ``STATUS_UNSET``."""
+        """Set the span status: ``records.STATUS_OK`` / ``STATUS_ERROR`` / ``STATUS_UNSET``; an error message is
+        bounded like exception text."""
         self.status = status
-        self.status_message = message if status == r.STATUS_ERROR else None
+        if status == r.STATUS_ERROR and message is not None:
+            self.status_message = bounded_text(message, self._recorder.limits.exception_value_length)
+        else:
+            self.status_message = None
 
     def add_child(self, name: str, start_ns: int, end_ns: int, attributes: dict[str, Any],
                   status: int = r.STATUS_UNSET, parent_id: int | None = None,
@@ -188,8 +225,10 @@ class RequestSpan:
                 observer.on_end(self)
             except Exception as exc:
                 internal_error(f"observer.on_end:{type(observer).__name__}", exc)
+        if self.dropped_events or self.dropped_links:
+            self.attributes[r.DROPPED_KEY] = (self.dropped_events, self.dropped_links)
         rec = (self.trace_id, self.span_id, self.parent_id, self.parent_remote, self.trace_flags,
-               self.trace_state, self.name, self.kind, self.start_ns, end_ns or _time_ns(), self.status,
+               self.trace_state, self.name, self.kind, self.start_ns, end_ns or self.now_ns(), self.status,
                self.status_message, self.attributes, self.events, self.links, self.children, self._flags)
         try:
             self._recorder.sink(rec)
@@ -231,9 +270,11 @@ class RequestRecorder:
             that user spans become its children (about 1-2 µs per activation).
     """
 
-    def __init__(self, sink: Sink | None = None, sampler: Sampler | None = None, otel_context: bool = True) -> None:
+    def __init__(self, sink: Sink | None = None, sampler: Sampler | None = None, otel_context: bool = True,
+                 limits: SpanLimits | None = None) -> None:
         self.sink: Sink = sink or _drop
         self.sampler = sampler or Sampler()
+        self.limits = limits or SpanLimits()
         self.observers: tuple[RequestObserver, ...] = ()
         self.otel_attach: Callable[[RequestSpan], Any] | None = None
         self.otel_detach: Callable[[Any], None] = lambda token: None
@@ -266,17 +307,25 @@ class RequestRecorder:
 
     def start(self, name: str, kind: int = r.KIND_SERVER, attributes: dict[str, Any] | None = None,
               parent: ParentContext | None = None, start_ns: int | None = None,
-              is_request: bool = True) -> RequestSpan:
+              is_request: bool = True, start_mono_ns: int | None = None) -> RequestSpan:
         """Start a span named ``name`` (for RPCs, the fully qualified method ``pkg.Service/Method``).
 
         ``parent``: the caller's context from :func:`~zoomer_serve.recording.propagation.parse_traceparent`,
-        or None to start a new trace. ``start_ns``: Unix epoch ns, now when omitted. ``is_request``: count it
-        in the ``rpc.*.call.duration`` metrics.
+        or None to start a new trace. The start is now unless given: ``start_mono_ns`` (a ``time.monotonic_ns()``
+        reading, preferred: the span's duration stays monotonic) or ``start_ns`` (Unix epoch ns). ``is_request``:
+        count it in the ``rpc.*.call.duration`` metrics.
         """
         trace_id = parent.trace_id if parent is not None else 0
         sampled = self.sampler.should_sample(trace_id, parent) if parent is not None else None
-        span = RequestSpan(self, name, kind, attributes if attributes is not None else {}, parent,
-                           start_ns or _time_ns(), True, is_request)
+        wall, mono = _time_ns(), _mono_ns()
+        if start_mono_ns:
+            wall -= mono - start_mono_ns
+            mono = start_mono_ns
+        elif start_ns:
+            mono -= max(0, wall - start_ns)
+            wall = start_ns
+        span = RequestSpan(self, name, kind, attributes if attributes is not None else {}, parent, wall, True,
+                           is_request, mono)
         if sampled is None:
             sampled = self.sampler.should_sample(span.trace_id, None)
         if not sampled:
@@ -344,6 +393,18 @@ def _direct_otel_context(bridge_cls: type) -> tuple[Callable[[RequestSpan], Any]
         return set_(context_cls(values))
 
     return attach, var.reset
+
+
+def bounded_text(text: str, limit: int, keep_tail: bool = False) -> str:
+    """``text`` cut to ``limit`` characters (0: not cut), with a note of how many were cut; ``keep_tail`` keeps
+    its first and last parts (a stack trace's innermost frames are at its end)."""
+    if not limit or len(text) <= limit:
+        return text
+    note = f" ... [{len(text) - limit} characters cut] ... "
+    if keep_tail:
+        head = limit // 4
+        return text[:head] + note + text[len(text) - (limit - head):]
+    return text[:limit] + note
 
 
 def current_request() -> RequestSpan | None:
@@ -432,7 +493,7 @@ class phase:
     exception leaving the block marks the phase span ERROR and propagates unchanged.
     """
 
-    __slots__ = ("name", "_start_ns", "_request", "_range", "_attrs", "_joined")
+    __slots__ = ("name", "_start_mono", "_request", "_range", "_attrs", "_joined")
 
     def __init__(self, name: str, attributes: Mapping[str, Any] | None = None) -> None:
         self.name = name
@@ -440,7 +501,7 @@ class phase:
         self._request: RequestSpan | None = None
         self._range: Any = None
         self._joined: list[tuple[ThreadJoin, Any]] | None = None
-        self._start_ns = 0
+        self._start_mono = 0
 
     def __enter__(self) -> phase:
         req = self._request = _current.get()
@@ -459,11 +520,11 @@ class phase:
             if req._phase_stack is None:
                 req._phase_stack = []
             req._phase_stack.append(new_span_id())
-        self._start_ns = _time_ns()
+        self._start_mono = _mono_ns()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        end_ns = _time_ns()
+        end_mono = _mono_ns()
         if self._range is not None:
             try:
                 self._range.__exit__(exc_type, exc, tb)
@@ -491,7 +552,8 @@ class phase:
                 if exc_type is not None:
                     status = r.STATUS_ERROR
                     attrs["error.type"] = exc_type.__qualname__
-            req.add_child(self.name, self._start_ns, end_ns, attrs, status, parent_id, span_id)
+            req.add_child(self.name, req.time_at(self._start_mono), req.time_at(end_mono), attrs, status, parent_id,
+                          span_id)
         except Exception as err:
             internal_error("phase.exit", err)
 

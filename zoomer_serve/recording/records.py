@@ -17,6 +17,12 @@ Fields (units):
   or None
 - ``R_CHILDREN`` list of child records (phases) exported with this one, or None
 - ``R_FLAGS`` int, ``F_SAMPLED`` (export the span) | ``F_REQUEST`` (count it in the RPC metrics)
+
+Times: ``R_START_NS`` is read from the wall clock once; the end and every time inside the span are that start plus
+a monotonic delta (see :class:`~zoomer_serve.recording.recorder.RequestSpan`).
+
+``R_ATTRS`` may hold :data:`DROPPED_KEY`: ``(events, links)`` the span dropped past its count limits; the encoder
+takes it out and writes the OTLP ``dropped_events_count`` / ``dropped_links_count`` fields instead.
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ STATUS_ERROR = 2
 
 F_SAMPLED = 1
 F_REQUEST = 2
+
+DROPPED_KEY = "zoomer.internal.dropped"
 
 SpanRecord = tuple[Any, ...]
 

@@ -1,0 +1,60 @@
+"""Span times: the wall clock is read once per span, at its start; its end, its phases and its events are that
+start plus a monotonic delta, so a step of the wall clock during a request (an NTP correction, a VM resumed)
+never gives a negative or a 30-second duration."""
+
+from __future__ import annotations
+
+import time
+from concurrent import futures
+from typing import Any
+
+import grpc
+import pytest
+
+from interceptors import ZoomerServerInterceptor
+from zoomer_serve import phase
+from zoomer_serve.recording import recorder as recorder_mod
+
+STEP_NS = 30 * 1_000_000_000
+
+
+@pytest.mark.parametrize("step_ns", [-STEP_NS, STEP_NS], ids=["back", "forward"])
+def test_a_wall_clock_step_during_a_request_changes_no_duration(telemetry, collector, monkeypatch, step_ns):
+    """The wall clock jumps by 30 s (back, then forward) in the middle of each request on a real server: the
+    stored span and its phases keep their real (monotonic) durations, and the phases lie inside the span."""
+    offset = [0]
+    real = time.time_ns
+    monkeypatch.setattr(recorder_mod, "_time_ns", lambda: real() + offset[0])
+
+    def handler(request: bytes, context: Any) -> bytes:
+        with phase("before-step"):
+            time.sleep(0.02)
+        offset[0] += step_ns  # the step: anything that reads the wall clock from now on is 30 s off
+        with phase("after-step"):
+            time.sleep(0.02)
+        return request
+
+    generic = grpc.method_handlers_generic_handler("t.Clock", {"Tick": grpc.unary_unary_rpc_method_handler(handler)})
+    server = grpc.server(futures.ThreadPoolExecutor(2),
+                         interceptors=[ZoomerServerInterceptor(recorder=telemetry.recorder)])
+    server.add_generic_rpc_handlers((generic,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            for _ in range(3):
+                start = time.monotonic_ns()
+                channel.unary_unary("/t.Clock/Tick")(b"x", timeout=30)
+                assert time.monotonic_ns() - start < STEP_NS  # the calls themselves took no 30 s
+    finally:
+        server.stop(None)
+    spans = collector.spans()
+    requests = [s for s in spans if s["kind"] == "SERVER"]
+    assert len(requests) == 3
+    for req in requests:
+        assert 40_000_000 <= req["duration_ns"] < STEP_NS // 2, req["duration_ns"]
+        phases = [s for s in spans if s["parent_span_id"] == req["span_id"]]
+        assert sorted(p["name"] for p in phases) == ["after-step", "before-step"]
+        for p in phases:
+            assert 20_000_000 <= p["duration_ns"] < STEP_NS // 2
+            assert req["start_ns"] <= p["start_ns"] <= p["end_ns"] <= req["end_ns"]

@@ -1,0 +1,141 @@
+"""Oversized data and a dying export helper (C14): limits per OpenTelemetry's span-limit variables, bounded frames,
+and an export that never stops for good; counted against what the real embedded collector stored."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+import zoomer_serve
+from interceptors import ZoomerServerInterceptor
+from zoomer_serve import current_request
+
+MB = 1_000_000
+
+
+def _handler(request: bytes, context: Any) -> bytes:
+    cmd, _, arg = request.partition(b":")
+    if cmd == b"raise":
+        raise ValueError(("boom " * (int(arg) // 5 + 1))[: int(arg)])
+    if cmd == b"attrs":
+        span = current_request()
+        assert span is not None
+        for i in range(200):
+            span.set_attribute(f"big.{i}", "v" * 10_000)
+    return request
+
+
+def _serve(recorder: Any) -> tuple[grpc.Server, int]:
+    generic = grpc.method_handlers_generic_handler("t.Big", {"Call": grpc.unary_unary_rpc_method_handler(_handler)})
+    server = grpc.server(futures.ThreadPoolExecutor(4), interceptors=[ZoomerServerInterceptor(recorder=recorder)])
+    server.add_generic_rpc_handlers((generic,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
+def test_bursts_of_huge_exceptions_and_attributes_never_stop_export(collector, monkeypatch):
+    """C14: handlers raise exceptions with 100 KB and 1 MB messages in bursts, and set 200 attributes of 10 KB,
+    between ordinary calls: every call has its span (the ordinary ones before and after the burst too); exception
+    text is bounded by default (ZOOMER_EXCEPTION_VALUE_LENGTH_LIMIT), attribute values and counts by the
+    OpenTelemetry limits set in the environment; nothing was dropped."""
+    monkeypatch.setenv("OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "1000")
+    telemetry = zoomer_serve.configure(service_name="big", endpoint=collector.grpc_endpoint, schedule_delay_ms=200,
+                                       timeout_ms=10_000, set_global_providers=False)
+    server, port = _serve(telemetry.recorder)
+    sent = {"ok": 0, "raise": 0, "attrs": 0}
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_unary("/t.Big/Call")
+
+            def ordinary(n: int) -> None:
+                for _ in range(n):
+                    call(b"ok", timeout=30)
+                    sent["ok"] += 1
+
+            ordinary(30)
+            for size in (100_000, MB) * 10:
+                try:
+                    call(f"raise:{size}".encode(), timeout=30)
+                except grpc.RpcError as err:  # grpc sends the message as a trailer: a long one exceeds the
+                    assert err.code() in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.RESOURCE_EXHAUSTED)  # client's limit
+                sent["raise"] += 1
+                ordinary(2)
+            for _ in range(10):
+                call(b"attrs", timeout=30)
+                sent["attrs"] += 1
+            ordinary(30)
+    finally:
+        server.stop(None)
+    stats = zoomer_serve.shutdown()
+    assert stats is not None and stats.dropped == 0 and stats.unknown == 0, stats
+    spans = collector.spans("SERVER")
+    assert len(spans) == sum(sent.values())
+    errors = [s for s in spans if s["status_code"] == "ERROR"]
+    assert len(errors) == sent["raise"]
+    for span in errors:
+        (event,) = [e for e in span["events"] if e["name"] == "exception"]
+        assert len(event["attributes"]["exception.message"]) <= 1000  # the value length limit, when lower
+        assert len(span["status_message"]) <= 8192 + 100
+    big = [s for s in spans if any(k.startswith("big.") for k in s["attributes"])]
+    assert len(big) == sent["attrs"]
+    for span in big:
+        assert len(span["attributes"]) == 128  # OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT's default
+        assert all(len(v) <= 1000 for v in span["attributes"].values() if isinstance(v, str))
+
+
+def test_exception_text_is_bounded_by_default_keeping_the_end_of_the_stack(collector):
+    """C14: with no limit set, an exception's message and stack trace are still bounded (8192 characters by
+    default); the stack trace keeps its end, where the exception and its innermost frame are."""
+    telemetry = zoomer_serve.configure(service_name="exc", endpoint=collector.grpc_endpoint, schedule_delay_ms=200,
+                                       set_global_providers=False)
+    server, port = _serve(telemetry.recorder)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            try:
+                channel.unary_unary("/t.Big/Call")(f"raise:{MB}".encode(), timeout=30)
+            except grpc.RpcError:
+                pass
+    finally:
+        server.stop(None)
+    (span,) = collector.spans("SERVER")
+    (event,) = span["events"]
+    message, stack = event["attributes"]["exception.message"], event["attributes"]["exception.stacktrace"]
+    assert message.startswith("boom boom") and len(message) < 8192 + 100 and "characters cut" in message
+    assert len(stack) < 8192 + 100 and "ValueError: boom boom" in stack and "in _handler" in stack
+
+
+def test_a_killed_helper_is_started_again_and_what_it_took_is_counted(collector):
+    """C14: the export helper process is killed (OOM killer, ``kill -9``) with spans in it: the server starts a
+    new one, later spans arrive, and the spans the dead one took are counted (``lost_in_helper``), never
+    silently gone: stored + counted as lost = sent."""
+    telemetry = zoomer_serve.configure(service_name="phoenix", endpoint=collector.grpc_endpoint,
+                                       schedule_delay_ms=60_000, set_global_providers=False)
+    pipeline = telemetry.pipeline
+    assert pipeline is not None
+    first_helper = pipeline.helper_pid
+    for _ in range(40):
+        telemetry.recorder.start("before/kill").end()
+    deadline = time.monotonic() + 30
+    while pipeline.submitted < 40 and time.monotonic() < deadline:
+        time.sleep(0.05)  # until the writer handed them to the helper (it wakes every 500 ms)
+    assert pipeline.submitted == 40
+    os.kill(first_helper, signal.SIGKILL)
+    for _ in range(25):
+        telemetry.recorder.start("after/kill").end()
+    while pipeline.helper_pid in (None, first_helper) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pipeline.helper_pid not in (None, first_helper)
+    stats = zoomer_serve.shutdown()
+    assert stats is not None
+    stored = collector.spans()
+    names = {s["name"] for s in stored}
+    assert sum(s["name"] == "after/kill" for s in stored) == 25
+    assert stats.helper_restarts == 1
+    assert len(stored) + stats.lost_in_helper == 65, (len(stored), stats)
+    assert stats.lost_in_helper == 40 and names == {"after/kill"}

@@ -1,0 +1,60 @@
+"""The frames that the server process writes to its export helper process (one definition for both sides).
+
+A frame is a 4-byte big-endian payload length followed by a pickled ``(kind, body)``:
+
+- ``(RECORDS, (parent_counters, [record, ...]))``: span records (:mod:`zoomer_serve.recording.records`) and the
+  server side's loss counters so far (``{"queue_full": spans, "helper_lost": spans, "too_large": spans}``,
+  cumulative, reported by the helper in ``otel.sdk.exporter.span.exported``);
+- ``(FLUSH, seq)``: export everything received so far now; the helper answers ``{"event": "flushed", "seq":
+  seq}`` on stdout once it has been sent (or failed);
+- ``(SHUTDOWN, budget_s)``: flush within ``budget_s`` seconds, report ``{"event": "stats", ...}`` and exit.
+
+Frames are at most :data:`MAX_FRAME_BYTES` long: the server splits a batch whose pickle is larger, and drops
+(and counts) a single record that is larger on its own; the helper skips (and counts) a longer frame instead
+of stopping.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from typing import Any
+
+HEADER = struct.Struct(">I")
+MAX_FRAME_BYTES = 8 * 1024 * 1024
+"""Largest frame payload, bytes. Bounds the memory one frame takes on either side and how long one
+``pickle.dumps`` holds the server's interpreter lock."""
+
+RECORDS = "records"
+FLUSH = "flush"
+SHUTDOWN = "shutdown"
+
+
+def encode(kind: str, body: Any) -> bytes:
+    """One frame: header and pickled ``(kind, body)`` (no size check: see :func:`pickled`)."""
+    payload = pickle.dumps((kind, body), protocol=pickle.HIGHEST_PROTOCOL)
+    return HEADER.pack(len(payload)) + payload
+
+
+def pickled(kind: str, body: Any) -> bytes:
+    """The payload of a frame, without its header (to check its size before framing it)."""
+    return pickle.dumps((kind, body), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def framed(payload: bytes) -> bytes:
+    return HEADER.pack(len(payload)) + payload
+
+
+def decode(payload: bytes) -> tuple[str, Any]:
+    """``(kind, body)`` of a frame's payload.
+
+    Raises:
+        ValueError: the payload is not a frame of this protocol.
+    """
+    try:
+        kind, body = pickle.loads(payload)
+    except Exception as exc:
+        raise ValueError(f"not an export frame: {exc!r}") from None
+    if kind not in (RECORDS, FLUSH, SHUTDOWN):
+        raise ValueError(f"unknown export frame kind {kind!r}")
+    return kind, body

@@ -1,0 +1,178 @@
+"""The server side's handle on one export helper process (``python -m zoomer_serve.export.helper``).
+
+The helper is started as a subprocess (fork + exec, never a bare fork: grpcio is not fork-safe) in a session of
+its own, so that signals aimed at the server's process group (Ctrl+C in a terminal, ``kill -TERM -PGID``,
+``tini -g``) do not reach it: it outlives them, takes the server's last frames and drains when the server's
+end of the pipe closes. A reader thread takes its JSON lines (:mod:`zoomer_serve.export.helper`) as they come,
+so the server always knows the helper's last reported counters: what a helper that died took with it can be
+counted, and shutdown waits for the final ``stats`` line without a thread of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from zoomer_serve.export import frames
+from zoomer_serve.export.worker import SPAN_OUTCOMES
+
+READY_TIMEOUT_S = 30.0
+
+
+class HelperProcess:
+    """One started helper. ``sent_spans`` / ``sent_records``: what was written to it; :attr:`counters`: its last
+    ``progress`` or ``stats`` line (the fields of :class:`~zoomer_serve.export.worker.ExportStats`).
+
+    Raises (from :meth:`start`):
+        RuntimeError: it did not say it was ready within ``timeout_s`` (it is killed).
+    """
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self._spec = spec
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._cond = threading.Condition()
+        self._events: dict[str, dict[str, Any]] = {}
+        self._eof = False
+        self.sent_spans = 0
+        self.sent_records = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self, timeout_s: float = READY_TIMEOUT_S) -> HelperProcess:
+        env = dict(os.environ, ZOOMER_WORKER_CONFIG=json.dumps(self._spec))
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "zoomer_serve.export.helper"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env=env, close_fds=True, start_new_session=True)
+        threading.Thread(target=self._read_events, name="zoomer-export-events", daemon=True).start()
+        if self.wait_event("ready", timeout_s) is None:
+            self._proc.kill()
+            self._proc.wait()
+            raise RuntimeError("zoomer-serve: the export helper process did not start within "
+                               f"{timeout_s:.0f} s (python -m zoomer_serve.export.helper; see its stderr)")
+        return self
+
+    def _read_events(self) -> None:
+        proc = self._proc
+        assert proc is not None and proc.stdout is not None
+        try:
+            for raw in proc.stdout:
+                line = raw.decode("utf-8", "replace").strip()
+                if not line.startswith("{"):
+                    continue
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(event, dict) and isinstance(event.get("event"), str):
+                    with self._cond:
+                        self._events[event["event"]] = event
+                        self._cond.notify_all()
+        except (OSError, ValueError):
+            pass
+        with self._cond:
+            self._eof = True
+            self._cond.notify_all()
+
+    def wait_event(self, name: str, timeout_s: float, seq: int | None = None) -> dict[str, Any] | None:
+        """The latest ``name`` event (with ``"seq": seq`` or later when given), waiting up to ``timeout_s``;
+        None when it did not come (or the helper's stdout closed first)."""
+        def arrived() -> bool:
+            event = self._events.get(name)
+            found = event is not None and (seq is None or event.get("seq", -1) >= seq)
+            return found or self._eof
+
+        with self._cond:
+            self._cond.wait_for(arrived, max(0.0, timeout_s))
+            event = self._events.get(name)
+            if event is None or (seq is not None and event.get("seq", -1) < seq):
+                return None
+            return event
+
+    @property
+    def counters(self) -> dict[str, Any]:
+        """The helper's last reported counters (``stats`` if it sent them, else the last ``progress``)."""
+        with self._cond:
+            return dict(self._events.get("stats") or self._events.get("progress") or {})
+
+    def alive(self) -> bool:
+        proc = self._proc
+        return proc is not None and proc.poll() is None and not self._eof
+
+    def send(self, frame: bytes) -> None:
+        """Write one frame.
+
+        Raises:
+            OSError: the helper is gone (a broken pipe) or was disowned.
+        """
+        proc = self._proc
+        if proc is None or proc.stdin is None:
+            raise OSError("no export helper")
+        proc.stdin.write(frame)
+        proc.stdin.flush()
+
+    def unreported_spans(self) -> int:
+        """Spans written to the helper that its last counters do not account for (neither exported nor
+        dropped): what it takes with it if it is gone."""
+        c = self.counters
+        done = sum(int(c.get(k, 0)) for k in SPAN_OUTCOMES)
+        return max(0, self.sent_spans - done)
+
+    def stop(self, deadline: float) -> dict[str, Any] | None:
+        """Ask for the final flush (budget: up to ``deadline``, ``time.monotonic()``), close its stdin and wait
+        for its ``stats`` line and its exit; kill it at the deadline. Returns the stats, or None when it did
+        not report."""
+        proc = self._proc
+        if proc is None:
+            return None
+        try:
+            if proc.stdin is not None:
+                budget_s = max(0.1, deadline - time.monotonic() - 0.5)  # leave it time to report and exit
+                proc.stdin.write(frames.encode(frames.SHUTDOWN, budget_s))
+                proc.stdin.close()
+        except (OSError, ValueError):
+            pass
+        stats = self.wait_event("stats", deadline - time.monotonic())
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        return stats
+
+    def kill(self) -> None:
+        """End a helper that is being replaced (it stopped answering)."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    def disown(self) -> None:
+        """In a process forked from the one that started the helper: let go of the helper's pipes without
+        writing, flushing or closing anything the parent still uses. Our copies of the pipe descriptors are
+        pointed at /dev/null (closing them would let a later ``close()`` of the inherited file objects hit
+        whatever file reuses the number), so the helper sees its stdin close when the parent's copy closes."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        for stream, mode in ((proc.stdin, os.O_WRONLY), (proc.stdout, os.O_RDONLY)):
+            if stream is None:
+                continue
+            try:
+                null = os.open(os.devnull, mode)
+                try:
+                    os.dup2(null, stream.fileno())
+                finally:
+                    os.close(null)
+            except (OSError, ValueError):
+                pass
+        _DISOWNED.append(proc)  # never collected: its finalizer would wait for a child that is not ours
+
+
+_DISOWNED: list[subprocess.Popen[bytes]] = []
