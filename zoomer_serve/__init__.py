@@ -2,7 +2,8 @@
 
 The public API of the core:
 
-- :func:`configure` / :func:`shutdown`: telemetry setup from ``OTEL_*`` / ``ZOOMER_*`` and code.
+- :func:`configure` / :func:`shutdown`: telemetry setup from ``OTEL_*`` / ``ZOOMER_*`` and code;
+  :func:`force_flush`: export what was recorded so far.
 - :func:`phase`: time a block of request work (preprocess, forward, ...) as a child span and a
   torch.profiler range.
 - :func:`current_request`: the request span active on this thread or task.
@@ -13,7 +14,7 @@ __version__ = "0.1.0"
 
 from zoomer_serve.config import ConfigError, ExportConfig, ZoomerConfig
 from zoomer_serve.recording import RequestRecorder, RequestSpan, current_request, phase
-from zoomer_serve.runtime import Telemetry, configure, get_recorder, get_telemetry, shutdown
+from zoomer_serve.runtime import Telemetry, configure, force_flush, get_recorder, get_telemetry, shutdown
 
 __all__ = [
     "ConfigError",
@@ -25,6 +26,7 @@ __all__ = [
     "__version__",
     "configure",
     "current_request",
+    "force_flush",
     "get_recorder",
     "get_telemetry",
     "phase",

@@ -16,6 +16,14 @@ logger = logging.getLogger("zoomer_serve")
 _INSTANCE_ID = str(uuid.uuid4())
 
 
+def _new_instance_id() -> None:
+    global _INSTANCE_ID
+    _INSTANCE_ID = str(uuid.uuid4())
+
+
+os.register_at_fork(after_in_child=_new_instance_id)  # a forked child is an instance of its own
+
+
 def build_resource_attributes(cfg: ZoomerConfig) -> dict[str, Any]:
     """Resource attributes: ``service.name``, ``service.instance.id`` (a UUID per process unless
     ``OTEL_RESOURCE_ATTRIBUTES`` sets one), ``host.name``, ``process.pid``, ``process.runtime.*``,
@@ -39,6 +47,17 @@ def build_resource_attributes(cfg: ZoomerConfig) -> dict[str, Any]:
     attrs.update(_torch_attributes())
     attrs.update(cfg.resource_attributes)
     attrs["service.name"] = cfg.service_name
+    return attrs
+
+
+def child_resource_attributes(parent: dict[str, Any], cfg: ZoomerConfig) -> dict[str, Any]:
+    """The resource of a process forked from one whose resource is ``parent``: the same, with this process's
+    ``process.pid`` and its own ``service.instance.id`` (unless ``OTEL_RESOURCE_ATTRIBUTES`` set one). Nothing
+    is detected again (no torch or NVML calls in a forked child)."""
+    attrs = dict(parent)
+    attrs["process.pid"] = os.getpid()
+    if "service.instance.id" not in cfg.resource_attributes:
+        attrs["service.instance.id"] = _INSTANCE_ID
     return attrs
 
 

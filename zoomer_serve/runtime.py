@@ -3,27 +3,33 @@ providers from the environment (``OTEL_*``, then ``ZOOMER_*``; see :mod:`zoomer_
 
 One :class:`Telemetry` is active per process. Adapters that are created before anyone called
 :func:`configure` configure it from the environment (at construction, never on the request path).
-:func:`shutdown` (also registered with ``atexit``) flushes within the export timeout plus one second.
+:func:`shutdown` (also registered with ``atexit``, and run before SIGTERM's default action) flushes within the
+export timeout plus one second; :func:`force_flush` exports what was recorded so far without stopping. How
+signals and fork are handled: :mod:`zoomer_serve.lifecycle`.
 """
 
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401  (its fork hooks must be registered before the SDK providers')
 import dataclasses
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from zoomer_serve import lifecycle
 from zoomer_serve.config import ConfigError, ExportConfig, ZoomerConfig
 from zoomer_serve.export import ExportPipeline, ExportStats
 from zoomer_serve.recording import RequestRecorder, Sampler
-from zoomer_serve.resource import build_resource_attributes
+from zoomer_serve.resource import build_resource_attributes, child_resource_attributes
 
 logger = logging.getLogger("zoomer_serve")
 _lock = threading.RLock()
 _active: Telemetry | None = None
+_stopping: Telemetry | None = None  # the last one shut down by shutdown()
 
 
 @dataclass
@@ -42,6 +48,8 @@ class Telemetry:
     tracer_provider: Any
     meter_provider: Any
     _stats: ExportStats | None = None
+    shutting_down: bool = False
+    _shutdown_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
     gpu: Any = None  # zoomer_serve.telemetry.GpuTelemetry, or None (no GPU, or ZOOMER_GPU=off)
     host: Any = None  # zoomer_serve.host.HostTelemetry, or None (ZOOMER_HOST=off)
 
@@ -50,6 +58,20 @@ class Telemetry:
         Returns the export counters; calling it again returns the same counters."""
         if self._stats is not None:
             return self._stats
+        self.shutting_down = True
+        try:
+            with self._shutdown_lock:  # a second caller waits for the first's counters
+                if self._stats is None:
+                    self._stats = self._shutdown(timeout_s)
+                return self._stats
+        finally:
+            lifecycle.deliver_deferred()
+
+    @property
+    def shut_down(self) -> bool:
+        return self._stats is not None
+
+    def _shutdown(self, timeout_s: float | None) -> ExportStats:
         budget = self.config.export.timeout_ms / 1000 if timeout_s is None else timeout_s
         deadline = time.monotonic() + budget + 1.0  # one deadline for every part, whatever the collector does
         if self.gpu is not None:  # first: it sends its last allocation totals through the pipeline
@@ -65,8 +87,39 @@ class Telemetry:
         for t in threads:  # SDK providers still retrying past the deadline are left behind (daemon threads)
             t.join(max(0.0, deadline - time.monotonic()))
         self.recorder.sink = lambda record: None
-        self._stats = stats
         return stats
+
+    def force_flush(self, timeout_s: float | None = None) -> bool:
+        """Export everything recorded so far (spans, the RPC metrics, and the SDK providers' data) and wait for
+        it, within ``timeout_s`` (default: the export timeout); True when all of it was sent or counted as
+        dropped in time. Telemetry keeps running."""
+        if self._stats is not None:
+            return True
+        budget = self.config.export.timeout_ms / 1000 if timeout_s is None else timeout_s
+        deadline = time.monotonic() + budget
+        ok = self.pipeline.flush(budget) if self.pipeline is not None else True
+        for provider in (self.tracer_provider, self.meter_provider):
+            if provider is not None and hasattr(provider, "force_flush"):
+                try:
+                    ok = bool(provider.force_flush(int(max(0.0, deadline - time.monotonic()) * 1000))) and ok
+                except Exception as exc:
+                    logger.warning("zoomer-serve: SDK provider flush failed: %r", exc)
+                    ok = False
+        return ok
+
+    def reset_in_child(self) -> None:
+        """In a forked child (see :mod:`zoomer_serve.lifecycle`): let go of the parent's export without touching
+        it, and export this process's records as its own instance (``service.instance.id``, ``process.pid``)
+        through a helper process of its own, started when the first record comes."""
+        self._shutdown_lock = threading.Lock()  # another thread of the parent may have held it at the fork
+        self.resource = child_resource_attributes(self.resource, self.config)
+        if self.pipeline is not None:
+            self.pipeline.disown()
+            self.pipeline = ExportPipeline(self.config.export, self.resource, self.pipeline.version,
+                                           self.config.span_limits)
+            self.pipeline.start(wait_for_helper=False)
+            self.recorder.sink = self.pipeline.submit
+        _update_sdk_resource(self.resource, self.tracer_provider, self.meter_provider)
 
 
 def _shutdown_provider(provider: Any, budget_s: float) -> None:
@@ -103,7 +156,14 @@ def configure(*, service_name: str | None = None, endpoint: str | None = None, p
             _active.shutdown()
             _active = None
         _active = _build(cfg, set_global_providers)
+        if cfg.signal_handlers and _active.pipeline is not None:
+            lifecycle.install_signal_handlers(_current)
         return _active
+
+
+def _current() -> Telemetry | None:
+    """The telemetry that signals should save: the active one, or the one being shut down."""
+    return _active if _active is not None else _stopping
 
 
 def _apply_overrides(cfg: ZoomerConfig, service_name: str | None, endpoint: str | None, protocol: str | None,
@@ -149,9 +209,9 @@ def _build(cfg: ZoomerConfig, set_global: bool) -> Telemetry:
     resource = build_resource_attributes(cfg)
     pipeline = None
     if cfg.export.mode != "none":
-        pipeline = ExportPipeline(cfg.export, resource, __version__)
+        pipeline = ExportPipeline(cfg.export, resource, __version__, cfg.span_limits)
         pipeline.start()
-    recorder = RequestRecorder(pipeline.submit if pipeline else None, sampler)
+    recorder = RequestRecorder(pipeline.submit if pipeline else None, sampler, limits=cfg.span_limits)
     tracer_provider, meter_provider = _sdk_providers(cfg, resource, set_global)
     telemetry = Telemetry(cfg, resource, recorder, pipeline, tracer_provider, meter_provider)
     telemetry.gpu = _gpu_telemetry(cfg, recorder, meter_provider)
@@ -234,10 +294,54 @@ def get_recorder() -> RequestRecorder:
 
 def shutdown(timeout_s: float | None = None) -> ExportStats | None:
     """Flush and stop the active telemetry (see :meth:`Telemetry.shutdown`); None when none is active."""
-    global _active
+    global _active, _stopping
     with _lock:
         active, _active = _active, None
+        if active is not None:
+            _stopping = active
     return active.shutdown(timeout_s) if active is not None else None
 
 
+def force_flush(timeout_s: float | None = None) -> bool:
+    """Export what the active telemetry recorded so far and wait for it (see :meth:`Telemetry.force_flush`);
+    True when nothing is active."""
+    active = _active
+    return active.force_flush(timeout_s) if active is not None else True
+
+
+def _update_sdk_resource(resource: dict[str, Any], *providers: Any) -> None:
+    """Give the SDK providers a forked child's own instance attributes (best effort: private SDK parts). The SDK's
+    own fork hooks run after ours and merge its per-process ``service.instance.id``: it is set to ours first."""
+    try:
+        from opentelemetry.sdk import resources as sdk_resources
+
+        own = sdk_resources.Resource(
+            {k: resource[k] for k in ("service.instance.id", "process.pid") if k in resource})
+        if hasattr(sdk_resources, "_service_instance_id_pid") and "service.instance.id" in resource:
+            sdk_resources._service_instance_id = resource["service.instance.id"]
+            sdk_resources._service_instance_id_pid = os.getpid()
+    except Exception:
+        return
+    for provider in providers:
+        update = getattr(provider, "_update_resource", None)
+        if update is not None:
+            try:
+                update(own)
+            except Exception as exc:
+                logger.debug("zoomer-serve: could not update an SDK provider's resource after fork: %r", exc)
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.RLock()  # another thread of the parent may have held it at the fork
+    active = _active
+    if active is not None and active._stats is None:
+        try:
+            active.reset_in_child()
+        except Exception as exc:
+            logger.warning("zoomer-serve: telemetry could not be set up in a forked child (pid %d): %r",
+                           os.getpid(), exc)
+
+
 atexit.register(shutdown)
+lifecycle.register_fork_hooks(_after_fork_in_child)

@@ -1,0 +1,141 @@
+"""Programs that the lifecycle tests (signals C12, fork C13) run as processes of their own.
+
+``python tests/lifecycle_apps.py wrapped``: a gRPC server wrapped exactly as README.md shows (the interceptor,
+``server.wait_for_termination()``, Ctrl+C handled as README.md says), serving ``test.Echo/Unary``; prints
+``{"event": "ready", "port": P}``.
+
+``python tests/lifecycle_apps.py fork-os N`` / ``fork-pool N`` / ``fork-pool-recycle N`` / ``fork-grpc N``:
+telemetry configured in the parent, then N children made by ``os.fork`` / a ``multiprocessing`` fork pool (plain,
+or ``maxtasksperchild=1``) / forked workers that each start a gRPC server; every child records spans; the parent
+records some before and after. Prints one JSON line with what was sent: ``{"event": "done", "spans": {name:
+count}, "parent_helper": [pid before, pid after]}``.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import sys
+from concurrent import futures
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import grpc
+
+ECHO = "test.Echo"
+
+
+def echo(request: bytes, context: grpc.ServicerContext) -> bytes:
+    return request
+
+
+def echo_handler() -> grpc.GenericRpcHandler:
+    return grpc.method_handlers_generic_handler(ECHO, {"Unary": grpc.unary_unary_rpc_method_handler(echo)})
+
+
+def wrapped() -> None:
+    from interceptors import ZoomerServerInterceptor
+
+    server = grpc.server(futures.ThreadPoolExecutor(8), interceptors=[ZoomerServerInterceptor()])
+    server.add_generic_rpc_handlers((echo_handler(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    print(json.dumps({"event": "ready", "port": port}), flush=True)
+    try:
+        server.wait_for_termination()
+    except KeyboardInterrupt:  # Ctrl+C: let calls in flight finish, as README.md shows
+        server.stop(grace=5).wait()
+
+
+def _record(name: str, n: int) -> None:
+    from zoomer_serve import get_recorder
+
+    recorder = get_recorder()
+    for _ in range(n):
+        recorder.start(name).end()
+
+
+def _task(i: int) -> int:
+    _record(f"pool/{i}", 3)
+    return os.getpid()
+
+
+def _serve_worker(port_pipe: int) -> None:
+    server = grpc.server(futures.ThreadPoolExecutor(4), interceptors=[_INTERCEPTOR[0]])
+    server.add_generic_rpc_handlers((echo_handler(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    os.write(port_pipe, f"{port}\n".encode())
+    server.wait_for_termination()
+
+
+_INTERCEPTOR: list = [None]
+
+
+def _fork_grpc(n: int, spans: dict[str, int]) -> None:
+    from interceptors import ZoomerServerInterceptor
+
+    _INTERCEPTOR[0] = ZoomerServerInterceptor()  # built (and telemetry configured) before the fork
+    read_end, write_end = os.pipe()
+    workers = []
+    for _ in range(n):
+        pid = os.fork()
+        if pid == 0:
+            os.close(read_end)
+            _serve_worker(write_end)
+            os._exit(0)
+        workers.append(pid)
+    os.close(write_end)
+    reader = os.fdopen(read_end)
+    ports = [int(reader.readline()) for _ in range(n)]
+    for port in ports:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_unary(f"/{ECHO}/Unary")
+            for _ in range(10):
+                call(b"x", timeout=30)
+    spans[f"{ECHO}/Unary"] = 10 * n
+    for pid in workers:
+        os.kill(pid, signal.SIGTERM)
+    for pid in workers:
+        os.waitpid(pid, 0)
+
+
+def fork_scenario(mode: str, n: int) -> None:
+    import zoomer_serve
+
+    telemetry = zoomer_serve.configure(service_name="forky", schedule_delay_ms=200, set_global_providers=False)
+    helper_before = telemetry.pipeline.helper_pid if telemetry.pipeline else None
+    _record("parent/before", 2)
+    spans: dict[str, int] = {"parent/before": 2}
+    if mode == "fork-os":
+        children = []
+        for i in range(n):
+            pid = os.fork()
+            if pid == 0:
+                _record(f"child/{i}", 3)
+                sys.exit(0)
+            children.append(pid)
+            spans[f"child/{i}"] = 3
+        for pid in children:
+            os.waitpid(pid, 0)
+    elif mode in ("fork-pool", "fork-pool-recycle"):
+        recycle = 1 if mode == "fork-pool-recycle" else None
+        with multiprocessing.get_context("fork").Pool(2, maxtasksperchild=recycle) as pool:
+            pool.map(_task, range(n), chunksize=1)
+        spans.update({f"pool/{i}": 3 for i in range(n)})
+    elif mode == "fork-grpc":
+        _fork_grpc(n, spans)
+    _record("parent/after", 2)  # the children's exits left the parent's export alone
+    spans["parent/after"] = 2
+    helper_after = telemetry.pipeline.helper_pid if telemetry.pipeline else None
+    print(json.dumps({"event": "done", "spans": spans, "parent_helper": [helper_before, helper_after]}), flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "wrapped":
+        wrapped()
+    else:
+        fork_scenario(sys.argv[1], int(sys.argv[2]))

@@ -1,0 +1,181 @@
+"""The process's own life: signals (C12) and fork (C13), with real servers, the real export helper process and
+the real embedded collector; each test counts what was sent against what was stored."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import psutil
+import pytest
+
+from zoomer_serve.processes import wait_for_event
+
+APPS = str(Path(__file__).resolve().parent / "lifecycle_apps.py")
+ROOT = str(Path(__file__).resolve().parents[1])
+
+
+def _env(collector: Any, **extra: str) -> dict[str, str]:
+    return dict(os.environ, OTEL_EXPORTER_OTLP_ENDPOINT=collector.grpc_endpoint, OTEL_EXPORTER_OTLP_TIMEOUT="5000",
+                ZOOMER_GPU="off", PYTHONPATH=ROOT, **extra)
+
+
+def _start(argv: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    # a session (and process group) of its own, as a server started from a shell: group signals reach it alone
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    ready = wait_for_event(proc, "ready", 120)
+    if ready is None:
+        proc.kill()
+        raise AssertionError(f"no ready line; stderr: {proc.communicate()[1].decode()[-2000:]}")
+    return proc, ready
+
+
+def _send(port: int, n: int) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_unary("/test.Echo/Unary")
+        for _ in range(n):
+            call(b"ping", timeout=30)
+    return n
+
+
+def _send_demo(port: int, n: int) -> dict[str, int]:
+    """Calls finished per RPC method (the demo load mixes Predict and PredictStream)."""
+    from zoomer_serve.demo.load import drive_load
+
+    result = drive_load(f"127.0.0.1:{port}", 600.0, clients=4, max_requests=n)
+    assert result.total_calls == n
+    return {f"zoomer.demo.v1.Ranker/{m}": result.count(m) for m in ("Predict", "PredictStream")}
+
+
+def _signal(proc: subprocess.Popen[bytes], how: str) -> None:
+    if how == "sigint-group":  # Ctrl+C in a terminal
+        os.killpg(proc.pid, signal.SIGINT)
+    elif how == "sigterm-pid":  # Kubernetes, docker stop
+        proc.send_signal(signal.SIGTERM)
+    else:  # systemd, tini -g
+        os.killpg(proc.pid, signal.SIGTERM)
+
+
+def _stop_and_wait_for_helpers(proc: subprocess.Popen[bytes], how: str) -> tuple[int, str]:
+    """Signal ``proc``, wait for it and for the helper processes it started (they drain after it)."""
+    helpers = psutil.Process(proc.pid).children(recursive=True)
+    _signal(proc, how)
+    _, stderr = proc.communicate(timeout=60)
+    psutil.wait_procs(helpers, timeout=60)
+    return proc.returncode, stderr.decode("utf-8", "replace")
+
+
+def _stored(collector: Any, method: str) -> tuple[int, int]:
+    """(SERVER spans of ``method``, ``rpc.server.call.duration`` count of ``method`` in its last point)."""
+    spans = [s for s in collector.spans("SERVER") if s["name"] == method]
+    points = [p for p in collector.metric_points("rpc.server.call.duration")
+              if p["attributes"].get("rpc.method") == method]
+    last: dict[str, int] = {}
+    for p in points:  # cumulative: the last point of each attribute set holds its total
+        key = json.dumps(p["attributes"], sort_keys=True)
+        last[key] = max(last.get(key, 0), p["count"])
+    return len(spans), sum(last.values())
+
+
+def _expected_exit(how: str, rc: int) -> None:
+    if how == "sigint-group":
+        assert rc in (0, -signal.SIGINT), rc  # the server handled Ctrl+C as README.md shows
+    else:
+        assert rc == -signal.SIGTERM, rc  # it died of SIGTERM, as it would have without zoomer-serve
+
+
+def _clean(stderr: str) -> None:
+    for needle in ("Traceback", "could not be exported", "BrokenPipe", "did not report"):
+        assert needle not in stderr, stderr[-3000:]
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 2.0], ids=["at-once", "later"])
+@pytest.mark.parametrize("how", ["sigint-group", "sigterm-pid", "sigterm-group"])
+def test_a_wrapped_server_stopped_by_a_signal_keeps_every_completed_call(collector, how, delay_s):
+    """C12: a server wrapped as README.md shows serves calls, then Ctrl+C (SIGINT to its process group), SIGTERM
+    to its pid, or SIGTERM to its group, at once or 2 s later, with spans still buffered (5 s schedule delay):
+    every completed call has its span and its metric point in the collector's store; no traceback, no claim of
+    a loss; the exit status is what it would have been without zoomer-serve."""
+    proc, ready = _start([sys.executable, APPS, "wrapped"], _env(collector))
+    sent = _send(ready["port"], 150)
+    time.sleep(delay_s)
+    rc, stderr = _stop_and_wait_for_helpers(proc, how)
+    _expected_exit(how, rc)
+    _clean(stderr)
+    assert _stored(collector, "test.Echo/Unary") == (sent, sent)
+
+
+@pytest.mark.parametrize("how", ["sigint-group", "sigterm-pid", "sigterm-group"])
+def test_serve_demo_stopped_by_a_signal_keeps_every_completed_call(collector, how):
+    """C12 on ``zoomer-serve serve-demo`` (its own SIGINT/SIGTERM handler drains and flushes; ours runs first and
+    chains to it): every completed Predict call is in the store, exit 0."""
+    proc, ready = _start([sys.executable, "-m", "zoomer_serve", "serve-demo", "--port", "0"], _env(collector))
+    sent = _send_demo(ready["port"], 120)
+    rc, stderr = _stop_and_wait_for_helpers(proc, how)
+    assert rc == 0, stderr[-3000:]
+    _clean(stderr)
+    assert {method: _stored(collector, method) for method in sent} == {m: (n, n) for m, n in sent.items()}
+
+
+def test_handlers_chain_to_the_application_and_can_be_switched_off(monkeypatch):
+    """C12: our SIGTERM handler goes in front of one the application set before ``configure()`` and calls it
+    after handing the queued records to the helper; ``ZOOMER_SIGNAL_HANDLERS=off`` installs none (the
+    application's stays as it is)."""
+    import zoomer_serve
+    from zoomer_serve import lifecycle
+
+    calls: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+    try:
+        monkeypatch.setenv("ZOOMER_SIGNAL_HANDLERS", "off")
+        zoomer_serve.configure(export_mode="thread", endpoint="http://127.0.0.1:9", set_global_providers=False)
+        assert not getattr(signal.getsignal(signal.SIGTERM), "_zoomer_handler", False)
+        monkeypatch.setenv("ZOOMER_SIGNAL_HANDLERS", "on")
+        telemetry = zoomer_serve.configure(export_mode="thread", endpoint="http://127.0.0.1:9",
+                                           set_global_providers=False)
+        assert getattr(signal.getsignal(signal.SIGTERM), "_zoomer_handler", False)
+        telemetry.recorder.start("a/b").end()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert calls == [signal.SIGTERM]
+        assert len(telemetry.pipeline._queue) == 0  # handed to the worker before the application's handler ran
+        assert telemetry.pipeline.submitted == 1
+    finally:
+        zoomer_serve.shutdown(timeout_s=0.5)
+        lifecycle.uninstall_signal_handlers()
+        signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize(("mode", "n"), [("fork-os", 3), ("fork-pool", 4), ("fork-pool-recycle", 4),
+                                         ("fork-grpc", 2)])
+def test_children_forked_after_configure_export_their_own_spans_and_leave_the_parent_alone(collector, mode, n):
+    """C13: telemetry configured in the parent, then children made by ``os.fork``, a multiprocessing fork pool
+    (plain, stopped by ``Pool.terminate()`` at the end of its ``with``; and ``maxtasksperchild=1``, whose workers
+    leave through ``os._exit``), or forked workers that each start a gRPC server: no child hangs, every span of
+    every child reaches the store, each process is its own ``service.instance.id``, the parent keeps its helper
+    and exports after the children are gone, and nothing is printed per child."""
+    proc = subprocess.run([sys.executable, APPS, mode, str(n)], capture_output=True, text=True, timeout=240,
+                          env=_env(collector))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "zoomer" not in proc.stderr.lower() and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    done = json.loads(proc.stdout.strip().splitlines()[-1])
+    before, after = done["parent_helper"]
+    assert before is not None and before == after
+    rows = collector.spans()
+    got: dict[str, int] = {}
+    for row in rows:
+        got[row["name"]] = got.get(row["name"], 0) + 1
+    assert got == done["spans"]
+    instances = {row["service_instance_id"] for row in rows}
+    pids = {row["resource_attributes"]["process.pid"] for row in rows}
+    assert len(instances) == len(pids) >= 2
+    parent = {row["service_instance_id"] for row in rows if row["name"].startswith("parent/")}
+    assert len(parent) == 1
+    children = {row["service_instance_id"] for row in rows if not row["name"].startswith("parent/")}
+    assert not parent & children
