@@ -126,9 +126,9 @@ def test_frames_are_bounded_by_bytes_and_a_record_too_large_for_any_frame_is_dro
     sent = [rec for _, (_, records) in _decode_frames([f for f, _, _ in made]) for rec in records]
     assert sent == small[:25] + large + small[25:]
     assert sum(n for _, _, n in made) == 60 and sum(s for _, s, _ in made) == 60
-    assert (pipeline.dropped_too_large, pipeline.dropped_records) == (2, 2)
+    assert (pipeline.dropped_record_too_large, pipeline.dropped_records) == (2, 2)
     stats = pipeline.shutdown(0.5)
-    assert stats.dropped_too_large == 2 and stats.dropped >= 2
+    assert stats.dropped_record_too_large == 2 and stats.dropped >= 2
 
 
 def test_sdk_disabled_records_nothing(monkeypatch):

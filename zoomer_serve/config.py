@@ -24,6 +24,7 @@ environment. A bad value raises :class:`ConfigError` naming the variable and the
 | span limits | ``OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT``, ``OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT``, ``OTEL_ATTRIBUTE_COUNT_LIMIT``, ``OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT``, ``OTEL_SPAN_EVENT_COUNT_LIMIT``, ``OTEL_SPAN_LINK_COUNT_LIMIT``, ``OTEL_EVENT_ATTRIBUTE_COUNT_LIMIT``, ``OTEL_LINK_ATTRIBUTE_COUNT_LIMIT`` (see :class:`SpanLimits`) | none for lengths, 128 for counts |
 | exception text | ``ZOOMER_EXCEPTION_VALUE_LENGTH_LIMIT``: characters kept of ``exception.message``, ``exception.stacktrace`` and error status messages | 8192 |
 | flush on SIGTERM / SIGINT | ``ZOOMER_SIGNAL_HANDLERS``: ``on`` / ``off`` (see :mod:`zoomer_serve.lifecycle`) | ``on`` |
+| export request size | ``ZOOMER_EXPORT_MAX_REQUEST_BYTES``: the most bytes of one OTLP request (traces or metrics, before compression); more goes out as several requests, a span too large for any request is dropped and counted (at least 16384) | 3145728 (3 MiB) |
 | excluded methods | ``ZOOMER_EXCLUDED_METHODS`` (comma-separated globs over ``pkg.Service/Method``) | health, reflection, the profiler admin service |
 | store | ``ZOOMER_STORE`` | ``./zoomer-data/zoomer.duckdb`` |
 | GPU telemetry | ``ZOOMER_GPU`` and ``ZOOMER_GPU_*`` (see :mod:`zoomer_serve.telemetry.config`) | ``auto`` |
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
 DEFAULT_EXCLUDED_METHODS = ("grpc.health.v1.Health/*", "grpc.reflection.*", "zoomer.profiling.v1.ProfilerControl/*")
 PROTOCOLS = ("grpc", "http/protobuf")
 EXPORT_MODES = ("process", "thread", "none")
+DEFAULT_MAX_REQUEST_BYTES = 3 * 1024 * 1024  # under the OpenTelemetry Collector's 4 MiB gRPC receive limit
+MIN_REQUEST_BYTES = 16 * 1024  # room for ordinary spans and metric points in every request
 
 logger = logging.getLogger("zoomer_serve")
 
@@ -76,6 +79,10 @@ class ExportConfig:
     schedule_delay_ms: int = 5000
     metric_export_interval_ms: int = 60_000
     mode: str = "process"
+    # -- export request size (bytes) ------------------------------------------------------------------------
+    # Every OTLP request (traces and metrics) is at most this long, uncompressed: well under the OpenTelemetry
+    # Collector's default gRPC receive limit (4 MiB). ZOOMER_EXPORT_MAX_REQUEST_BYTES.
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
@@ -88,6 +95,9 @@ class ExportConfig:
                      "metric_export_interval_ms"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_request_bytes < MIN_REQUEST_BYTES:
+            raise ConfigError(f"ZOOMER_EXPORT_MAX_REQUEST_BYTES must be >= {MIN_REQUEST_BYTES}, got "
+                              f"{self.max_request_bytes}")
         if self.max_export_batch_size > self.max_queue_size:
             raise ConfigError("OTEL_BSP_MAX_EXPORT_BATCH_SIZE must not exceed OTEL_BSP_MAX_QUEUE_SIZE "
                               f"({self.max_export_batch_size} > {self.max_queue_size})")
@@ -315,4 +325,6 @@ def _export_from_env(env: Mapping[str, str]) -> ExportConfig:
         schedule_delay_ms=_int(env, "OTEL_BSP_SCHEDULE_DELAY", 5000),
         metric_export_interval_ms=_int(env, "OTEL_METRIC_EXPORT_INTERVAL", 60_000),
         mode=(env.get("ZOOMER_EXPORT_MODE") or "process").strip().lower(),
+        max_request_bytes=envvars.integer(env, "ZOOMER_EXPORT_MAX_REQUEST_BYTES", DEFAULT_MAX_REQUEST_BYTES,
+                                          ConfigError, minimum=MIN_REQUEST_BYTES),
     )

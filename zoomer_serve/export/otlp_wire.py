@@ -79,6 +79,10 @@ def _ld(tag: int, payload: bytes) -> bytes:
     return bytes((tag,)) + varint(len(payload)) + payload
 
 
+length_delimited = _ld  # the public name, for the other hand-framed OTLP messages (rpc_metrics)
+FIELD_FRAMING_BYTES = 6  # the most a length-delimited field adds to its payload: 1 tag byte, a length < 2**35
+
+
 def _ld_tag(tag_bytes: bytes, payload: bytes) -> bytes:
     return tag_bytes + varint(len(payload)) + payload
 
@@ -130,6 +134,9 @@ class SpanEncoder:
         self._resource_field = _ld(0x0A, resource)  # ResourceSpans.resource
         scope = _ld(0x0A, scope_name.encode()) + _ld(0x12, scope_version.encode())
         self._scope_field = _ld(0x0A, scope)  # ScopeSpans.scope
+        # bytes of a request around its spans, at most (resource, scope, two enclosing fields); each span adds
+        # its own length and at most FIELD_FRAMING_BYTES (see encode_request)
+        self.request_overhead = len(self._resource_field) + len(self._scope_field) + 2 * FIELD_FRAMING_BYTES
         self._attr_cache: dict[tuple[str, type, Any], bytes] = {}
         self._key_cache: dict[str, bytes] = {}
         self._name_cache: dict[tuple[str, int], bytes] = {}
@@ -290,7 +297,8 @@ class SpanEncoder:
         return b"".join(parts)
 
     def encode_request(self, spans: Iterable[bytes]) -> bytes:
-        """Wrap encoded spans into one ``ExportTraceServiceRequest`` (one resource, one scope)."""
+        """Wrap encoded spans into one ``ExportTraceServiceRequest`` (one resource, one scope). Its length is at
+        most :attr:`request_overhead` plus, per span, the span's length and :data:`FIELD_FRAMING_BYTES`."""
         scope_spans = self._scope_field + b"".join(_ld_tag(b"\x12", s) for s in spans)
         resource_spans = self._resource_field + _ld(0x12, scope_spans)
         return _ld(0x0A, resource_spans)

@@ -16,7 +16,7 @@ written before the next is pickled: pickling holds the interpreter lock for the 
 record), and a thread waiting for the lock only forces a switch after ``sys.getswitchinterval()`` (5 ms); the
 write in between releases the lock, so request threads wait at most about one frame's pickling (0.3 ms).
 A frame is also bounded by bytes (:data:`~zoomer_serve.export.frames.MAX_FRAME_BYTES`): a larger one is split,
-and a record larger on its own is dropped and counted (``dropped_too_large``), never sent.
+and a record larger on its own is dropped and counted (``dropped_record_too_large``), never sent.
 
 A helper process that dies (killed, out of memory) is started again by the writer thread, at most once per
 :data:`RESTART_BACKOFF_S`; what it took with it is counted (``lost_in_helper``: spans written to it that its last
@@ -69,7 +69,7 @@ class ExportPipeline:
         self.dropped = 0  # sampled spans dropped on the server side (queue full or worker gone)
         self.dropped_records = 0  # records dropped there, sampled or not (their calls miss the RPC metrics)
         self.submitted = 0  # sampled spans handed to the worker
-        self.dropped_too_large = 0  # sampled spans of records too large for any frame
+        self.dropped_record_too_large = 0  # sampled spans of records too large for any frame
         self.lost_in_helper = 0  # sampled spans that a helper which died did not report
         self.helper_restarts = 0
         self._queue: collections.deque[tuple[Any, ...]] = collections.deque()
@@ -229,7 +229,7 @@ class ExportPipeline:
 
     def _counters(self) -> dict[str, int]:
         """The server side's loss counters that the helper reports with its own (see frames.RECORDS)."""
-        return {"queue_full": self.dropped, "too_large": self.dropped_too_large,
+        return {"queue_full": self.dropped, "too_large": self.dropped_record_too_large,
                 "helper_lost": self.lost_in_helper}
 
     def _frames(self, batch: list[tuple[Any, ...]]) -> Iterator[tuple[bytes, int, int]]:
@@ -249,9 +249,9 @@ class ExportPipeline:
             yield from self._bounded_frames(chunk[mid:])
         else:
             spans = r.exported_spans(chunk[0])
-            self.dropped_too_large += spans
+            self.dropped_record_too_large += spans
             self.dropped_records += 1
-            if self.dropped_too_large == spans:
+            if self.dropped_record_too_large == spans:
                 logger.warning("zoomer-serve: dropped a span record of %d bytes (frames to the export helper are "
                                "limited to %d bytes); counting such records (logged once; see the OTEL_*_LIMIT "
                                "span limits)", len(payload), frames.MAX_FRAME_BYTES)
@@ -313,7 +313,7 @@ class ExportPipeline:
             stats = self._stop_helper(self._helper, deadline)
         stats.dropped_queue += self.dropped
         stats.dropped_records += self.dropped_records
-        stats.dropped_too_large += self.dropped_too_large
+        stats.dropped_record_too_large += self.dropped_record_too_large
         stats.lost_in_helper += self.lost_in_helper
         stats.helper_restarts += self.helper_restarts
         self.final_stats = stats
@@ -337,9 +337,11 @@ class ExportPipeline:
 def _log_losses(stats: ExportStats, endpoint: str) -> None:
     """One warning per kind of loss, with its count (nothing when nothing was lost)."""
     if stats.dropped:
+        failed = stats.dropped_export - stats.dropped_rejected - stats.dropped_too_large
         logger.warning("zoomer-serve: %d spans could not be exported to %s (queue full: %d, export failed: %d, "
-                       "too large: %d, lost with a helper process: %d; last error: %s)", stats.dropped, endpoint,
-                       stats.dropped_queue, stats.dropped_export, stats.dropped_too_large, stats.lost_in_helper,
+                       "rejected by the collector: %d, too large: %d, lost with a helper process: %d; last error: "
+                       "%s)", stats.dropped, endpoint, stats.dropped_queue, failed, stats.dropped_rejected,
+                       stats.dropped_too_large + stats.dropped_record_too_large, stats.lost_in_helper,
                        stats.last_error)
     if stats.dropped_records:
         logger.warning("zoomer-serve: %d records did not reach the exporter; their calls are missing from the RPC "

@@ -1,20 +1,36 @@
-"""Senders of pre-encoded OTLP requests (traces or metrics): OTLP/gRPC and OTLP/HTTP (protobuf), with the
-OTLP retry rules.
+"""Senders of pre-encoded OTLP requests (traces or metrics): OTLP/gRPC and OTLP/HTTP (protobuf), following the
+OTLP exporter rules of opentelemetry-proto ``docs/specification.md``.
 
 A sender takes the bytes of one ``ExportTraceServiceRequest`` (or ``ExportMetricsServiceRequest``) and a
-deadline, retries retryable failures with exponential back-off until the deadline, and returns True when the
-collector accepted the request. It never raises for network or server errors; those are returned as False
-with ``last_error`` set.
+deadline (``time.monotonic()``) and returns a :class:`SendResult`. It never raises for network or server errors.
+
+- Retryable: gRPC ``CANCELLED``, ``DEADLINE_EXCEEDED``, ``ABORTED``, ``OUT_OF_RANGE``, ``UNAVAILABLE``,
+  ``DATA_LOSS``, and ``RESOURCE_EXHAUSTED`` only when the server sends ``google.rpc.RetryInfo`` (in the
+  ``grpc-status-details-bin`` trailer); HTTP 429, 502, 503, 504 and a connection that fails or breaks.
+  Anything else fails at once.
+- The delay before a retry: the server's (``RetryInfo.retry_delay``, HTTP ``Retry-After`` in seconds or as
+  an HTTP date) when it names one, else exponential back-off from 100 ms doubling up to 5 s. A delay that
+  would end past the deadline ends the send at once (FAILED): the export timeout bounds everything.
+- Too large: HTTP 413, and gRPC ``RESOURCE_EXHAUSTED`` about the message size (grpc's "... larger than max
+  (N vs. M)", from the server or from the client's own channel limit) return TOO_LARGE, never retried as is:
+  the caller splits the batch (:class:`zoomer_serve.export.worker.ExportWorker`).
+- Accepted: ``partial_success`` of the response (``rejected_spans`` / ``rejected_data_points`` and
+  ``error_message``) is returned in the result; such a response is never retried.
 """
 
 from __future__ import annotations
 
+import email.utils
+import enum
 import gzip
+import re
 import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 from zoomer_serve.config import ExportConfig
@@ -24,11 +40,68 @@ _GRPC_METHODS = {
     "metrics": "/opentelemetry.proto.collector.metrics.v1.MetricsService/Export",
 }
 _RETRYABLE_HTTP = {429, 502, 503, 504}
+_TOO_LARGE_HTTP = 413
+_TOO_LARGE_TEXT = re.compile(r"larger than max|too large", re.IGNORECASE)  # grpc core's size errors
+_STATUS_DETAILS_KEY = "grpc-status-details-bin"
+_FIRST_BACKOFF_S = 0.1
+_MAX_BACKOFF_S = 5.0
+
+
+class Outcome(enum.Enum):
+    """How one send ended."""
+
+    ACCEPTED = "accepted"  # the collector answered success (possibly a partial success)
+    TOO_LARGE = "too_large"  # refused for its size: split the batch and send the halves
+    FAILED = "failed"  # not retryable, retries exhausted, or the deadline came first
+
+
+@dataclass(frozen=True)
+class SendResult:
+    """The result of :meth:`Sender.send`: ``rejected`` items (spans or data points) and ``message`` from the
+    response's ``partial_success`` when ACCEPTED; otherwise ``message`` is the error."""
+
+    outcome: Outcome
+    rejected: int = 0
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    """One request's result: ``response`` (the body) when accepted, else how to go on."""
+
+    response: bytes | None = None
+    retryable: bool = False
+    too_large: bool = False
+    retry_after_s: float | None = None  # the delay the server asked for
+
+
+def _partial_success(signal: str, body: bytes) -> tuple[int, str]:
+    """(rejected items, error_message) of an ``Export*ServiceResponse``; (0, "") for an empty or unparsable
+    body (the request was accepted: a proxy's body that is not protobuf does not undo that)."""
+    if not body:
+        return 0, ""
+    from google.protobuf.message import DecodeError
+
+    if signal == "traces":
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+
+        try:
+            partial = ExportTraceServiceResponse.FromString(body).partial_success
+        except DecodeError:
+            return 0, ""
+        return max(0, partial.rejected_spans), partial.error_message
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceResponse
+
+    try:
+        points = ExportMetricsServiceResponse.FromString(body).partial_success
+    except DecodeError:
+        return 0, ""
+    return max(0, points.rejected_data_points), points.error_message
 
 
 class Sender:
-    """Base class: ``send(payload, deadline)`` (deadline on ``time.monotonic()``) and ``close()``;
-    ``signal`` is ``"traces"`` or ``"metrics"``."""
+    """Base class: ``send(payload, deadline)`` and ``close()``; ``signal`` is ``"traces"`` or ``"metrics"``.
+    ``stop`` set means the worker is shutting down: no retry after that (the send returns FAILED)."""
 
     def __init__(self, cfg: ExportConfig, stop: threading.Event, signal: str = "traces") -> None:
         self.cfg = cfg
@@ -37,24 +110,76 @@ class Sender:
         self.endpoint = cfg.traces_endpoint if signal == "traces" else cfg.metrics_endpoint
         self.last_error: str | None = None
 
-    def send(self, payload: bytes, deadline: float) -> bool:
-        delay = 0.1
+    def send(self, payload: bytes, deadline: float) -> SendResult:
+        """Send one request, retrying as the module docstring says, until ``deadline``."""
+        backoff = _FIRST_BACKOFF_S
         while True:
-            ok, retryable = self._attempt(payload, deadline)
-            if ok:
+            attempt = self._attempt(payload, deadline)
+            if attempt.response is not None:
                 self.last_error = None
-                return True
-            remaining = deadline - time.monotonic()
-            if not retryable or remaining <= delay or self.stop.is_set():
-                return False
+                rejected, message = _partial_success(self.signal, attempt.response)
+                return SendResult(Outcome.ACCEPTED, rejected, message)
+            if attempt.too_large:
+                return SendResult(Outcome.TOO_LARGE, message=self.last_error or "")
+            if not attempt.retryable or self.stop.is_set():
+                return SendResult(Outcome.FAILED, message=self.last_error or "")
+            delay = backoff if attempt.retry_after_s is None else attempt.retry_after_s
+            if time.monotonic() + delay >= deadline:
+                if attempt.retry_after_s is not None:
+                    self.last_error = (f"{self.last_error} (the server asked to retry in {delay:.3g} s, past the "
+                                       "export timeout)")
+                return SendResult(Outcome.FAILED, message=self.last_error or "")
             self.stop.wait(delay)
-            delay = min(delay * 2, 5.0)
+            backoff = min(max(backoff, delay) * 2, _MAX_BACKOFF_S)
 
-    def _attempt(self, payload: bytes, deadline: float) -> tuple[bool, bool]:
+    def _attempt(self, payload: bytes, deadline: float) -> _Attempt:
         raise NotImplementedError
 
     def close(self) -> None:
         pass
+
+
+def _retry_info(err: Any) -> tuple[bool, float | None]:
+    """(RetryInfo present, its delay in seconds or None when zero) from a grpc error's
+    ``grpc-status-details-bin`` trailer (a ``google.rpc.Status``)."""
+    try:
+        trailers = err.trailing_metadata() or ()
+    except Exception:
+        return False, None
+    for key, value in trailers:
+        if key != _STATUS_DETAILS_KEY:
+            continue
+        from google.protobuf.message import DecodeError
+        from google.rpc import error_details_pb2, status_pb2
+
+        try:
+            status = status_pb2.Status.FromString(value)
+        except DecodeError:
+            return False, None
+        for detail in status.details:
+            if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+                info = error_details_pb2.RetryInfo()
+                detail.Unpack(info)
+                delay = info.retry_delay.seconds + info.retry_delay.nanos / 1e9
+                return True, delay if delay > 0 else None
+    return False, None
+
+
+def retry_after_s(value: str | None, now: datetime | None = None) -> float | None:
+    """An HTTP ``Retry-After`` value in seconds: delay-seconds, or an HTTP date (the time until then, at least
+    0). None when absent or unreadable (the caller backs off as usual)."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return max(0.0, (when - (now or datetime.now(timezone.utc))).total_seconds())
 
 
 class GrpcSender(Sender):
@@ -83,18 +208,24 @@ class GrpcSender(Sender):
             grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS,
         }
 
-    def _attempt(self, payload: bytes, deadline: float) -> tuple[bool, bool]:
+    def _attempt(self, payload: bytes, deadline: float) -> _Attempt:
         timeout = max(0.05, deadline - time.monotonic())
         try:
-            self._call(payload, timeout=timeout, metadata=self._metadata, compression=self._compression)
-            return True, False
+            response = self._call(payload, timeout=timeout, metadata=self._metadata, compression=self._compression)
+            return _Attempt(response=bytes(response or b""))
         except self._grpc.RpcError as err:
             code = err.code() if hasattr(err, "code") else None
-            self.last_error = f"{code}: {err.details() if hasattr(err, 'details') else err}"
-            return False, code in self._retryable
+            details = str(err.details() if hasattr(err, "details") else err)
+            self.last_error = f"{code}: {details}"
+            has_retry_info, delay = _retry_info(err)
+            if code == self._grpc.StatusCode.RESOURCE_EXHAUSTED:
+                if _TOO_LARGE_TEXT.search(details):
+                    return _Attempt(too_large=True)
+                return _Attempt(retryable=has_retry_info, retry_after_s=delay)
+            return _Attempt(retryable=code in self._retryable, retry_after_s=delay)
         except Exception as err:  # a broken channel must not kill the exporter
             self.last_error = repr(err)
-            return False, True
+            return _Attempt(retryable=True)
 
     def close(self) -> None:
         self._channel.close()
@@ -103,7 +234,7 @@ class GrpcSender(Sender):
 class HttpSender(Sender):
     """OTLP/HTTP with ``Content-Type: application/x-protobuf`` (and gzip when configured)."""
 
-    def _attempt(self, payload: bytes, deadline: float) -> tuple[bool, bool]:
+    def _attempt(self, payload: bytes, deadline: float) -> _Attempt:
         headers = {"Content-Type": "application/x-protobuf", **self.cfg.headers}
         body = payload
         if self.cfg.compression == "gzip":
@@ -113,14 +244,32 @@ class HttpSender(Sender):
         timeout = max(0.05, deadline - time.monotonic())
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
-                resp.read()
-            return True, False
+                return _Attempt(response=resp.read())
         except urllib.error.HTTPError as err:
-            self.last_error = f"HTTP {err.code}"
-            return False, err.code in _RETRYABLE_HTTP
+            self.last_error = f"HTTP {err.code}{_status_message(err)}"
+            if err.code == _TOO_LARGE_HTTP:
+                return _Attempt(too_large=True)
+            return _Attempt(retryable=err.code in _RETRYABLE_HTTP,
+                            retry_after_s=retry_after_s(err.headers.get("Retry-After") if err.headers else None))
         except (urllib.error.URLError, OSError, TimeoutError) as err:
             self.last_error = repr(getattr(err, "reason", err))
-            return False, True
+            return _Attempt(retryable=True)
+
+
+def _status_message(err: urllib.error.HTTPError) -> str:
+    """``: <message>`` of the ``google.rpc.Status`` body of an OTLP/HTTP error response, or ""."""
+    try:
+        body = err.read(64 * 1024)
+    except Exception:
+        return ""
+    from google.protobuf.message import DecodeError
+    from google.rpc import status_pb2
+
+    try:
+        message = status_pb2.Status.FromString(body).message if body else ""
+    except DecodeError:
+        return ""
+    return f": {message}" if message else ""
 
 
 def make_sender(cfg: ExportConfig, stop: threading.Event, signal: str = "traces") -> Sender:

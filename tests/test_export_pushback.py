@@ -1,0 +1,221 @@
+"""C15: the backend pushes back. The export worker against a scripted OTLP receiver (a real grpc.server or
+http.server on 127.0.0.1) follows the OTLP exporter specification: partial successes count their rejected
+spans and points as dropped and log their message once, only retryable errors are retried, the server's retry
+delay is honoured within the export timeout, requests refused for their size are split, and the exporter's own
+counters say where every span went."""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import datetime, timezone
+
+import grpc
+import pytest
+from _scripted_otlp import Reply, ScriptedOtlp
+
+from zoomer_serve.export import ExportStats, ExportWorker
+from zoomer_serve.export.transport import retry_after_s
+from zoomer_serve.recording import RequestRecorder
+
+PROTOCOLS = ["grpc", "http/protobuf"]
+
+
+def _records(n: int, payload_bytes: int = 0, name: str = "svc.S/M") -> list[tuple]:
+    """``n`` sampled request records (each one span), with a ``payload`` attribute of ``payload_bytes``."""
+    out: list[tuple] = []
+    recorder = RequestRecorder(sink=out.append, otel_context=False)
+    for i in range(n):
+        span = recorder.start(name, attributes={"rpc.method": name, "rpc.system.name": "grpc", "i": i})
+        if payload_bytes:
+            span.set_attribute("payload", "x" * payload_bytes)
+        span.set_attribute("rpc.response.status_code", "OK")
+        span.end()
+    return out
+
+
+def _export(receiver: ScriptedOtlp, records: list[tuple], shutdown_s: float = 20.0, **cfg) -> ExportStats:
+    worker = ExportWorker(receiver.export_config(**cfg), {"service.name": "c15"})
+    worker.start()
+    worker.put(records)
+    return worker.shutdown(shutdown_s)
+
+
+def _span_counters(receiver: ScriptedOtlp) -> dict[str, int]:
+    """The ``otel.sdk.exporter.span.exported`` points of the last metrics request, by ``error.type``
+    ("" for the exported spans)."""
+    request = receiver.requests("metrics")[-1].request
+    out = {}
+    for metric in request.resource_metrics[0].scope_metrics[0].metrics:
+        if metric.name == "otel.sdk.exporter.span.exported":
+            for dp in metric.sum.data_points:
+                attrs = {kv.key: kv.value.string_value for kv in dp.attributes}
+                out[attrs.get("error.type", "")] = dp.as_int
+    return out
+
+
+def _warnings(caplog, needle: str) -> list[str]:
+    return [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.WARNING and needle in rec.getMessage()]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_partial_success_counts_rejected_spans_as_dropped_and_logs_its_message_once(protocol, caplog):
+    """C15: two partial successes (3 and 2 spans rejected) of 100 spans in two requests: 95 exported, 5
+    dropped as ``rejected``, nothing retried, the message logged once, the counters agree."""
+    script = [Reply(rejected=3, message="spans older than 1h"), Reply(rejected=2, message="spans older than 1h")]
+    with caplog.at_level(logging.WARNING, logger="zoomer_serve.export"), \
+            ScriptedOtlp(protocol, traces=script) as receiver:
+        stats = _export(receiver, _records(100), max_export_batch_size=50)
+    assert [req.items for req in receiver.requests("traces")] == [50, 50]
+    assert receiver.accepted("traces") == 95
+    assert (stats.exported, stats.dropped_export, stats.dropped_rejected) == (95, 5, 5)
+    assert stats.exported + stats.dropped == 100
+    assert len(_warnings(caplog, "spans older than 1h")) == 1
+    assert _span_counters(receiver) == {"": 95, "rejected": 5, "export_failed": 0, "too_large": 0, "queue_full": 0,
+                                       "helper_lost": 0}
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_metrics_partial_success_counts_rejected_points_and_logs_its_message_once(protocol, caplog):
+    """C15: metric exports answered with ``rejected_data_points``: counted in the stats, logged once."""
+    script = [Reply(rejected=4, message="point limit reached")] * 2
+    with caplog.at_level(logging.WARNING, logger="zoomer_serve.export"), \
+            ScriptedOtlp(protocol, metrics=script) as receiver:
+        worker = ExportWorker(receiver.export_config(metric_export_interval_ms=100), {"service.name": "c15"})
+        worker.start()
+        worker.put(_records(10))
+        assert len(receiver.wait_for("metrics", 2)) >= 2
+        stats = worker.shutdown(20.0)
+    requests = receiver.requests("metrics")
+    points = sum(req.items for req in requests)
+    assert stats.metric_points_rejected == 8
+    assert stats.metric_points_exported == points - 8 == receiver.accepted("metrics")
+    assert stats.metric_points_dropped == 8
+    assert len(_warnings(caplog, "point limit reached")) == 1
+    assert stats.exported == 10 and stats.dropped == 0
+
+
+@pytest.mark.parametrize(("protocol", "reply"), [
+    ("grpc", Reply(grpc_code="RESOURCE_EXHAUSTED", message="quota exceeded")),
+    ("grpc", Reply(grpc_code="INVALID_ARGUMENT", message="bad data")),
+    ("http/protobuf", Reply(http_status=400, message="bad data")),
+])
+def test_an_error_that_is_not_retryable_is_sent_once_and_its_spans_are_counted(protocol, reply):
+    """C15: RESOURCE_EXHAUSTED without RetryInfo is not retryable (nor are INVALID_ARGUMENT, HTTP 400): one
+    request, every span counted as ``export_failed``."""
+    with ScriptedOtlp(protocol, traces=[reply]) as receiver:
+        stats = _export(receiver, _records(40))
+    assert len(receiver.requests("traces")) == 1
+    assert receiver.accepted("traces") == 0
+    assert (stats.exported, stats.dropped_export) == (0, 40)
+    assert _span_counters(receiver)["export_failed"] == 40
+    assert reply.message in (stats.last_error or "")
+
+
+@pytest.mark.parametrize(("protocol", "reply"), [
+    ("grpc", Reply(grpc_code="RESOURCE_EXHAUSTED", retry_s=0.6)),
+    ("grpc", Reply(grpc_code="UNAVAILABLE", retry_s=0.6)),
+    ("http/protobuf", Reply(http_status=429, retry_s=1)),
+    ("http/protobuf", Reply(http_status=503, retry_s=1)),
+])
+def test_the_retry_delay_the_server_names_is_honoured(protocol, reply):
+    """C15: RetryInfo (gRPC RESOURCE_EXHAUSTED or UNAVAILABLE) and Retry-After (HTTP 429, 503): the retry
+    comes no sooner than the delay named (the default back-off would retry after 0.1 s), and succeeds."""
+    with ScriptedOtlp(protocol, traces=[reply]) as receiver:
+        stats = _export(receiver, _records(30))
+    first, second = receiver.requests("traces")
+    assert second.at - first.at >= reply.retry_s
+    assert receiver.accepted("traces") == 30
+    assert (stats.exported, stats.dropped) == (30, 0)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_the_last_flush_at_shutdown_retries_within_its_budget(protocol):
+    """C15: spans still pending at shutdown (no scheduled export came first) meet a throttled collector: the
+    shutdown's own flush honours the delay within its budget instead of dropping them."""
+    reply = Reply(grpc_code="UNAVAILABLE", http_status=503, retry_s=1)
+    with ScriptedOtlp(protocol, traces=[reply]) as receiver:
+        stats = _export(receiver, _records(15), shutdown_s=20.0, schedule_delay_ms=600_000)
+    first, second = receiver.requests("traces")
+    assert second.at - first.at >= 1
+    assert (stats.exported, stats.dropped) == (15, 0)
+
+
+@pytest.mark.parametrize(("protocol", "reply"), [
+    ("grpc", Reply(grpc_code="UNAVAILABLE", retry_s=60)),
+    ("grpc", Reply(grpc_code="RESOURCE_EXHAUSTED", retry_s=60)),
+    ("http/protobuf", Reply(http_status=503, retry_s=60)),
+])
+def test_a_retry_delay_past_the_export_timeout_gives_up_at_once_and_counts(protocol, reply):
+    """C15: a delay that ends past the export timeout (2 s) is not waited for: the worker gives up at once
+    (its counters say so long before the delay would end) and counts the spans as failed."""
+    with ScriptedOtlp(protocol, traces=[reply]) as receiver:
+        worker = ExportWorker(receiver.export_config(timeout_ms=2000), {"service.name": "c15"})
+        worker.start()
+        worker.put(_records(25))
+        deadline = time.monotonic() + 30.0  # generous, and still half the delay the server asked for
+        while worker.stats.dropped_export < 25 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert worker.stats.dropped_export == 25
+        stats = worker.shutdown(10.0)
+    assert len(receiver.requests("traces")) == 1
+    assert (stats.exported, stats.dropped_export) == (0, 25)
+    assert "past the export timeout" in (stats.last_error or "")
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_request_refused_for_its_size_is_split_in_halves_and_a_span_too_large_alone_is_counted(protocol):
+    """C15: a receiver that refuses requests over 50 kB (gRPC RESOURCE_EXHAUSTED "larger than max", HTTP
+    413): the worker sends halves until they fit; every ordinary span arrives, the one 60 kB span is dropped
+    and counted as ``too_large``."""
+    records = _records(100, payload_bytes=2000)
+    records[37:37] = _records(1, payload_bytes=60_000)
+    with ScriptedOtlp(protocol, max_request_bytes=50_000) as receiver:
+        stats = _export(receiver, records)
+    sizes = [req.size for req in receiver.requests("traces")]
+    assert sizes and max(sizes) <= 50_000
+    assert receiver.accepted("traces") == 100
+    assert (stats.exported, stats.dropped_export, stats.dropped_too_large) == (100, 1, 1)
+    assert _span_counters(receiver) == {"": 100, "too_large": 1, "export_failed": 0, "rejected": 0,
+                                        "queue_full": 0, "helper_lost": 0}
+
+
+def test_grpc_client_side_message_limit_splits_the_batch_too(monkeypatch):
+    """C15: grpc's own client-side limit ("Sent message larger than max", RESOURCE_EXHAUSTED before anything
+    is sent) is a size refusal like the server's: the batch is split and every span arrives."""
+    real_channel = grpc.insecure_channel
+
+    def limited_channel(target, options=None, compression=None):
+        return real_channel(target, options=[*(options or ()), ("grpc.max_send_message_length", 40_000)],
+                            compression=compression)
+
+    monkeypatch.setattr(grpc, "insecure_channel", limited_channel)
+    with ScriptedOtlp("grpc") as receiver:
+        stats = _export(receiver, _records(60, payload_bytes=2000))
+    sizes = [req.size for req in receiver.requests("traces")]
+    assert len(sizes) >= 4 and max(sizes) <= 40_000
+    assert receiver.accepted("traces") == 60
+    assert (stats.exported, stats.dropped) == (60, 0)
+
+
+def test_retry_after_reads_delay_seconds_and_http_dates():
+    """C15: ``Retry-After`` is delay-seconds or an HTTP date (RFC 9110); a date in the past means now;
+    anything else is ignored (the usual back-off applies)."""
+    now = datetime(2026, 11, 3, 12, 0, 0, tzinfo=timezone.utc)
+    assert retry_after_s("120") == 120.0
+    assert retry_after_s(" 7 ") == 7.0
+    assert retry_after_s("Tue, 03 Nov 2026 12:00:30 GMT", now=now) == 30.0
+    assert retry_after_s("Tue, 03 Nov 2026 11:00:00 GMT", now=now) == 0.0
+    assert retry_after_s("soon") is None
+    assert retry_after_s("-5") is None
+    assert retry_after_s(None) is None
+
+
+def test_an_http_date_retry_after_is_honoured():
+    """C15: HTTP 429 with ``Retry-After`` as an HTTP date in the past: retried at once, and accepted."""
+    with ScriptedOtlp("http/protobuf", traces=[Reply(http_status=429, retry_after="Wed, 21 Oct 2015 07:28:00 GMT")]
+                      ) as receiver:
+        stats = _export(receiver, _records(20))
+    assert len(receiver.requests("traces")) == 2
+    assert (stats.exported, stats.dropped) == (20, 0)
+
