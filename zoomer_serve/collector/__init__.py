@@ -8,6 +8,8 @@ from zoomer_serve.collector.store import (
     StoreConfig,
     StoreError,
     StoreStats,
+    WriteResult,
+    WriteStatus,
     default_store_path,
     open_readonly,
 )
@@ -20,6 +22,8 @@ __all__ = [
     "StoreConfig",
     "StoreError",
     "StoreStats",
+    "WriteResult",
+    "WriteStatus",
     "default_store_path",
     "open_readonly",
 ]
