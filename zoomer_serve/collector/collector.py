@@ -191,8 +191,11 @@ class EmbeddedCollector:
         out: dict[str, Any] = {
             "grpc_requests": 0, "http_requests": 0, "spans_received": 0, "metric_points_received": 0,
             "log_records_received": 0, "rejected_invalid": 0, "rejected_too_large": 0,
-            "rejected_unavailable": 0,
+            "rejected_unavailable": 0, "rejected_unauthenticated": 0,
         }
+        if http is not None:
+            out.update({"http_connections": 0, "http_connections_refused": 0, "http_idle_closed": 0,
+                        "http_headers_timeouts": 0, "http_body_timeouts": 0})
         if ingestor is not None:
             out.update(ingestor.counters())
         if http is not None:
