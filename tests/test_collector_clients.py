@@ -345,3 +345,27 @@ def test_cli_settings_come_from_flags_then_variables(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("ZOOMER_COLLECTOR_HEADER_TIMEOUT_S", "soon")
     with pytest.raises(ConfigError, match="ZOOMER_COLLECTOR_HEADER_TIMEOUT_S"):
         build_collector(args)
+
+
+def test_oversized_or_malformed_headers_are_refused_and_the_receiver_keeps_serving(tmp_path: Path) -> None:
+    """C20: headers over the 16 KiB bound (arriving at once, or trickled past it) get 431, a request that is
+    not HTTP gets 400, each with a closed connection; a good exporter is served next."""
+    with collector_process(tmp_path) as collector:
+        port = collector.http_port
+        big = connect(port, HEAD + b"X-Big: " + b"y" * (20 * 1024) + b"\r\nContent-Length: 0\r\n\r\n")
+        growing = connect(port, HEAD)
+        for _ in range(40):  # 40 x 1 KiB header lines, sent apart
+            try:
+                growing.sendall(b"X-Pad: " + b"z" * 1024 + b"\r\n")
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            time.sleep(0.01)
+        garbage = connect(port, b"\x16\x03\x01 not http at all\r\n\r\n")
+        answers = [read_until_closed(s) for s in (big, growing, garbage)]
+        assert good_export(port) == 200
+        stats, _ = stop_and_read(collector)
+    assert answers[0].startswith(b"HTTP/1.1 431 ") and answers[1].startswith(b"HTTP/1.1 431 "), answers
+    assert answers[2].startswith(b"HTTP/1.1 400 "), answers[2][:200]
+    assert stats["http_431"] == 2 and stats["http_400"] == 1 and stats["spans_received"] == 3
+    for sock in (big, growing, garbage):
+        sock.close()

@@ -19,6 +19,7 @@ status when
 413    ``Content-Length`` or the gzip-decompressed size over ``max_message_bytes`` (checked before
        reading / while decompressing, so a gzip bomb never expands past the limit)
 415    other content types or encodings
+431    the request line and headers are over ``max_header_bytes`` (the connection is closed)
 500    an unexpected error in the receiver (logged)
 503    the store's queue is full, the collector is stopping, or the receiver's body buffer stayed full
        (``Retry-After: 1``; retryable)
@@ -33,7 +34,7 @@ and the receiver in size:
 - *idle*: a connection waiting for the first byte of its next request (a new one, or keep-alive between
   requests) is closed after ``idle_timeout_s`` (counted in ``http_idle_closed``);
 - *headers*: from its first byte, a request's whole header block must arrive within ``header_timeout_s``
-  (and be at most ``max_header_bytes``), else 408 and close (``http_header_timeouts``);
+  (and be at most ``max_header_bytes``, else 431), else 408 and close (``http_headers_timeouts``);
 - *body*: from the end of the headers, the whole body must arrive within ``body_timeout_s``, however it is
   cut into pieces, else 408 and close (``http_body_timeouts``);
 - *connections*: at most ``max_connections`` open at once; past it a new connection is closed at once,
@@ -41,7 +42,11 @@ and the receiver in size:
 - *memory*: body bytes held by the receiver (received, not yet ingested) are bounded by
   ``body_buffer_bytes``, counted as they arrive, so a client that sends two bytes of a 16 MiB body holds two
   bytes. A piece that does not fit waits (within the body deadline) for room, else the request gets 503.
-  Decompression happens in the ingest threads, at most ``ingest_threads`` x ``max_message_bytes``.
+  Decompression happens in the ingest threads, at most ``ingest_threads`` x ``max_message_bytes``. Besides
+  that a connection holds at most ``max_header_bytes`` of unparsed headers and one 64 KiB read buffer.
+  A client that sends most of a large body and stalls holds what it sent until its body deadline: a few
+  such clients can fill the budget, and requests that find no room wait for it (503 after their own body
+  deadline); the bound on memory holds either way.
 
 A TLS handshake must complete within ``header_timeout_s``. Settings and their ``ZOOMER_COLLECTOR_*``
 variables: :class:`HttpLimits`; authentication and TLS: :mod:`zoomer_serve.collector.security`.
@@ -95,12 +100,14 @@ _RPC_CODE = {
     411: code_pb2.INVALID_ARGUMENT,
     413: code_pb2.RESOURCE_EXHAUSTED,
     415: code_pb2.INVALID_ARGUMENT,
+    431: code_pb2.INVALID_ARGUMENT,
     500: code_pb2.INTERNAL,
     503: code_pb2.UNAVAILABLE,
 }
 _REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found",
             405: b"Method Not Allowed", 408: b"Request Timeout", 411: b"Length Required",
-            413: b"Content Too Large", 415: b"Unsupported Media Type", 500: b"Internal Server Error",
+            413: b"Content Too Large", 415: b"Unsupported Media Type",
+            431: b"Request Header Fields Too Large", 500: b"Internal Server Error",
             503: b"Service Unavailable"}
 
 
@@ -119,7 +126,7 @@ class HttpLimits:
                             ``ZOOMER_COLLECTOR_BODY_TIMEOUT_S``
     idle_timeout_s          ``--idle-timeout-s`` /                        60 s
                             ``ZOOMER_COLLECTOR_IDLE_TIMEOUT_S``
-    max_header_bytes        (code only)                                   64 KiB
+    max_header_bytes        (code only)                                   16 KiB
     body_buffer_bytes       (code only; raised to ``max_message_bytes``)  64 MiB
     ingest_threads          (code only)                                   4
     ======================= ============================================= ========================
@@ -136,7 +143,7 @@ class HttpLimits:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     idle_timeout_s: float = 60.0
-    max_header_bytes: int = 64 * 1024
+    max_header_bytes: int = 16 * 1024
     body_buffer_bytes: int = 64 * MiB
     ingest_threads: int = 4
 
@@ -330,6 +337,12 @@ class _Connection:
         while True:
             event = self.h11.next_event()
             if isinstance(event, h11.Request):
+                # h11 bounds headers that are still arriving; one read can hold a whole block over the bound
+                size = len(event.target) + sum(len(k) + len(v) + 4 for k, v in event.headers)
+                if size > self.limits.max_header_bytes:
+                    raise h11.RemoteProtocolError(
+                        f"headers of {size} bytes are over the {self.limits.max_header_bytes} byte limit",
+                        error_status_hint=431)
                 return event
             if isinstance(event, h11.ConnectionClosed):
                 return None
@@ -436,9 +449,11 @@ class _Connection:
             await self._try_send_status(408, f"the request's {exc.what} did not arrive within "
                                              f"{self._deadline_s(exc.what):g} s")
         except h11.RemoteProtocolError as exc:
-            count("http_400")
+            status = exc.error_status_hint if exc.error_status_hint in (400, 431) else 400
+            count(f"http_{status}")
             count("rejected_invalid")
-            await self._try_send_status(400, f"malformed HTTP request: {exc}")
+            await self._try_send_status(status, f"malformed HTTP request: {exc}")
+            await self._drain()
         except (OSError, asyncio.TimeoutError, h11.LocalProtocolError):
             return  # the client went away or stopped reading: nothing to answer
 
