@@ -2,10 +2,14 @@
 
 Usage::
 
-    python benchmarks/collector_cost.py [--spans 20000] [--batch 512] [--rate 1700] [--linger S] [--json out.json]
+    python benchmarks/collector_cost.py [--spans 20000] [--batch 512] [--rate 1700] [--senders 1] [--linger S]
+                                        [--json out.json]
+    python benchmarks/collector_cost.py --baseline COMMIT [--repeat 3]   # side by side with an older collector
 
-To measure an older collector, export its package and put it first on the path (the sender uses it too):
-``git archive COMMIT zoomer_serve | tar -x -C /tmp/old && PYTHONPATH=/tmp/old python benchmarks/collector_cost.py``.
+To measure an older collector, ``--baseline COMMIT`` exports its package (``git archive``) and alternates
+runs of it and of this tree in fresh processes, for three scenarios: paced at 1700 spans/s by one sender (the
+CPU-per-span figure), and unpaced (each sender's next call as soon as the last is answered) with 1 and with
+4 senders (throughput); it prints the medians and this tree's ratios to the baseline.
 Results and how to read them: ``benchmarks/COLLECTOR.md``.
 
 This process runs an :class:`~zoomer_serve.collector.EmbeddedCollector` (OTLP/gRPC on 127.0.0.1 port 0, no
@@ -31,8 +35,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -83,29 +89,48 @@ def build_requests(n_spans: int, batch: int, seed: int = 7) -> list[bytes]:
     return [enc.encode_request(spans[i:i + batch]) for i in range(0, n_spans, batch)]
 
 
-def send_main(port: int, n_spans: int, batch: int, rate: float) -> int:
-    """Child: encode, say ready, wait for ``go`` on stdin, send paced, report."""
+def send_main(port: int, n_spans: int, batch: int, rate: float, senders: int = 1) -> int:
+    """Child: encode, say ready, wait for ``go`` on stdin, send (paced at ``rate`` spans/s in all, or as fast
+    as the collector answers when ``rate`` is 0) from ``senders`` threads with a channel and one call in
+    flight each, report."""
     import grpc
 
     payloads = build_requests(n_spans, batch)
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        export = channel.unary_unary(EXPORT_METHOD)  # bytes in, bytes out
+    channels = [grpc.insecure_channel(f"127.0.0.1:{port}") for _ in range(senders)]
+    for channel in channels:
         grpc.channel_ready_future(channel).result(timeout=10)
-        print(json.dumps({"event": "ready"}), flush=True)
-        sys.stdin.readline()
-        t0, sent, failed = time.monotonic(), 0, 0
-        for i, payload in enumerate(payloads):
-            delay = t0 + i * batch / rate - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
+    print(json.dumps({"event": "ready"}), flush=True)
+    sys.stdin.readline()
+    t0 = time.monotonic()
+    counts = {"sent": 0, "failed": 0}
+    lock = threading.Lock()
+
+    def send(k: int) -> None:
+        export = channels[k].unary_unary(EXPORT_METHOD)  # bytes in, bytes out
+        for i in range(k, len(payloads), senders):
+            if rate > 0:
+                delay = t0 + i * batch / rate - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
             try:
-                export(payload, timeout=10)
-                sent += 1
+                export(payloads[i], timeout=30)
+                ok = True
             except grpc.RpcError as exc:
-                failed += 1
+                ok = False
                 print(f"export failed: {exc.code()}", file=sys.stderr)
-        print(json.dumps({"event": "done", "requests": sent, "failed": failed,
-                          "send_s": time.monotonic() - t0}), flush=True)
+            with lock:
+                counts["sent" if ok else "failed"] += 1
+
+    threads = [threading.Thread(target=send, args=(k,)) for k in range(senders)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    send_s = time.monotonic() - t0
+    for channel in channels:
+        channel.close()
+    print(json.dumps({"event": "done", "requests": counts["sent"], "failed": counts["failed"],
+                      "send_s": send_s}), flush=True)
     return 0
 
 
@@ -131,8 +156,10 @@ def _group_delta(before: dict[str, float], after: dict[str, float], prefix: str)
     return sum(v - before.get(k, 0.0) for k, v in after.items() if k.startswith(prefix))
 
 
-def measure(n_spans: int, batch: int, rate: float, linger_s: float | None = None) -> dict[str, Any]:
-    """Run the collector, let the child send, return CPU figures (seconds and µs per span).
+def measure(n_spans: int, batch: int, rate: float, linger_s: float | None = None,
+            senders: int = 1) -> dict[str, Any]:
+    """Run the collector, let the child send, return CPU figures (seconds and µs per span) and the
+    throughput (spans per wall second from the first request until all are stored).
 
     ``linger_s``: the store writer's linger (None: the :class:`StoreConfig` default)."""
     from zoomer_serve.collector import EmbeddedCollector, StoreConfig
@@ -143,7 +170,8 @@ def measure(n_spans: int, batch: int, rate: float, linger_s: float | None = None
         store_config = StoreConfig() if linger_s is None else StoreConfig(linger_s=linger_s)
         collector = EmbeddedCollector(store_path, grpc_port=0, http_port=None, store_config=store_config).start()
         child = subprocess.Popen(
-            [sys.executable, __file__, "--send", str(collector.grpc_port), str(n_spans), str(batch), str(rate)],
+            [sys.executable, __file__, "--send", str(collector.grpc_port), str(n_spans), str(batch), str(rate),
+             str(senders)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             assert child.stdin is not None and child.stdout is not None
@@ -169,9 +197,11 @@ def measure(n_spans: int, batch: int, rate: float, linger_s: float | None = None
     writer = _group_delta(threads0, threads1, "zoomer-store-writer")
     per_span = 1e6 / n_spans
     return {
-        "spans": n_spans, "batch": batch, "rate_spans_s": rate, "linger_s": store_config.linger_s, "stored": stored,
+        "spans": n_spans, "batch": batch, "rate_spans_s": rate, "senders": senders,
+        "linger_s": store_config.linger_s, "stored": stored,
         "failed_requests": done["failed"], "store_batches": stats["store_batches"],
-        "wall_s": round(wall1 - wall0, 2), "cpu_s": round(total, 3),
+        "wall_s": round(wall1 - wall0, 2), "spans_per_s": round(n_spans / (wall1 - wall0)),
+        "cpu_s": round(total, 3),
         "cpu_us_per_span": round(total * per_span, 1),
         "grpc_handler_us_per_span": round(handlers * per_span, 1),
         "store_writer_us_per_span": round(writer * per_span, 1),
@@ -213,25 +243,98 @@ def offline_decode(batch: int, requests: int = 8) -> dict[str, float]:
             "decode_us_per_span": round((t2 - t1) * 1e6 / n, 1)}
 
 
+# -- side by side against an older commit -----------------------------------------------------------------
+SCENARIOS: dict[str, tuple[float, int]] = {  # name -> (rate in spans/s, 0 = unpaced; senders)
+    "paced": (1700.0, 1),
+    "unpaced-1": (0.0, 1),
+    "unpaced-4": (0.0, 4),
+}
+
+
+def _run_child(pythonpath: Path, args: list[str]) -> dict[str, Any]:
+    """This script in a fresh process with ``pythonpath`` first on the path; returns its JSON figures."""
+    with tempfile.TemporaryDirectory(prefix="zoomer-collector-cost-run-") as tmp:
+        out = Path(tmp) / "result.json"
+        env = {**os.environ, "PYTHONPATH": str(pythonpath)}
+        proc = subprocess.run([sys.executable, __file__, *args, "--json", str(out)], env=env,
+                              capture_output=True, text=True, timeout=600)
+        if not out.exists():
+            raise RuntimeError(f"run {args} with {pythonpath} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+        result: dict[str, Any] = json.loads(out.read_text())
+        result["exit_code"] = proc.returncode
+        return result
+
+
+def compare(baseline: str, spans: int, batch: int, repeat: int) -> dict[str, Any]:
+    """Alternate runs of the collector at git revision ``baseline`` and of this tree (``repeat`` pairs for
+    each of :data:`SCENARIOS`); returns every run and, per scenario, the medians and this tree's ratio to
+    the baseline (CPU per span: < 1 is cheaper; throughput: > 1 is faster)."""
+    root = Path(__file__).resolve().parents[1]
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="zoomer-collector-baseline-") as old:
+        archive = subprocess.run(["git", "-C", str(root), "archive", baseline, "zoomer_serve"],
+                                 check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", old], input=archive, check=True)
+        for i in range(repeat):
+            for name, (rate, senders) in SCENARIOS.items():
+                args = ["--spans", str(spans), "--batch", str(batch), "--rate", str(rate),
+                        "--senders", str(senders), "--no-offline"]
+                for version, path in (("baseline", Path(old)), ("this tree", root)):
+                    result = _run_child(path, args)
+                    result.update(scenario=name, version=version, round=i + 1)
+                    runs.append(result)
+                    print(f"{name:10} {version:10} round {i + 1}: {result['cpu_us_per_span']:6.1f} us/span, "
+                          f"{result['spans_per_s']:6d} spans/s, {result['store_batches']} INSERTs, "
+                          f"stored {result['stored']}/{spans}, failed requests {result['failed_requests']}",
+                          flush=True)
+    summary: dict[str, Any] = {}
+    for name in SCENARIOS:
+        med = {v: {k: statistics.median(r[k] for r in runs if r["scenario"] == name and r["version"] == v)
+                   for k in ("cpu_us_per_span", "spans_per_s", "store_batches")}
+               for v in ("baseline", "this tree")}
+        summary[name] = {**med, "cpu_ratio": round(med["this tree"]["cpu_us_per_span"]
+                                                   / med["baseline"]["cpu_us_per_span"], 2),
+                         "throughput_ratio": round(med["this tree"]["spans_per_s"]
+                                                   / med["baseline"]["spans_per_s"], 2)}
+    return {"baseline": baseline, "spans": spans, "batch": batch, "repeat": repeat,
+            "load_average": os.getloadavg(), "summary": summary, "runs": runs}
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--send"]:
-        return send_main(int(argv[1]), int(argv[2]), int(argv[3]), float(argv[4]))
+        return send_main(int(argv[1]), int(argv[2]), int(argv[3]), float(argv[4]), int(argv[5]))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--spans", type=int, default=20_000, help="spans to send (default 20000)")
     ap.add_argument("--batch", type=int, default=512, help="spans per export request (default 512)")
-    ap.add_argument("--rate", type=float, default=1700.0, help="spans per second (default 1700)")
+    ap.add_argument("--rate", type=float, default=1700.0,
+                    help="spans per second in all (default 1700; 0 = as fast as the collector answers)")
+    ap.add_argument("--senders", type=int, default=1, help="sending threads, one call in flight each (default 1)")
     ap.add_argument("--linger", type=float, help="store writer linger in s (default: StoreConfig's)")
+    ap.add_argument("--no-offline", action="store_true", help="skip the offline parse/decode timing")
+    ap.add_argument("--baseline", metavar="REV",
+                    help="compare with the collector of git revision REV: alternate runs of both, "
+                         f"--repeat pairs of each scenario ({', '.join(SCENARIOS)})")
+    ap.add_argument("--repeat", type=int, default=3, help="pairs per scenario with --baseline (default 3)")
     ap.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     args = ap.parse_args(argv)
-    if not 0 < args.spans <= 200_000 or not 0 < args.batch <= 10_000 or args.rate <= 0:
-        ap.error("need 0 < --spans <= 200000, 0 < --batch <= 10000, --rate > 0")
-    result = measure(args.spans, args.batch, args.rate, args.linger)
-    result.update(offline_decode(args.batch))
-    text = json.dumps(result, indent=2)
+    if (not 0 < args.spans <= 200_000 or not 0 < args.batch <= 10_000 or args.rate < 0
+            or not 0 < args.senders <= 64 or args.repeat <= 0):
+        ap.error("need 0 < --spans <= 200000, 0 < --batch <= 10000, --rate >= 0, 0 < --senders <= 64, "
+                 "--repeat > 0")
+    if args.baseline:
+        result = compare(args.baseline, args.spans, args.batch, args.repeat)
+        text = json.dumps(result["summary"], indent=2)
+        ok = all(r["stored"] == args.spans and not r["failed_requests"] for r in result["runs"])
+    else:
+        result = measure(args.spans, args.batch, args.rate, args.linger, args.senders)
+        if not args.no_offline:
+            result.update(offline_decode(args.batch))
+        text = json.dumps(result, indent=2)
+        ok = result["stored"] == args.spans and not result["failed_requests"]
     print(text)
     if args.json:
-        args.json.write_text(text + "\n")
-    return 0 if result["stored"] == args.spans and not result["failed_requests"] else 1
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

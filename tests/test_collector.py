@@ -9,6 +9,9 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -336,21 +339,35 @@ def test_loses_nothing_it_acknowledged(tmp_path: Path, transport: str) -> None:
 
 
 def test_full_queue_answers_retryable_errors_and_keeps_what_it_accepted(tmp_path: Path) -> None:
-    # The writer lingers (30 s) waiting for a 1000-row batch, so the 5-row queue fills deterministically.
+    # The writer lingers (30 s) waiting for a 1000-row batch, so the 5-row queue fills deterministically; the
+    # first export waits for its commit meanwhile (acknowledged means committed).
     cfg = StoreConfig(max_queued_rows=5, batch_rows=1000, linger_s=30.0)
     with running_collector(tmp_path, store_config=cfg) as collector:
-        assert http_post(collector.http_port, "/v1/traces", raw_trace_request(4).SerializeToString())[0] == 200
-        status, headers, body = http_post(collector.http_port, "/v1/traces",
-                                          raw_trace_request(2).SerializeToString())
-        assert status == 503 and headers["retry-after"] == "1"
-        assert _status(body).code == code_pb2.UNAVAILABLE
-        with pytest.raises(grpc.RpcError) as err:
-            _raw_call(collector.grpc_port, TRACE_EXPORT, raw_trace_request(2).SerializeToString())
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(http_post, collector.http_port, "/v1/traces",
+                                raw_trace_request(4).SerializeToString())
+            _wait_for(lambda: collector.stats()["store_queued"] == 4)
+            assert not first.done()  # not answered before its rows are committed
+            status, headers, body = http_post(collector.http_port, "/v1/traces",
+                                              raw_trace_request(2).SerializeToString())
+            assert status == 503 and headers["retry-after"] == "1"
+            assert _status(body).code == code_pb2.UNAVAILABLE
+            with pytest.raises(grpc.RpcError) as err:
+                _raw_call(collector.grpc_port, TRACE_EXPORT, raw_trace_request(2).SerializeToString())
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert collector.flush(timeout_s=60)  # cuts the linger short: the first export is committed
+            assert first.result(timeout=60)[0] == 200
         stats = collector.stop()
     assert stats["rejected_unavailable"] == 2 and stats["store_dropped"] == 4
     assert stats["store_written"] == 4
     assert query(collector.store_path, "SELECT count(*) FROM spans") == [(4,)]
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
 
 
 def test_store_refuses_after_close_and_reports_lock(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from zoomer_serve.collector import decode
 from zoomer_serve.collector.ingest import Ingestor, Outcome, Signal
-from zoomer_serve.collector.store import Store, StoreConfig
+from zoomer_serve.collector.store import Store, StoreConfig, WriteResult, WriteStatus
 
 
 def _reference_json(raws: list[bytes]) -> str:
@@ -147,3 +147,25 @@ def test_flush_does_not_wait_out_the_linger(tmp_path: Path) -> None:
         assert store.stats().written == 1
     finally:
         store.close()
+
+
+def _span_row(name: str, attributes: str = "{}") -> tuple[object, ...]:
+    return ("ab" * 16, "cd" * 8, None, name, "SERVER", 1, 2, 1, "UNSET", "", "svc", None, "scope", attributes,
+            "{}", "[]", "[]", 3)
+
+
+def test_write_returns_once_committed_and_reports_refused_rows(tmp_path: Path) -> None:
+    """C17: Store.write answers after the commit (its rows are counted written when it returns); a row DuckDB
+    refuses (invalid JSON) is reported to that writer as failed, its neighbours are written."""
+    store = Store(tmp_path / "s.duckdb")
+    try:
+        good = store.write("spans", [_span_row(f"g{i}") for i in range(3)])
+        assert good == WriteResult(WriteStatus.COMMITTED) and store.stats().written == 3
+        mixed = store.write("spans", [_span_row("a"), _span_row("bad", "{not json"), _span_row("b")])
+        assert mixed.status is WriteStatus.COMMITTED and mixed.failed == 1 and "JSON" in mixed.error
+        stats = store.stats()
+        assert (stats.written, stats.failed, stats.queued) == (5, 1, 0)
+    finally:
+        store.close()
+    store.close()
+    assert store.write("spans", [_span_row("late")]).status is WriteStatus.REFUSED

@@ -1,5 +1,12 @@
 """Embedded OTLP collector: gRPC (4317) and HTTP (4318) receivers writing spans and metric points into a
-DuckDB file (schema in :mod:`zoomer_serve.collector.store`)."""
+DuckDB file (schema in :mod:`zoomer_serve.collector.store`).
+
+An export is answered only once its rows are committed (:mod:`~zoomer_serve.collector.store`, group commit),
+so acknowledged data survives ``kill -9``. The HTTP receiver bounds slow, idle and hostile clients
+(:mod:`~zoomer_serve.collector.http_receiver`); both receivers can require a bearer token and speak TLS, and
+a non-loopback bind needs one of them or an explicit ``--insecure-open``
+(:mod:`~zoomer_serve.collector.security`). CLI flags and ``ZOOMER_COLLECTOR_*`` variables:
+:mod:`~zoomer_serve.collector.cli`."""
 
 from zoomer_serve.collector.collector import CollectorConfig, EmbeddedCollector
 from zoomer_serve.collector.store import (
@@ -8,6 +15,8 @@ from zoomer_serve.collector.store import (
     StoreConfig,
     StoreError,
     StoreStats,
+    WriteResult,
+    WriteStatus,
     default_store_path,
     open_readonly,
 )
@@ -20,6 +29,8 @@ __all__ = [
     "StoreConfig",
     "StoreError",
     "StoreStats",
+    "WriteResult",
+    "WriteStatus",
     "default_store_path",
     "open_readonly",
 ]

@@ -1,8 +1,26 @@
 """``zoomer-serve collector``: run the embedded OTLP collector until SIGINT / SIGTERM.
 
-Prints one JSON line when listening, ``{"event": "ready", "grpc_port": P, "http_port": P, "store": PATH}``,
-and one when stopped, ``{"event": "stopped", ...counters}``. Exit codes: 0 after a clean stop, 1 when the
-store cannot be opened or a port cannot be bound (message on stderr).
+Prints one JSON line when listening, ``{"event": "ready", "grpc_port": P, "http_port": P, "store": PATH,
+"auth": [...], "open": BOOL}`` (``auth``: any of ``"bearer_token"``, ``"tls"``; ``open``: true when it listens
+on a non-loopback address with neither, which it does only with ``--insecure-open``), and one when stopped,
+``{"event": "stopped", ...counters}``. SIGINT (Ctrl+C, to the process or its group) and SIGTERM stop it the
+same way: the receivers stop accepting, requests being ingested finish, and everything acknowledged is
+already in the store (it was committed before the answer). Exit codes: 0 after a clean stop, 1 when a
+setting is wrong, the store cannot be opened or a port cannot be bound (message on stderr).
+
+Settings besides the flags (each flag's default comes from its variable):
+
+============================ ======================================================================
+variable                     meaning
+============================ ======================================================================
+``ZOOMER_STORE``             the store file (``--store``)
+``ZOOMER_COLLECTOR_TOKEN``   bearer token every export must carry (no flag: a command line shows
+                             in ``ps``); see :mod:`zoomer_serve.collector.security`
+``ZOOMER_COLLECTOR_TLS_CERT`` / ``..._TLS_KEY``  ``--tls-cert`` / ``--tls-key``
+``ZOOMER_COLLECTOR_INSECURE_OPEN``  ``--insecure-open``
+``ZOOMER_COLLECTOR_MAX_CONNECTIONS``, ``..._HEADER_TIMEOUT_S``, ``..._BODY_TIMEOUT_S``,
+``..._IDLE_TIMEOUT_S``       the OTLP/HTTP receiver's bounds (:class:`~zoomer_serve.collector.http_receiver.HttpLimits`)
+============================ ======================================================================
 """
 
 from __future__ import annotations
@@ -21,7 +39,10 @@ from zoomer_serve.collector.collector import (
     DEFAULT_MAX_MESSAGE_BYTES,
     EmbeddedCollector,
 )
+from zoomer_serve.collector.http_receiver import HttpLimits
+from zoomer_serve.collector.security import ReceiverSecurity
 from zoomer_serve.collector.store import StoreError, default_store_path
+from zoomer_serve.config import ConfigError
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -35,13 +56,35 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--store", type=Path, default=None,
                    help="DuckDB file (default: $ZOOMER_STORE or ./zoomer-data/zoomer.duckdb)")
     p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default 127.0.0.1; anyone who can connect can write)")
+                   help="address to listen on (default 127.0.0.1). A non-loopback address needs a token "
+                        "(ZOOMER_COLLECTOR_TOKEN), TLS, or --insecure-open")
     p.add_argument("--grpc-port", type=int, default=DEFAULT_GRPC_PORT,
                    help=f"OTLP/gRPC port, 0 = any free port (default {DEFAULT_GRPC_PORT})")
     p.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
                    help=f"OTLP/HTTP port, 0 = any free port (default {DEFAULT_HTTP_PORT})")
     p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
                    help=f"largest export request in bytes, after decompression (default {DEFAULT_MAX_MESSAGE_BYTES})")
+    sec = p.add_argument_group("authentication and TLS (token: ZOOMER_COLLECTOR_TOKEN)")
+    sec.add_argument("--tls-cert", type=Path, default=None,
+                     help="PEM certificate chain: both receivers speak TLS (with --tls-key; "
+                          "ZOOMER_COLLECTOR_TLS_CERT)")
+    sec.add_argument("--tls-key", type=Path, default=None, help="PEM private key (ZOOMER_COLLECTOR_TLS_KEY)")
+    sec.add_argument("--insecure-open", action="store_true", default=None,
+                     help="listen on a non-loopback address with neither token nor TLS: anyone who can connect "
+                          "can write (ZOOMER_COLLECTOR_INSECURE_OPEN=true)")
+    lim = p.add_argument_group("OTLP/HTTP receiver bounds")
+    lim.add_argument("--max-connections", type=int, default=None,
+                     help="open connections at most; past it new ones are closed at once "
+                          f"(default {HttpLimits.max_connections}; ZOOMER_COLLECTOR_MAX_CONNECTIONS)")
+    lim.add_argument("--header-timeout-s", type=float, default=None,
+                     help="a request's headers must arrive within this many seconds of its first byte "
+                          f"(default {HttpLimits.header_timeout_s:g}; ZOOMER_COLLECTOR_HEADER_TIMEOUT_S)")
+    lim.add_argument("--body-timeout-s", type=float, default=None,
+                     help="a request's whole body must arrive within this many seconds of its headers "
+                          f"(default {HttpLimits.body_timeout_s:g}; ZOOMER_COLLECTOR_BODY_TIMEOUT_S)")
+    lim.add_argument("--idle-timeout-s", type=float, default=None,
+                     help="a connection waiting this long for a request is closed "
+                          f"(default {HttpLimits.idle_timeout_s:g}; ZOOMER_COLLECTOR_IDLE_TIMEOUT_S)")
     p.set_defaults(func=run)
     return p
 
@@ -61,28 +104,60 @@ def _install_stop_handlers(stop: threading.Event) -> dict[int, Any]:
     return previous
 
 
+def _raise_file_limit(needed: int) -> None:
+    """Raise this process's soft ``RLIMIT_NOFILE`` towards ``needed`` (never above the hard limit): each
+    OTLP/HTTP connection is a file descriptor."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft < needed:
+            target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not POSIX, or not allowed
+        pass
+
+
+def build_collector(args: argparse.Namespace) -> EmbeddedCollector:
+    """The collector the parsed ``args`` (and the ``ZOOMER_*`` variables) describe.
+
+    Raises:
+        ConfigError: a bad setting or variable (named), or an open non-loopback bind without
+            ``--insecure-open``.
+        ValueError: a bad port or size.
+    """
+    security = ReceiverSecurity.from_env(tls_cert=args.tls_cert, tls_key=args.tls_key,
+                                         insecure_open=args.insecure_open)
+    limits = HttpLimits.from_env(max_connections=args.max_connections, header_timeout_s=args.header_timeout_s,
+                                 body_timeout_s=args.body_timeout_s, idle_timeout_s=args.idle_timeout_s)
+    store = args.store if args.store is not None else default_store_path()
+    return EmbeddedCollector(store, host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
+                             max_message_bytes=args.max_message_bytes, http_limits=limits, security=security)
+
+
 def run(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     """Run the collector with the parsed ``args`` until SIGINT / SIGTERM (or until ``stop`` is set).
 
     Returns the exit code: 0 after a clean stop, 1 if it could not start.
     """
-    store = args.store if args.store is not None else default_store_path()
     stop = stop or threading.Event()
     try:
-        collector = EmbeddedCollector(store, host=args.host, grpc_port=args.grpc_port,
-                                      http_port=args.http_port, max_message_bytes=args.max_message_bytes)
-    except ValueError as exc:
+        collector = build_collector(args)
+    except ValueError as exc:  # ConfigError included
         print(f"zoomer-serve collector: {exc}", file=sys.stderr)
         return 1
+    _raise_file_limit(collector.config.http_limits.max_connections + 256)
     previous = _install_stop_handlers(stop)
     try:
         try:
             collector.start()
-        except (StoreError, OSError) as exc:
+        except (StoreError, OSError, ConfigError) as exc:
             print(f"zoomer-serve collector: {exc}", file=sys.stderr)
             return 1
+        security = collector.config.security
         _emit({"event": "ready", "grpc_port": collector.grpc_port, "http_port": collector.http_port,
-               "store": str(collector.store_path.resolve())})
+               "store": str(collector.store_path.resolve()), "auth": security.methods,
+               "open": security.is_open(collector.config.host)})
         while not stop.wait(0.5):
             pass
         stats = collector.stop()

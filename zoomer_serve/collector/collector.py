@@ -11,8 +11,9 @@ from types import TracebackType
 from typing import Any
 
 from zoomer_serve.collector.grpc_receiver import GrpcReceiver
-from zoomer_serve.collector.http_receiver import HttpReceiver
+from zoomer_serve.collector.http_receiver import HttpLimits, HttpReceiver
 from zoomer_serve.collector.ingest import Ingestor
+from zoomer_serve.collector.security import ReceiverSecurity
 from zoomer_serve.collector.store import Store, StoreConfig, default_store_path
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,10 @@ class CollectorConfig:
         grpc_port / http_port: 0 picks a free port; None disables that receiver.
         max_message_bytes: largest accepted export request in bytes, after decompression.
         store: queue and batch sizes of the store writer.
-        grpc_workers: threads serving gRPC calls.
+        grpc_workers: threads serving gRPC calls (each waits for its export's commit).
+        http_limits: deadlines, connection and memory bounds of the OTLP/HTTP receiver.
+        security: bearer token and TLS of both receivers; a non-loopback ``host`` needs one of them or
+            ``security.insecure_open`` (:mod:`zoomer_serve.collector.security`).
     """
 
     store_path: Path
@@ -44,6 +48,8 @@ class CollectorConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     store: StoreConfig = StoreConfig()
     grpc_workers: int = 8
+    http_limits: HttpLimits = HttpLimits()
+    security: ReceiverSecurity = ReceiverSecurity()
 
 
 class EmbeddedCollector:
@@ -58,7 +64,11 @@ class EmbeddedCollector:
     Raises (from :meth:`start`):
         zoomer_serve.collector.store.StoreError: the store cannot be opened for writing.
         OSError: a port cannot be bound (``BindError`` for gRPC).
-        ValueError: a bad setting.
+        zoomer_serve.config.ConfigError: the TLS certificate or key cannot be loaded.
+
+    Raises (from the constructor):
+        ValueError: a bad setting; ``ConfigError`` (a ValueError) for a non-loopback ``host`` with neither
+            token nor TLS unless ``security.insecure_open``.
     """
 
     def __init__(
@@ -71,6 +81,8 @@ class EmbeddedCollector:
         *,
         store_config: StoreConfig | None = None,
         grpc_workers: int = 8,
+        http_limits: HttpLimits | None = None,
+        security: ReceiverSecurity | None = None,
     ) -> None:
         if max_message_bytes <= 0:
             raise ValueError(f"max_message_bytes must be > 0, got {max_message_bytes}")
@@ -85,7 +97,10 @@ class EmbeddedCollector:
             max_message_bytes=max_message_bytes,
             store=store_config or StoreConfig(),
             grpc_workers=grpc_workers,
+            http_limits=http_limits or HttpLimits(),
+            security=security or ReceiverSecurity(),
         )
+        self.config.security.check_bind(host)
         self._lock = threading.Lock()
         self._store: Store | None = None
         self._ingestor: Ingestor | None = None
@@ -121,10 +136,11 @@ class EmbeddedCollector:
             try:
                 if cfg.grpc_port is not None:
                     self._grpc = GrpcReceiver(ingestor, cfg.host, cfg.grpc_port, cfg.max_message_bytes,
-                                              cfg.grpc_workers)
+                                              cfg.grpc_workers, cfg.security)
                     self.grpc_port = self._grpc.start()
                 if cfg.http_port is not None:
-                    self._http = HttpReceiver(ingestor, cfg.host, cfg.http_port, cfg.max_message_bytes)
+                    self._http = HttpReceiver(ingestor, cfg.host, cfg.http_port, cfg.max_message_bytes,
+                                              cfg.http_limits, cfg.security)
                     self.http_port = self._http.start()
             except BaseException:
                 self._stop_locked(timeout_s=1.0)
@@ -147,7 +163,7 @@ class EmbeddedCollector:
         for t in stoppers:
             t.join(timeout_s + 2.0)
         self._store.close()
-        self._final_stats = self._stats_of(self._store, self._ingestor)
+        self._final_stats = self._stats_of(self._store, self._ingestor, self._http)
         self._store = None
         self._grpc = self._http = None
         log.info("collector stopped: %s", self._final_stats)
@@ -160,21 +176,30 @@ class EmbeddedCollector:
 
     def stats(self) -> dict[str, Any]:
         """Counters: ``grpc_requests``, ``http_requests``, ``spans_received``, ``metric_points_received``,
-        ``log_records_received``, ``rejected_*``, ``http_<status>``, and the store's ``store_accepted``,
-        ``store_written``, ``store_failed``, ``store_dropped``, ``store_queued`` (rows)."""
+        ``log_records_received``, ``rejected_*`` (``rejected_unauthenticated`` too), ``http_<status>``; the
+        HTTP receiver's ``http_connections`` (accepted), ``http_connections_refused`` (over the limit),
+        ``http_idle_closed``, ``http_headers_timeouts``, ``http_body_timeouts`` and its gauges
+        ``http_connections_open`` / ``http_connections_peak``; the store's ``store_accepted``,
+        ``store_written``, ``store_failed``, ``store_dropped``, ``store_queued`` (rows), ``store_batches``
+        (insert statements) and ``store_commit_timeouts``."""
         if self._store is None:
             return dict(self._final_stats or {})
-        return self._stats_of(self._store, self._ingestor)
+        return self._stats_of(self._store, self._ingestor, self._http)
 
     @staticmethod
-    def _stats_of(store: Store, ingestor: Ingestor | None) -> dict[str, Any]:
+    def _stats_of(store: Store, ingestor: Ingestor | None, http: HttpReceiver | None) -> dict[str, Any]:
         out: dict[str, Any] = {
             "grpc_requests": 0, "http_requests": 0, "spans_received": 0, "metric_points_received": 0,
             "log_records_received": 0, "rejected_invalid": 0, "rejected_too_large": 0,
-            "rejected_unavailable": 0,
+            "rejected_unavailable": 0, "rejected_unauthenticated": 0,
         }
+        if http is not None:
+            out.update({"http_connections": 0, "http_connections_refused": 0, "http_idle_closed": 0,
+                        "http_headers_timeouts": 0, "http_body_timeouts": 0})
         if ingestor is not None:
             out.update(ingestor.counters())
+        if http is not None:
+            out.update(http.stats())
         out.update({f"store_{k}": v for k, v in asdict(store.stats()).items()})
         return out
 

@@ -7,10 +7,14 @@ deserialization failure. Status codes:
 - ``INVALID_ARGUMENT``: the payload is not a valid export request (not retryable);
 - ``RESOURCE_EXHAUSTED``: the (decompressed) message is over ``max_message_bytes``; grpc core enforces this
   before the handler runs, so these are not in the collector's counters;
-- ``UNAVAILABLE``: the store's queue is full or the collector is stopping (retryable: the client retries,
-  nothing acknowledged is lost).
+- ``UNAVAILABLE``: the store's queue is full, the collector is stopping, or the store did not commit in time
+  (retryable: the client retries, nothing acknowledged is lost);
+- ``UNAUTHENTICATED``: a token is configured and the call's ``authorization`` metadata is missing or wrong
+  (:mod:`zoomer_serve.collector.security`).
 
-gzip-compressed requests are decompressed by grpc.
+gzip-compressed requests are decompressed by grpc. With TLS configured the port speaks TLS only
+(``ssl_server_credentials``). Connections are grpc-core's (polled, no thread each); ``max_workers`` threads
+run the handlers, each of which waits for its export's commit.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 import grpc
 
 from zoomer_serve.collector.ingest import GRPC_SERVICES, Ingestor, Outcome, Signal
+from zoomer_serve.collector.security import ReceiverSecurity
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +55,9 @@ class GrpcReceiver:
     """Serves OTLP/gRPC on ``host:port`` (port 0 picks a free port; see :attr:`port` after :meth:`start`)."""
 
     def __init__(self, ingestor: Ingestor, host: str, port: int, max_message_bytes: int,
-                 max_workers: int = 8) -> None:
+                 max_workers: int = 8, security: ReceiverSecurity | None = None) -> None:
         self._ingestor = ingestor
+        self._security = security or ReceiverSecurity()
         self._host = host
         self._requested_port = port
         self._max_message_bytes = max_message_bytes
@@ -61,9 +67,16 @@ class GrpcReceiver:
 
     def _handler(self, signal: Signal) -> Callable[[bytes, grpc.ServicerContext], Any]:
         ingestor = self._ingestor
+        security = self._security
 
         def export(payload: bytes, context: grpc.ServicerContext) -> Any:
             ingestor.count("grpc_requests")
+            if security.token is not None:
+                metadata = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
+                if not security.authorized(metadata.get("authorization")):
+                    ingestor.count("rejected_unauthenticated")
+                    context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                  "missing or wrong bearer token: send metadata 'authorization: Bearer <token>'")
             result = ingestor.ingest_bytes(signal, payload)
             if result.outcome is Outcome.OK:
                 return result.response
@@ -85,7 +98,9 @@ class GrpcReceiver:
 
         Raises:
             BindError: the address cannot be bound.
+            zoomer_serve.config.ConfigError: the TLS certificate or key cannot be read.
         """
+        pem = self._security.pem_pair()
         options = [
             ("grpc.max_receive_message_length", self._max_message_bytes),
             ("grpc.so_reuseport", 0),  # fail on a port in use instead of sharing it with another server
@@ -94,7 +109,10 @@ class GrpcReceiver:
                              handlers=self._generic_handlers(), options=options)
         address = format_hostport(self._host, self._requested_port)
         try:
-            port = server.add_insecure_port(address)
+            if pem is None:
+                port = server.add_insecure_port(address)
+            else:
+                port = server.add_secure_port(address, grpc.ssl_server_credentials([pem]))
         except RuntimeError as exc:
             server.stop(None)
             raise BindError(f"OTLP/gRPC receiver cannot listen on {address}: {exc}") from exc

@@ -1,7 +1,9 @@
 """Transport-independent handling of one OTLP export: parse, decode, queue into the store, count.
 
 Both receivers (gRPC and HTTP) call :meth:`Ingestor.ingest_bytes` (or :meth:`Ingestor.ingest_message` for
-OTLP/JSON) and map the :class:`Outcome` onto their own status codes.
+OTLP/JSON) and map the :class:`Outcome` onto their own status codes. An export's rows are committed to the
+store before it is answered OK (:meth:`zoomer_serve.collector.store.Store.write`), so the calling thread
+blocks for one insert.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2 as metr
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as trace_svc
 
 from zoomer_serve.collector import decode
-from zoomer_serve.collector.store import Store
+from zoomer_serve.collector.store import Store, WriteStatus
 
 
 class Signal(enum.Enum):
@@ -48,8 +50,9 @@ GRPC_SERVICES: dict[Signal, str] = {
 
 
 class Outcome(enum.Enum):
-    """How an export ended: OK (maybe with partial rejections), INVALID (bad payload, do not retry),
-    TOO_LARGE (over the size limit, do not retry), UNAVAILABLE (store queue full or closing: retry)."""
+    """How an export ended: OK (committed, maybe with partial rejections), INVALID (bad payload, do not
+    retry), TOO_LARGE (over the size limit, do not retry), UNAVAILABLE (store queue full, closing, or not
+    committed in time: retry)."""
 
     OK = "ok"
     INVALID = "invalid"
@@ -120,17 +123,25 @@ class Ingestor:
             return self.reject(Outcome.INVALID, f"cannot decode {signal.value}: {type(exc).__name__}: {exc}")
 
     def _store(self, signal: Signal, table: str, decoded: decode.Decoded) -> IngestResult:
+        """Write the rows and wait for their commit (see :mod:`zoomer_serve.collector.store`): OK is only
+        answered for what is in the file."""
         item = "spans" if signal is Signal.TRACES else "metric_points"
-        if not self.store.submit(table, decoded.rows):
+        result = self.store.write(table, decoded.rows)
+        if result.status is WriteStatus.REFUSED:
             return self.reject(Outcome.UNAVAILABLE, "collector store queue is full or closing; retry later")
-        self.count(f"{item}_received", len(decoded.rows))
+        if result.status is WriteStatus.TIMED_OUT:
+            # The rows are still written; a retry may store them twice, which beats acknowledging unwritten rows.
+            return self.reject(Outcome.UNAVAILABLE, "collector store did not commit in time; retry later")
+        rejected = decoded.rejected + result.failed
+        self.count(f"{item}_received", len(decoded.rows) - result.failed)
         response = RESPONSE_TYPES[signal]()
-        if decoded.rejected:
-            self.count(f"{item}_rejected", decoded.rejected)
+        if rejected:
+            self.count(f"{item}_rejected", rejected)
             partial = response.partial_success
             if signal is Signal.TRACES:
-                partial.rejected_spans = decoded.rejected
+                partial.rejected_spans = rejected
             else:
-                partial.rejected_data_points = decoded.rejected
-            partial.error_message = decoded.error_message
+                partial.rejected_data_points = rejected
+            messages = [m for m in (decoded.error_message, result.error and f"store refused: {result.error}") if m]
+            partial.error_message = "; ".join(messages)
         return IngestResult(Outcome.OK, response)

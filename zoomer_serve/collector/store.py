@@ -69,17 +69,37 @@ Attribute values: OTLP ``AnyValue`` maps to JSON as string -> string, bool -> bo
 double -> number (NaN / +-Infinity -> the strings "NaN", "Infinity", "-Infinity"), bytes -> base64 string,
 array -> list, key-value list -> object, empty -> null. NaN in a DOUBLE column is stored as NULL.
 
-Writing
--------
-:class:`Store` accepts rows into a bounded in-memory queue (counted in rows). One writer thread takes
-batches off the queue (waiting up to ``StoreConfig.linger_s`` for a batch to fill) and inserts each batch
-with a single statement (the rows are handed to DuckDB as columns of NumPy arrays, measured at about 100k
-span rows/s on 2 cores, against ~400 rows/s for ``executemany``). :meth:`Store.flush` and
-:meth:`Store.close` write everything accepted before they return.
+Writing: acknowledged means committed (group commit)
+----------------------------------------------------
+The collector answers an export only after the rows it holds are committed to the DuckDB file, so that
+what it acknowledged survives ``kill -9`` of the collector (a commit has written DuckDB's write-ahead log,
+which DuckDB replays when the file is opened again).
+
+:class:`Store` keeps a bounded in-memory queue (counted in rows). A receiver's handler calls
+:meth:`Store.write`, which queues its rows and waits until the batch holding them is committed. One writer
+thread takes everything queued (up to ``StoreConfig.batch_rows``) and inserts it with a single statement
+(the rows are handed to DuckDB as columns of NumPy arrays, about 100k span rows/s on 2 cores against ~400
+rows/s for ``executemany``), then wakes the handlers whose rows it held. Requests that arrive while an insert
+runs share the next one, so concurrent exporters still share statements (each costs about 4 ms of CPU on top
+of its rows) without any request waiting for a timer.
+
+Why not a write-ahead file of our own in front of a lingering writer (answer once the request is appended
+to a log, insert later)? DuckDB's commit already is that log: a second one would write every request twice,
+need its own replay, trimming and corruption handling, and would only save the export's latency the time of
+one insert (a few ms), which no exporter waits on (they send from a background thread). The cost of group
+commit is more, smaller statements when a single exporter sends one request at a time, and a wait for the
+commit's ``fdatasync`` of DuckDB's log (milliseconds on a VM disk; it also makes the data survive a power
+loss): measured in ``benchmarks/COLLECTOR.md`` against the 1 s linger it replaced.
+
+:meth:`Store.submit` (queue without waiting) remains for callers that do their own flushing;
+:meth:`Store.flush` and :meth:`Store.close` write everything accepted before they return. A row that DuckDB
+refuses is logged and reported to its writer as failed (the receivers answer it as a rejected item in
+``partial_success``), never silently dropped.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import threading
@@ -200,29 +220,42 @@ class StoreConfig:
     """Tuning of :class:`Store`.
 
     Attributes:
-        max_queued_rows: rows accepted but not yet written before :meth:`Store.submit` refuses more. One
-            submission larger than this is still accepted when the queue is empty, so any single request
-            can make progress.
-        batch_rows: most rows inserted by one statement.
-        linger_s: how long (seconds) the writer waits for more rows before writing a partial batch;
-            :meth:`Store.flush` and :meth:`Store.close` cut it short. Each DuckDB insert statement costs
-            about 4 ms of CPU on top of its rows, so batching a second of a typical exporter's 512-span
-            requests (about 2000 rows) roughly halves the writer's CPU per row against one request per
-            statement (``benchmarks/COLLECTOR.md``). Acknowledged rows wait at most this long in memory.
+        max_queued_rows: rows accepted but not yet written before :meth:`Store.write` / :meth:`Store.submit`
+            refuse more. One submission larger than this is still accepted when the queue is empty, so any
+            single request can make progress.
+        batch_rows: most rows inserted by one statement (one submission is never split).
+        linger_s: how long (seconds) the writer waits for more rows before inserting fewer than
+            ``batch_rows``; :meth:`Store.flush` and :meth:`Store.close` cut it short. Default 0: insert at
+            once, batching only what queued up during the previous insert (group commit). Every
+            :meth:`Store.write` waits for its commit, so a linger adds to each acknowledged export's
+            latency what it saves in statements.
+        commit_timeout_s: longest a :meth:`Store.write` waits for its commit before it reports a timeout
+            (the rows stay queued and are still written).
     """
 
     max_queued_rows: int = 200_000
     batch_rows: int = 20_000
-    linger_s: float = 1.0
+    linger_s: float = 0.0
+    commit_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_queued_rows <= 0 or self.batch_rows <= 0:
+            raise ValueError(f"max_queued_rows and batch_rows must be > 0, got {self.max_queued_rows}, "
+                             f"{self.batch_rows}")
+        if self.linger_s < 0 or self.commit_timeout_s <= 0:
+            raise ValueError(f"linger_s must be >= 0 and commit_timeout_s > 0, got {self.linger_s}, "
+                             f"{self.commit_timeout_s}")
 
 
 @dataclass(frozen=True)
 class StoreStats:
     """Row counters of a :class:`Store` (all counts are rows, over the store's lifetime).
 
-    ``accepted`` = rows acknowledged to callers; ``written`` = rows inserted; ``failed`` = accepted rows whose
-    insert raised (logged); ``dropped`` = rows refused because the queue was full or the store closed
-    (the caller was told, nothing acknowledged); ``queued`` = accepted, not yet written.
+    ``accepted`` = rows queued for writing; ``written`` = rows inserted; ``failed`` = accepted rows whose
+    insert raised (logged, and reported to :meth:`Store.write`'s caller); ``dropped`` = rows refused because
+    the queue was full or the store closed (the caller was told, nothing acknowledged); ``queued`` = accepted,
+    not yet written; ``batches`` = insert statements that committed rows; ``commit_timeouts`` = writes
+    whose caller stopped waiting before the commit (the rows are still written).
     """
 
     accepted: int
@@ -231,13 +264,45 @@ class StoreStats:
     dropped: int
     queued: int
     batches: int
+    commit_timeouts: int = 0
+
+
+class WriteStatus(enum.Enum):
+    """How a :meth:`Store.write` ended."""
+
+    COMMITTED = "committed"  # every row is in the file, except ``failed`` ones DuckDB refused (logged)
+    REFUSED = "refused"  # queue full or store closing: nothing queued, the caller may retry
+    TIMED_OUT = "timed_out"  # queued but not committed within the wait; the rows are still written later
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    """Outcome of one :meth:`Store.write`: ``failed`` rows (of a COMMITTED write) DuckDB refused, with the
+    first ``error``."""
+
+    status: WriteStatus
+    failed: int = 0
+    error: str = ""
+
+
+class _Pending:
+    """One submission in the queue: its rows, and what became of them once the writer is done."""
+
+    __slots__ = ("done", "error", "failed", "rows", "table")
+
+    def __init__(self, table: str, rows: list[tuple[Any, ...]]) -> None:
+        self.table = table
+        self.rows = rows
+        self.done = False
+        self.failed = 0
+        self.error = ""
 
 
 class Store:
     """Writes span and metric rows into the DuckDB file at ``path`` from one background thread.
 
     Rows are tuples in the column order of :data:`SPAN_COLUMNS` / :data:`METRIC_COLUMNS`. Thread-safe:
-    any thread may call :meth:`submit`.
+    any thread may call :meth:`write` or :meth:`submit`.
 
     Raises:
         StoreError: the file cannot be opened for writing (e.g. another process holds it).
@@ -248,13 +313,14 @@ class Store:
         self.config = config or StoreConfig()
         self._con = self._open(self.path)
         self._cond = threading.Condition()
-        self._queue: deque[tuple[str, list[tuple[Any, ...]]]] = deque()
+        self._queue: deque[_Pending] = deque()
         self._queued = 0
         self._accepted = 0
         self._written = 0
         self._failed = 0
         self._dropped = 0
         self._batches = 0
+        self._commit_timeouts = 0
         self._closing = False
         self._closed = False
         self._flushing = 0  # flush() calls waiting: the writer stops lingering for them
@@ -276,37 +342,64 @@ class Store:
 
     # ---- producer side -------------------------------------------------------------------------------
 
-    def submit(self, table: str, rows: list[tuple[Any, ...]]) -> bool:
-        """Queue ``rows`` for ``table`` ('spans' or 'metric_points'); all or nothing.
+    def write(self, table: str, rows: list[tuple[Any, ...]], timeout_s: float | None = None) -> WriteResult:
+        """Queue ``rows`` for ``table`` ('spans' or 'metric_points') and wait until they are committed.
 
-        Returns True when accepted (they will be written, at the latest by :meth:`close`), False when the
-        queue is full or the store is closing (counted in ``dropped``; the caller must report a retryable
-        error to its client).
+        ``timeout_s``: longest wait for the commit (default ``StoreConfig.commit_timeout_s``). Returns
+        COMMITTED (with the rows DuckDB refused, if any, in ``failed``), REFUSED (queue full or closing;
+        nothing queued; counted in ``dropped``) or TIMED_OUT (queued, still to be written; counted in
+        ``commit_timeouts``).
 
         Raises:
             KeyError: unknown table.
         """
+        pending = self._enqueue(table, rows)
+        if pending is None:
+            return WriteResult(WriteStatus.REFUSED)
+        wait = self.config.commit_timeout_s if timeout_s is None else timeout_s
+        with self._cond:
+            if not self._cond.wait_for(lambda: pending.done, wait):
+                self._commit_timeouts += 1
+                return WriteResult(WriteStatus.TIMED_OUT)
+        return WriteResult(WriteStatus.COMMITTED, pending.failed, pending.error)
+
+    def submit(self, table: str, rows: list[tuple[Any, ...]]) -> bool:
+        """Queue ``rows`` for ``table`` ('spans' or 'metric_points') without waiting for the commit; all or
+        nothing.
+
+        Returns True when accepted (they will be written, at the latest by :meth:`close`; until then a
+        crash loses them: use :meth:`write` to acknowledge only what is committed), False when the queue is
+        full or the store is closing (counted in ``dropped``).
+
+        Raises:
+            KeyError: unknown table.
+        """
+        return self._enqueue(table, rows) is not None
+
+    def _enqueue(self, table: str, rows: list[tuple[Any, ...]]) -> _Pending | None:
         if table not in TABLES:
             raise KeyError(table)
+        pending = _Pending(table, rows)
         n = len(rows)
-        if n == 0:
-            return True
         with self._cond:
             full = self._queued > 0 and self._queued + n > self.config.max_queued_rows
             if self._closing or full:
                 self._dropped += n
-                return False
-            self._queue.append((table, rows))
+                return None
+            if n == 0:
+                pending.done = True
+                return pending
+            self._queue.append(pending)
             self._queued += n
             self._accepted += n
             self._cond.notify_all()  # the writer, and flush() callers share this condition
-        return True
+        return pending
 
     def stats(self) -> StoreStats:
         """A consistent snapshot of the counters."""
         with self._cond:
             return StoreStats(self._accepted, self._written, self._failed, self._dropped, self._queued,
-                              self._batches)
+                              self._batches, self._commit_timeouts)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every row accepted so far is written (or failed), without waiting out the writer's
@@ -340,22 +433,27 @@ class Store:
 
     # ---- writer thread -------------------------------------------------------------------------------
 
-    def _take_batch(self) -> tuple[str, list[tuple[Any, ...]]] | None:
-        """Wait for rows, then pop up to ``batch_rows`` of one table. None once closing and drained."""
+    def _take_batch(self) -> list[_Pending] | None:
+        """Wait for rows, then pop submissions of one table holding up to ``batch_rows`` rows (at least
+        one submission). None once closing and drained."""
         cfg = self.config
         with self._cond:
             while not self._queue:
                 if self._closing:
                     return None
                 self._cond.wait()
-            if not self._batch_due():
+            if cfg.linger_s > 0 and not self._batch_due():
                 # Let more requests arrive so one statement carries many rows.
                 self._cond.wait_for(self._batch_due, cfg.linger_s)
-            table = self._queue[0][0]
-            rows: list[tuple[Any, ...]] = []
-            while self._queue and self._queue[0][0] == table and len(rows) < cfg.batch_rows:
-                rows.extend(self._queue.popleft()[1])
-            return table, rows
+            table = self._queue[0].table
+            batch = [self._queue.popleft()]
+            n = len(batch[0].rows)
+            while self._queue and self._queue[0].table == table:
+                n += len(self._queue[0].rows)
+                if n > cfg.batch_rows:
+                    break
+                batch.append(self._queue.popleft())
+            return batch
 
     def _batch_due(self) -> bool:
         """A full batch is queued, or someone waits for the rows (close, flush): write without lingering."""
@@ -363,34 +461,54 @@ class Store:
 
     def _run(self) -> None:
         while True:
-            item = self._take_batch()
-            if item is None:
+            batch = self._take_batch()
+            if batch is None:
                 return
-            table, rows = item
-            written = self._insert_salvaging(table, rows)
+            self._insert_batch(batch)
+            rows = sum(len(p.rows) for p in batch)
+            failed = sum(p.failed for p in batch)
             with self._cond:
-                self._queued -= len(rows)
-                self._written += written
-                self._failed += len(rows) - written
+                self._queued -= rows
+                self._written += rows - failed
+                self._failed += failed
                 self._batches += 1
+                for p in batch:
+                    p.done = True
+                    p.rows = []  # the caller may wait a while longer; the rows are no longer needed
                 self._cond.notify_all()
 
-    def _insert_salvaging(self, table: str, rows: list[tuple[Any, ...]]) -> int:
+    def _insert_batch(self, batch: list[_Pending]) -> None:
+        """Insert the rows of ``batch`` (one table) with one statement; if it fails, each submission on its
+        own, splitting further to write every row that can be (``failed`` / ``error`` set on each)."""
+        table = batch[0].table
+        if len(batch) > 1 and self._insert(table, [r for p in batch for r in p.rows]) is None:
+            return
+        for p in batch:
+            errors: list[Exception] = []
+            written = self._insert_salvaging(table, p.rows, errors)
+            p.failed = len(p.rows) - written
+            if errors:
+                p.error = f"{type(errors[0]).__name__}: {errors[0]}"
+
+    def _insert_salvaging(self, table: str, rows: list[tuple[Any, ...]], errors: list[Exception]) -> int:
         """Insert ``rows``; if the statement fails, split the batch to write every row that can be.
 
-        Returns the number of rows written. A row that cannot be inserted on its own is logged and skipped.
+        Returns the number of rows written. A row that cannot be inserted on its own is logged, its error
+        appended to ``errors``, and skipped.
         """
         error = self._insert(table, rows)
         if error is None:
             return len(rows)
         if len(rows) == 1:
             log.error("dropping 1 row that %s in %s refused: %s", table, self.path, error)
+            errors.append(error)
             return 0
         mid = len(rows) // 2
-        return self._insert_salvaging(table, rows[:mid]) + self._insert_salvaging(table, rows[mid:])
+        return (self._insert_salvaging(table, rows[:mid], errors)
+                + self._insert_salvaging(table, rows[mid:], errors))
 
     def _insert(self, table: str, rows: list[tuple[Any, ...]]) -> Exception | None:
-        """Insert ``rows`` with one statement. Returns the error instead of raising it."""
+        """Insert ``rows`` with one statement (DuckDB auto-commits it). Returns the error instead of raising."""
         columns = TABLES[table]
         try:
             values = list(zip(*rows))
