@@ -31,8 +31,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from zoomer_serve.collector import EmbeddedCollector, open_readonly
 from zoomer_serve.collector.cli import build_collector
-from zoomer_serve.collector.security import ReceiverSecurity, is_loopback_host
+from zoomer_serve.collector.security import ReceiverSecurity
 from zoomer_serve.config import ConfigError
+from zoomer_serve.netaddr import is_loopback_host
 
 MiB = 1024 * 1024
 HEAD = b"POST /v1/traces HTTP/1.1\r\nHost: collector\r\nContent-Type: application/x-protobuf\r\n"

@@ -24,7 +24,6 @@ says ``"open": true`` then. On loopback the receivers are open unless a token is
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import os
 import ssl
 from collections.abc import Mapping
@@ -33,22 +32,12 @@ from pathlib import Path
 
 from zoomer_serve import envvars
 from zoomer_serve.config import ConfigError
+from zoomer_serve.netaddr import is_loopback_host
 
 TOKEN_ENV = "ZOOMER_COLLECTOR_TOKEN"
 TLS_CERT_ENV = "ZOOMER_COLLECTOR_TLS_CERT"
 TLS_KEY_ENV = "ZOOMER_COLLECTOR_TLS_KEY"
 INSECURE_OPEN_ENV = "ZOOMER_COLLECTOR_INSECURE_OPEN"
-
-
-def is_loopback_host(host: str) -> bool:
-    """True for ``localhost`` and loopback literals (127.0.0.0/8, ``::1``); False for wildcards (``0.0.0.0``,
-    ``::``, ``""``), other addresses and other host names (which could resolve anywhere)."""
-    if host.strip().lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(frozen=True)

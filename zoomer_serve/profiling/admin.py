@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 
 from zoomer_serve.config import ConfigError
+from zoomer_serve.netaddr import is_loopback_host
 from zoomer_serve.profiling import profiler_control_pb2 as pb
 from zoomer_serve.profiling import profiler_control_pb2_grpc as pb_grpc
 from zoomer_serve.profiling import wire
@@ -128,7 +129,7 @@ def serve_profiler_control(controller: ProfilerController, port: int = 0, admin:
     """
     admin = admin if admin is not None else AdminConfig.from_env()
     host = host or admin.host
-    if admin.token is None and not _is_loopback_host(host):
+    if admin.token is None and not is_loopback_host(host):
         raise ConfigError(f"refusing to serve the profiler admin service on {host!r} without ZOOMER_ADMIN_TOKEN")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="zoomer-admin"),
                          options=[("grpc.so_reuseport", 0)])
@@ -142,12 +143,3 @@ def serve_profiler_control(controller: ProfilerController, port: int = 0, admin:
         raise OSError(f"cannot bind the profiler admin service to {address}")
     server.start()
     return server, bound
-
-
-def _is_loopback_host(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
