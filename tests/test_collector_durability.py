@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 from _collector_process import SIGNALS, AckedExporter, CollectorProcess, start_collector, stored_names
+from _never_lost import note
 
 from zoomer_serve.collector import open_readonly
 
@@ -80,6 +81,10 @@ def test_sigkill_keeps_every_acknowledged_span_and_point(tmp_path: Path) -> None
         again.kill()
     assert code == 0, err
     spans, points = _stored(store)
+    note("C17", "embedded collector killed (kill -9) while exporters send: acknowledged spans",
+         len(acked_spans), len(acked_spans & spans))
+    note("C17", "embedded collector killed (kill -9) while exporters send: acknowledged metric points",
+         len(acked_points), len(acked_points & points), unit="points")
     assert acked_spans - spans == set(), f"{len(acked_spans - spans)} acknowledged spans lost"
     assert acked_points - points == set(), f"{len(acked_points - points)} acknowledged points lost"
     assert spans <= exporter.sent_spans  # nothing invented, and each span once:
@@ -116,6 +121,8 @@ def test_stopped_by_signal_keeps_everything_acknowledged(tmp_path: Path, how: st
     stopped = json.loads(out.strip().splitlines()[-1])
     assert stopped["event"] == "stopped"
     spans, points = _stored(store)
+    note("C12", f"zoomer-serve collector, {how}: acknowledged spans", len(exporter.acked_spans),
+         len(exporter.acked_spans & spans))
     assert exporter.acked_spans - spans == set(), f"{len(exporter.acked_spans - spans)} acknowledged spans lost"
     assert exporter.acked_points - points == set()
     assert spans <= exporter.sent_spans

@@ -10,6 +10,7 @@ from concurrent import futures
 from typing import Any
 
 import grpc
+from _never_lost import note
 
 import zoomer_serve
 from interceptors import ZoomerServerInterceptor
@@ -75,6 +76,8 @@ def test_bursts_of_huge_exceptions_and_attributes_never_stop_export(collector, m
     stats = zoomer_serve.shutdown()
     assert stats is not None and stats.dropped == 0 and stats.unknown == 0, stats
     spans = collector.spans("SERVER")
+    note("C14", "bursts of 100 KB / 1 MB exceptions and 200 x 10 KB attributes among ordinary calls",
+         sum(sent.values()), len(spans), stats.dropped)
     assert len(spans) == sum(sent.values())
     errors = [s for s in spans if s["status_code"] == "ERROR"]
     assert len(errors) == sent["raise"]
@@ -137,5 +140,6 @@ def test_a_killed_helper_is_started_again_and_what_it_took_is_counted(collector)
     names = {s["name"] for s in stored}
     assert sum(s["name"] == "after/kill" for s in stored) == 25
     assert stats.helper_restarts == 1
+    note("C14", "export helper process killed (kill -9) holding spans", 65, len(stored), stats.lost_in_helper)
     assert len(stored) + stats.lost_in_helper == 65, (len(stored), stats)
     assert stats.lost_in_helper == 40 and names == {"after/kill"}

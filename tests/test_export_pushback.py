@@ -12,6 +12,7 @@ from datetime import datetime, timezone
 
 import grpc
 import pytest
+from _never_lost import note
 from _scripted_otlp import Reply, ScriptedOtlp
 
 from zoomer_serve.export import ExportStats, ExportWorker
@@ -68,6 +69,8 @@ def test_partial_success_counts_rejected_spans_as_dropped_and_logs_its_message_o
         stats = _export(receiver, _records(100), max_export_batch_size=50)
     assert [req.items for req in receiver.requests("traces")] == [50, 50]
     assert receiver.accepted("traces") == 95
+    note("C15", f"partial success: the backend rejects 5 of 100 spans ({protocol})", 100,
+         receiver.accepted("traces"), stats.dropped_rejected)
     assert (stats.exported, stats.dropped_export, stats.dropped_rejected) == (95, 5, 5)
     assert stats.exported + stats.dropped == 100
     assert len(_warnings(caplog, "spans older than 1h")) == 1
@@ -125,6 +128,9 @@ def test_the_retry_delay_the_server_names_is_honoured(protocol, reply):
         stats = _export(receiver, _records(30))
     first, second = receiver.requests("traces")
     assert second.at - first.at >= reply.retry_s
+    what = reply.grpc_code or f"HTTP {reply.http_status}"
+    note("C15", f"backend pushes back ({what} with a {reply.retry_s} s retry delay): retried after it", 30,
+         receiver.accepted("traces"), stats.dropped)
     assert receiver.accepted("traces") == 30
     assert (stats.exported, stats.dropped) == (30, 0)
 
@@ -175,6 +181,8 @@ def test_a_request_refused_for_its_size_is_split_in_halves_and_a_span_too_large_
     sizes = [req.size for req in receiver.requests("traces")]
     assert sizes and max(sizes) <= 50_000
     assert receiver.accepted("traces") == 100
+    note("C15", f"requests refused for their size (HTTP 413 / RESOURCE_EXHAUSTED, {protocol}): split", 101,
+         receiver.accepted("traces"), stats.dropped_too_large)
     assert (stats.exported, stats.dropped_export, stats.dropped_too_large) == (100, 1, 1)
     assert _span_counters(receiver) == {"": 100, "too_large": 1, "export_failed": 0, "rejected": 0,
                                         "queue_full": 0, "helper_lost": 0}

@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import psutil
 import pytest
+from _never_lost import note
 
 from zoomer_serve.processes import wait_for_event
 
@@ -109,7 +110,10 @@ def test_a_wrapped_server_stopped_by_a_signal_keeps_every_completed_call(collect
     rc, stderr = _stop_and_wait_for_helpers(proc, how)
     _expected_exit(how, rc)
     _clean(stderr)
-    assert _stored(collector, "test.Echo/Unary") == (sent, sent)
+    stored = _stored(collector, "test.Echo/Unary")
+    note("C12", f"wrapped gRPC server, {how}, {'at once' if not delay_s else f'{delay_s:.0f} s later'}", sent,
+         stored[0])
+    assert stored == (sent, sent)
 
 
 @pytest.mark.parametrize("how", ["sigint-group", "sigterm-pid", "sigterm-group"])
@@ -121,7 +125,9 @@ def test_serve_demo_stopped_by_a_signal_keeps_every_completed_call(collector, ho
     rc, stderr = _stop_and_wait_for_helpers(proc, how)
     assert rc == 0, stderr[-3000:]
     _clean(stderr)
-    assert {method: _stored(collector, method) for method in sent} == {m: (n, n) for m, n in sent.items()}
+    stored = {method: _stored(collector, method) for method in sent}
+    note("C12", f"zoomer-serve serve-demo, {how}", sum(sent.values()), sum(n for n, _ in stored.values()))
+    assert stored == {m: (n, n) for m, n in sent.items()}
 
 
 def test_handlers_chain_to_the_application_and_can_be_switched_off(monkeypatch):
@@ -171,6 +177,7 @@ def test_children_forked_after_configure_export_their_own_spans_and_leave_the_pa
     got: dict[str, int] = {}
     for row in rows:
         got[row["name"]] = got.get(row["name"], 0) + 1
+    note("C13", f"fork after configure: {mode} ({n} children)", sum(done["spans"].values()), len(rows))
     assert got == done["spans"]
     instances = {row["service_instance_id"] for row in rows}
     pids = {row["resource_attributes"]["process.pid"] for row in rows}
