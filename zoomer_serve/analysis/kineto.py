@@ -2,17 +2,32 @@
 
 Reading
 -------
-The file is decompressed and parsed as a stream: the ``traceEvents`` array is cut into pieces of about
-``chunk_bytes`` at event boundaries, each piece is parsed with ``orjson`` and turned into NumPy columns
-before the next one is read. At no time is the whole text, or a Python object per event of the whole
-file, held in memory: peak memory is about the final tables plus one piece. Measured on the 35 MB,
-109k-event ``a100_training_step`` trace (``benchmarks/ANALYSIS.md``): 1 MiB pieces load it in about 0.65 s
-of CPU with 27 MB above the imports, where ``ijson`` streaming (one dict per event from its C backend) into
-the same tables takes about twice the CPU time and 51 MB, and ``orjson.loads`` / ``json.load`` of the
-whole text alone take 233 / 170 MB. A cut is only accepted where the text
-before it parses as complete events, so any valid JSON layout works (one event per line or minified).
-Both the Chrome "JSON object" format (``{"traceEvents": [...], ...}``) and the bare "JSON array" format
-are accepted.
+:mod:`zoomer_serve.analysis.trace_reader` streams the file in pieces of about ``chunk_bytes`` (each parsed
+with ``orjson`` and turned into NumPy columns before the next is read), so peak memory is about the final
+tables plus one piece. Measured on the 35 MB, 109k-event ``a100_training_step`` trace
+(``benchmarks/ANALYSIS.md``): 1 MiB pieces load it in about 0.65 s of CPU with 27 MB above the imports, where
+``ijson`` streaming into the same tables takes about twice the CPU time and 51 MB, and ``orjson.loads`` /
+``json.load`` of the whole text alone take 233 / 170 MB. Both the Chrome "JSON object" format
+(``{"traceEvents": [...], ...}``) and the bare "JSON array" format are accepted.
+
+Time base
+---------
+PyTorch >= 2.4 (Kineto since pytorch/kineto#910) writes ``baseTimeNanoseconds`` at the top level and every
+``ts`` as microseconds since it: Unix time in ns = ``baseTimeNanoseconds + ts * 1000``. Older traces have no
+such key and their ``ts`` are Unix epoch microseconds. :attr:`KinetoTrace.base_time_ns` holds the key (0 when
+absent) and :meth:`KinetoTrace.unix_ns` turns table times into Unix ns either way; every place that joins
+trace times with span times (the merged timeline) goes through it. A file whose ``ts`` already look like
+epoch microseconds (>= 1e15, year 2001) although it names a base is read as epoch time, with a warning.
+
+Odd input (case C18)
+--------------------
+Nothing in a file that parses as JSON (leniently: see the reader) raises: names that are null, numbers or
+objects become text (their JSON), events missing fields are repaired or counted in
+:attr:`KinetoTrace.skipped`, and events whose ``ts`` or ``dur`` is NaN / infinite or whose ``dur`` is negative
+are dropped from the tables, as are GPU operations (kernels, copies, memsets) of zero duration: they are
+counted and said once each in :attr:`KinetoTrace.warnings`. CPU-side events of zero duration are kept:
+traces with whole-microsecond times write every call shorter than 0.5 us that way (12k of the 109k events of
+``a100_training_step``).
 
 Tables (times in microseconds, ``ts`` relative to :attr:`KinetoTrace.origin_us`)
 -------------------------------------------------------------------------------
@@ -56,230 +71,38 @@ disappears without a trace.
 
 from __future__ import annotations
 
-import gzip
-import io
 import math
 import os
 import re
-import zlib
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 import orjson
 
 from zoomer_serve.analysis.table import Table
+from zoomer_serve.analysis.trace_reader import (
+    EXPECTED,
+    EventChunks,
+    ReadNotes,
+    TraceFormatError,
+    open_binary,
+    read_bytes_opener,
+)
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "KinetoTrace", "TraceFormatError", "load_trace", "load_trace_bytes"]
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 NAN = math.nan
+EPOCH_US_FLOOR = 1e15
+"""``ts`` values at or above this (microseconds: September 2001 as Unix time) are epoch times, not offsets
+from ``baseTimeNanoseconds``."""
 
-_OPEN_EVENTS = re.compile(rb'"traceEvents"\s*:\s*\[')
 _MEMCPY_NAME = re.compile(r"^Memcpy (\w+) \((\w+) -> (\w+)\)")
-_WS = b" \t\r\n"
-
-
-class TraceFormatError(ValueError):
-    """The file is not a Chrome / Kineto trace JSON (bad gzip, bad JSON, no ``traceEvents``, or no trace event
-    at all); the message names the file and, for bad JSON, the byte offset in the decompressed text."""
-
-
-_EXPECTED = ('expected a Kineto / Chrome trace: a JSON object with a "traceEvents" array (or a bare JSON array) '
-             'of events, each an object with a "ph" phase')
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Streaming reader
-
-
-def _open_binary(path: Path) -> BinaryIO:
-    """The file's decompressed bytes: gzip when it starts with the gzip magic bytes, else plain."""
-    with open(path, "rb") as probe:
-        magic = probe.read(2)
-    if magic == b"\x1f\x8b":
-        return gzip.open(path, "rb")  # type: ignore[return-value]
-    return open(path, "rb")
-
-
-class _EventChunks:
-    """Iterate over lists of event dicts; after exhaustion :attr:`metadata` holds the other top-level keys."""
-
-    def __init__(self, path: Path, chunk_bytes: int) -> None:
-        self.path = path
-        self.chunk_bytes = max(1024, int(chunk_bytes))
-        self.metadata: dict[str, Any] = {}
-        self._consumed = 0  # decompressed bytes dropped from the front of the buffer
-
-    def _error(self, what: str, exc: Exception | None = None, offset: int | None = None) -> TraceFormatError:
-        where = f" near byte {offset}" if offset is not None else ""
-        detail = f": {exc}" if exc is not None else ""
-        return TraceFormatError(f"{self.path}: {what}{where}{detail}")
-
-    def __iter__(self) -> Iterator[list[dict[str, Any]]]:
-        try:
-            fh = _open_binary(self.path)
-        except OSError as exc:
-            raise FileNotFoundError(f"cannot read trace {self.path}: {exc}") from exc
-        with fh:
-            try:
-                yield from self._chunks(fh)
-            except (OSError, EOFError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError
-                raise self._error("cannot decompress", exc) from exc
-
-    def _chunks(self, fh: BinaryIO) -> Iterator[list[dict[str, Any]]]:
-        read_size = self.chunk_bytes
-        buf = b""
-        eof = False
-
-        def more() -> bytes:
-            nonlocal eof
-            data = fh.read(read_size)
-            if not data:
-                eof = True
-            return data
-
-        # 1. Find where the events start: after '"traceEvents": [' at the top level, or a leading '['.
-        array_format = False
-        search_from = 0
-        while True:
-            head = buf.lstrip(_WS)
-            if head[:1] == b"[":
-                array_format = True
-                buf = head[1:]
-                self._consumed += len(buf) - len(head) + 1
-                break
-            m = _OPEN_EVENTS.search(buf, search_from)
-            if m is not None:
-                try:
-                    self.metadata = orjson.loads(buf[:m.end()] + b"]}")
-                except orjson.JSONDecodeError:  # the key was not at the top level (or the header is bad)
-                    search_from = m.start() + 1
-                    continue
-                self.metadata.pop("traceEvents", None)
-                self._consumed += m.end()
-                buf = buf[m.end():]
-                break
-            if eof:
-                if not buf.strip(_WS):
-                    raise self._error("empty file")
-                raise self._error(f"no top-level \"traceEvents\" array: not a Chrome trace JSON file ({_EXPECTED})")
-            search_from = max(0, len(buf) - 64)
-            buf += more()
-
-        # 2. Complete events, piece by piece.
-        while True:
-            while not eof and len(buf) < self.chunk_bytes:
-                buf += more()
-            if eof:
-                break
-            cut = self._last_boundary(buf)
-            if cut is None:  # no complete event yet (one event larger than a piece): read on
-                buf += more()
-                continue
-            events, rest, closed = cut
-            yield events
-            self._consumed += len(buf) - len(rest)
-            buf = rest
-            if closed:  # the array ended in this piece: the rest of the file is the top-level tail
-                while not eof:
-                    buf += more()
-                self._after_array(buf, array_format)
-                return
-
-        # 3. The tail: the last events, the closing ']' and (object format) the keys after the array.
-        yield self._tail(buf, array_format)
-
-    def _last_boundary(self, buf: bytes) -> tuple[list[dict[str, Any]], bytes, bool] | None:
-        """Parse ``buf`` up to its last event boundary ('}' followed by ','): (events, rest, False); or,
-        when the event array closes inside ``buf``, (events, what follows the array, True). None when no
-        boundary is found."""
-        end = len(buf)
-        tries = 0
-        while tries < 16:
-            j = buf.rfind(b"}", 0, end)
-            if j < 0:
-                return None
-            k = j + 1
-            n = len(buf)
-            while k < n and buf[k] in _WS:
-                k += 1
-            if k < n and buf[k] == 0x2C:  # ','
-                piece = b"[" + buf[:j + 1] + b"]"
-                try:
-                    return orjson.loads(piece), buf[k + 1:], False
-                except orjson.JSONDecodeError as exc:
-                    # A cut inside a string or a nested object fails at the very end of the piece. Failing
-                    # earlier means either the event array closed inside the piece (what precedes the
-                    # error position is then a complete array) or the text itself is broken. orjson
-                    # reports character positions: convert to bytes when the text is not ASCII.
-                    ascii_ = piece.isascii()
-                    length = len(piece) if ascii_ else len(piece.decode("utf-8", "replace"))
-                    if exc.pos < length - 2:
-                        pos = exc.pos if ascii_ else len(piece.decode("utf-8", "replace")[:exc.pos].encode())
-                        closed = self._closed_array(piece[:pos])
-                        if closed is not None:
-                            return closed, buf[pos - 1:], True
-                        raise self._error("invalid JSON", exc, self._consumed + max(0, pos - 1)) from None
-                    tries += 1
-            end = j
-        return None
-
-    @staticmethod
-    def _closed_array(text: bytes) -> list[Any] | None:
-        """``text`` parsed when it is a complete JSON array (the events up to the array's end), else None."""
-        text = text.rstrip(_WS)
-        if not text.endswith(b"]"):
-            return None
-        try:
-            value = orjson.loads(text)
-        except orjson.JSONDecodeError:
-            return None
-        return value if isinstance(value, list) else None
-
-    def _after_array(self, rest: bytes, array_format: bool) -> None:
-        """Parse what follows the closed event array: the remaining top-level keys (object format)."""
-        rest = rest.strip(_WS)
-        if array_format:
-            if rest:
-                raise self._error("unexpected content after the event array", offset=self._consumed)
-            return
-        body = rest[1:] if rest.startswith(b",") else rest
-        try:
-            doc = orjson.loads(b"{" + body) if body.strip(_WS) != b"}" else {}
-        except orjson.JSONDecodeError as exc:
-            raise self._error("invalid JSON after the event array", exc, self._consumed) from None
-        if not isinstance(doc, dict):
-            raise self._error("the top level is not an object")
-        self.metadata.update(doc)
-
-    def _tail(self, buf: bytes, array_format: bool) -> list[dict[str, Any]]:
-        if array_format:
-            body = buf.rstrip(_WS)
-            candidates = [b"[" + body] if body.endswith(b"]") else []
-            candidates.append(b"[" + body.rstrip(b"]").rstrip(_WS).rstrip(b",") + b"]")  # no closing ']'
-            last: Exception | None = None
-            for text in candidates:
-                try:
-                    events = orjson.loads(text)
-                    break
-                except orjson.JSONDecodeError as exc:
-                    last = exc
-            else:
-                raise self._error("invalid JSON at the end of the event array", last, self._consumed)
-            if not isinstance(events, list):
-                raise self._error("the event array is not a list")
-            return events
-        try:
-            doc = orjson.loads(b'{"traceEvents":[' + buf)
-        except orjson.JSONDecodeError as exc:
-            raise self._error("invalid JSON", exc, self._consumed + max(0, exc.pos - 16)) from None
-        if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
-            raise self._error("\"traceEvents\" is not an array")
-        events = doc.pop("traceEvents")
-        self.metadata.update(doc)
-        return events
+_INT64_MAX = (1 << 63) - 1
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -287,13 +110,31 @@ class _EventChunks:
 
 
 def _as_int(value: Any, default: int = -1) -> int:
-    """An id as int: ints as they are, numeric strings and floats converted, anything else ``default``."""
-    if type(value) is int:
+    """An id as int: ints as they are, numeric strings and finite floats converted, anything else (and
+    anything outside int64) ``default``."""
+    if type(value) is int and -_INT64_MAX <= value <= _INT64_MAX:
         return value
     try:
-        return int(value)
-    except (TypeError, ValueError):
+        out = int(value)
+    except (TypeError, ValueError, OverflowError):
         return default
+    return out if -_INT64_MAX <= out <= _INT64_MAX else default
+
+
+def _text(value: Any) -> str:
+    """A value that should have been a string, as text: "" for null, else its JSON."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    try:
+        return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+    except (TypeError, orjson.JSONEncodeError):
+        return str(value)
+
+
+GPU_TABLES = frozenset({"kernels", "memops"})
+"""Tables whose zero-duration rows are dropped (a GPU operation without duration is no work to place)."""
 
 
 class _Builder:
@@ -301,16 +142,18 @@ class _Builder:
 
     Rows hold the raw JSON values (with defaults for missing keys); conversion to the column dtypes is
     vectorised in :meth:`flush`, falling back to value-by-value conversion for odd values (an id given as
-    a string, a null).
+    a string, a null). :meth:`collect` joins the parts and drops rows whose times cannot be placed.
     """
 
-    __slots__ = ("name", "spec", "rows", "parts")
+    __slots__ = ("name", "spec", "rows", "parts", "columns", "excluded")
 
     def __init__(self, name: str, spec: tuple[tuple[str, Any], ...]) -> None:
         self.name = name
         self.spec = spec
         self.rows: list[tuple[Any, ...]] = []
         self.parts: list[list[np.ndarray]] = []
+        self.columns: dict[str, np.ndarray] = {}
+        self.excluded: Counter[str] = Counter()
 
     def flush(self) -> None:
         if not self.rows:
@@ -319,10 +162,9 @@ class _Builder:
         self.parts.append([_column(col, dtype) for col, (_, dtype) in zip(cols, self.spec)])
         self.rows = []
 
-    def min_ts(self) -> float:
-        return min((float(p[0].min()) for p in self.parts if len(p[0])), default=math.inf)
-
-    def finish(self, origin_us: float, units: dict[str, str]) -> Table:
+    def collect(self) -> None:
+        """Join the parts into :attr:`columns`, dropping (and counting in :attr:`excluded`) rows with a
+        non-finite ``ts`` / ``dur``, a negative ``dur`` and, for GPU tables, a zero ``dur``."""
         self.flush()
         columns: dict[str, np.ndarray] = {}
         for i, (col, dtype) in enumerate(self.spec):
@@ -332,6 +174,31 @@ class _Builder:
             else:
                 columns[col] = np.empty(0, dtype=dtype)
         self.parts = []
+        ts = columns["ts"]
+        bad = ~np.isfinite(ts)
+        if "dur" in columns:
+            dur = columns["dur"]
+            bad |= ~np.isfinite(dur)
+            negative = np.isfinite(dur) & (dur < 0)
+            zero = (dur == 0) if self.name in GPU_TABLES else np.zeros(len(dur), dtype=bool)
+            self.excluded["a negative duration"] += int(negative.sum())
+            self.excluded["zero duration"] += int(zero.sum())
+            self.excluded["a NaN or infinite ts / dur"] += int(bad.sum())
+            bad |= negative | zero
+        else:
+            self.excluded["a NaN or infinite ts"] += int(bad.sum())
+        if bad.any():
+            columns = {k: v[~bad] for k, v in columns.items()}
+        self.columns = columns
+
+    def min_ts(self) -> float:
+        ts = self.columns["ts"]
+        return float(ts.min()) if len(ts) else math.inf
+
+    def finish(self, origin_us: float, units: dict[str, str]) -> Table:
+        """The table, times relative to ``origin_us``, sorted by ``ts`` (call :meth:`collect` first)."""
+        columns = dict(self.columns)
+        self.columns = {}
         for col in ("ts", "end_ts"):
             if col in columns:
                 columns[col] = columns[col] - origin_us
@@ -344,7 +211,9 @@ class _Builder:
 
 def _column(values: tuple[Any, ...], dtype: Any) -> np.ndarray:
     """One column of raw JSON values as an array of ``dtype`` (ids: -1, numbers: NaN where unusable)."""
-    if dtype is object or dtype is np.bool_:
+    if dtype is object:
+        return np.fromiter(values, dtype=object, count=len(values))
+    if dtype is np.bool_:
         return np.array(values, dtype=dtype)
     try:
         return np.array(values, dtype=dtype)
@@ -360,7 +229,7 @@ _O = object
 _KERNEL_SPEC = (("ts", _F), ("dur", _F), ("device", _I), ("stream", _I), ("correlation", _I),
                 ("external_id", _I), ("name", _O), ("grid_blocks", _I), ("block_threads", _I),
                 ("registers_per_thread", _I), ("shared_memory", _I), ("blocks_per_sm", _F),
-                ("warps_per_sm", _F), ("occupancy", _F))
+                ("warps_per_sm", _F), ("occupancy", _F), ("graph_node_id", _I))
 _MEMOP_SPEC = (("ts", _F), ("dur", _F), ("device", _I), ("stream", _I), ("correlation", _I),
                ("external_id", _I), ("name", _O), ("op", _O), ("direction", _O), ("src", _O), ("dst", _O),
                ("bytes", _I))
@@ -398,14 +267,18 @@ class KinetoTrace:
 
     Attributes:
         path: the file it came from.
-        origin_us: the trace's time origin, in the file's own clock (Kineto: Unix epoch microseconds):
-            the earliest start of any tabled event. ``ts`` columns are relative to it; add it to get the
-            file's timestamps back (``(origin_us + ts) * 1000`` = Unix epoch ns for Kineto >= PyTorch 2.0).
+        origin_us: the trace's time origin in the file's own clock: the earliest start of any tabled event,
+            in microseconds since :attr:`base_time_ns` (or since the Unix epoch when that is 0). ``ts``
+            columns are relative to it; :meth:`unix_ns` turns them into Unix time.
+        base_time_ns: ``baseTimeNanoseconds`` from the file (PyTorch >= 2.4), Unix ns; 0 when the file has
+            none (its ``ts`` are then Unix epoch microseconds). See "Time base" in the module docstring.
         metadata: the top-level keys other than ``traceEvents`` (``deviceProperties``, ``distributedInfo``,
-            ``schemaVersion``, ...).
+            ``schemaVersion``, ``baseTimeNanoseconds``, ...).
         process_names / thread_names: from the ``M`` (metadata) events.
         skipped: events not put in a table, by category (``ph`` for events without one).
         event_count: all events read.
+        warnings: what was odd about the input, one sentence each with its count (events dropped, names
+            that were not text, a file cut short, ...); empty for a clean file.
     """
 
     path: Path
@@ -423,11 +296,26 @@ class KinetoTrace:
     thread_names: dict[tuple[int, int], str] = field(default_factory=dict)
     skipped: dict[str, int] = field(default_factory=dict)
     event_count: int = 0
+    base_time_ns: int = 0
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def origin_unix_ns(self) -> int:
+        """The time origin as Unix time in ns (``base_time_ns + origin_us * 1000``, rounded to the ns)."""
+        return self.base_time_ns + int(round(self.origin_us * 1000.0))
+
+    def unix_ns(self, ts_us: np.ndarray | float) -> np.ndarray:
+        """Table times (us relative to :attr:`origin_us`) as Unix time in ns (int64), right for traces with
+        and without ``baseTimeNanoseconds``."""
+        rel = np.rint(np.asarray(ts_us, dtype=np.float64) * 1000.0).astype(np.int64)
+        return rel + np.int64(self.origin_unix_ns)
 
     @property
     def device_properties(self) -> dict[int, dict[str, Any]]:
         """Device id -> the ``deviceProperties`` entry (``name``, ``numSms``, ``computeMajor``, ...)."""
-        props = self.metadata.get("deviceProperties") or []
+        props = self.metadata.get("deviceProperties")
+        if not isinstance(props, list):
+            return {}
         return {_as_int(p.get("id")): p for p in props if isinstance(p, dict)}
 
     @property
@@ -453,6 +341,8 @@ class KinetoTrace:
             "memops": len(self.memops), "runtime_calls": len(self.runtime), "syncs": len(self.syncs),
             "cpu_ops": len(self.cpu_ops), "annotations": len(self.annotations), "flows": len(self.flows),
             "memory_events": len(self.memory), "devices": self.devices, "skipped": dict(self.skipped),
+            "base_time_ns": self.base_time_ns, "start_unix_ns": self.origin_unix_ns,
+            "warnings": list(self.warnings),
         }
 
 
@@ -475,6 +365,8 @@ class _Normalizer:
         self.thread_names: dict[tuple[int, int], str] = {}
         self.count = 0
         self.not_events = 0  # items of the event array that are no trace event (not an object, or no "ph")
+        self.odd_names = 0  # names that were null, numbers or objects
+        self.unpaired_flows = 0
         self._memcpy_cache: dict[str, tuple[str, str, str]] = {}
 
     def builders(self) -> tuple[_Builder, ...]:
@@ -488,20 +380,38 @@ class _Normalizer:
             self._memcpy_cache[name] = kind
         return kind
 
+    def _odd_name(self, value: Any) -> str:
+        self.odd_names += 1
+        return _text(value)
+
     def consume(self, events: list[Any]) -> None:
         """Add one parsed piece of events. The common case (a complete ``X`` event of a known category)
-        takes the fast path; anything unusual goes through :meth:`_slow`."""
+        takes the fast path; anything unusual is repaired by :meth:`_repair` and taken again, or counted."""
+        self.count += len(events)
+        retry = self._take(events, repaired=False)
+        if retry:
+            self._take(retry, repaired=True)
+        for b in self.builders():
+            b.flush()
+        self.flow_starts.flush()
+        self.flow_ends.flush()
+
+    def _take(self, events: list[Any], repaired: bool) -> list[dict[str, Any]]:
+        """Rows from ``events``; returns the repaired events to take again (none when ``repaired``)."""
         names = self.names
         aliases = _CATEGORY_ALIASES
         kernels, memops, runtime = self.kernels.rows, self.memops.rows, self.runtime.rows
         syncs, cpu_ops, annotations = self.syncs.rows, self.cpu_ops.rows, self.annotations.rows
         flow_starts, flow_ends = self.flow_starts.rows, self.flow_ends.rows
+        retry: list[dict[str, Any]] = []
         for e in events:
             try:
                 ph = e["ph"]
                 if ph == "X":
                     kind = aliases[e["cat"]]
                     name = e["name"]
+                    if type(name) is not str:
+                        name = self._odd_name(name)
                     name = names.setdefault(name, name)
                     a = e.get("args") or _EMPTY
                     if kind == "cpu_op":
@@ -517,7 +427,7 @@ class _Normalizer:
                             a.get("correlation", -1), a.get("External id", -1), name,
                             _product(a.get("grid")), _product(a.get("block")), a.get("registers per thread", -1),
                             a.get("shared memory", -1), a.get("blocks per SM", NAN), a.get("warps per SM", NAN),
-                            a.get("est. achieved occupancy %", NAN)))
+                            a.get("est. achieved occupancy %", NAN), a.get("graph node id", -1)))
                     elif kind == "memcpy" or kind == "memset":
                         direction, src, dst = self._memcpy_kind(name) if kind == "memcpy" else ("", "", "")
                         memops.append((e["ts"], e.get("dur", 0), a.get("device", e["pid"]),
@@ -526,6 +436,8 @@ class _Normalizer:
                                        a.get("bytes", 0)))
                     elif kind == "sync":
                         sk = a.get("cuda_sync_kind") or name
+                        if type(sk) is not str:
+                            sk = self._odd_name(sk)
                         syncs.append((e["ts"], e.get("dur", 0), a.get("device", e["pid"]), a.get("stream", -1),
                                       a.get("correlation", -1), names.setdefault(sk, sk),
                                       a.get("wait_on_stream", -1)))
@@ -535,65 +447,75 @@ class _Normalizer:
                                             a.get("device", e["pid"]) if on_gpu else -1,
                                             a.get("stream", e["tid"]) if on_gpu else -1,
                                             a.get("External id", -1)))
-                elif ph == "f":
-                    flow_ends.append((e["cat"], e["id"], e["ts"], e["pid"], e["tid"]))
-                elif ph == "s":
-                    flow_starts.append((e["cat"], e["id"], e["ts"], e["pid"], e["tid"]))
+                elif ph == "f" or ph == "s":
+                    cat = e["cat"]
+                    if type(cat) is not str:
+                        raise TypeError("flow category")
+                    (flow_ends if ph == "f" else flow_starts).append((cat, e["id"], e["ts"], e["pid"], e["tid"]))
+                elif repaired:
+                    self.skipped["malformed event"] += 1
                 else:
-                    self._slow(e)
-            except (KeyError, TypeError, AttributeError):
-                self._slow(e)
-        self.count += len(events)
-        for b in self.builders():
-            b.flush()
-        self.flow_starts.flush()
-        self.flow_ends.flush()
+                    fixed = self._repair(e)
+                    if fixed is not None:
+                        retry.append(fixed)
+            except (KeyError, TypeError, AttributeError, ValueError, OverflowError):
+                if repaired:
+                    self.skipped["malformed event"] += 1
+                    continue
+                fixed = self._repair(e)
+                if fixed is not None:
+                    retry.append(fixed)
+        return retry
 
-    def _slow(self, e: Any) -> None:
-        """Events the fast path did not take: metadata, instants, and events missing a field."""
+    def _repair(self, e: Any) -> dict[str, Any] | None:
+        """An event the fast path did not take: metadata and instants are handled here; an ``X`` / flow event
+        missing a field or with a value of the wrong type is returned repaired (to take again); anything
+        else is counted in :attr:`skipped` (None)."""
         if type(e) is not dict:
             self.skipped["<not an object>"] += 1
             self.not_events += 1
-            return
+            return None
         ph = e.get("ph")
         if not isinstance(ph, str) or not ph:
             self.not_events += 1
+            self.skipped[f"ph={_key(ph)}"] += 1
+            return None
+        args = e.get("args")
+        a: dict[str, Any] = args if isinstance(args, dict) else {}
+        cat = e.get("cat")
+        cat_key = cat if isinstance(cat, str) else _key(cat)
         if ph == "M":
-            a = e.get("args") or {}
-            if e.get("name") == "process_name":
-                self.process_names[_as_int(e.get("pid"))] = str(a.get("name", ""))
-            elif e.get("name") == "thread_name":
-                self.thread_names[(_as_int(e.get("pid")), _as_int(e.get("tid")))] = str(a.get("name", ""))
-        elif ph in ("i", "I") and e.get("name") == "[memory]" and e.get("ts") is not None:
-            a = e.get("args") or {}
+            name = e.get("name")
+            if name == "process_name":
+                self.process_names[_as_int(e.get("pid"))] = _text(a.get("name", ""))
+            elif name == "thread_name":
+                self.thread_names[(_as_int(e.get("pid")), _as_int(e.get("tid")))] = _text(a.get("name", ""))
+            return None
+        has_ts = e.get("ts") is not None
+        if ph in ("i", "I") and e.get("name") == "[memory]" and has_ts:
             device = _as_int(a.get("Device Id"), -1) if _as_int(a.get("Device Type"), 0) == 1 else -1
             self.memory.rows.append((e["ts"], 0.0, device, a.get("Bytes", 0), a.get("Total Allocated", 0),
                                      a.get("Total Reserved", 0)))
-        elif ph in ("X", "s", "f") and e.get("ts") is not None and e.get("cat") in _CATEGORY_ALIASES \
-                and isinstance(e.get("args") or {}, dict):
-            fixed = {"pid": -1, "tid": -1, "name": "", "id": -1, **e}
-            if fixed["name"] is None:
-                fixed["name"] = ""
-            self.consume_one(fixed)
-        elif ph in ("s", "f") and e.get("ts") is not None:
-            fixed = {"pid": -1, "tid": -1, "id": -1, "cat": "", **e}
-            self.consume_one(fixed)
-        elif ph in ("i", "I"):
-            self.skipped[f"instant:{e.get('cat') or e.get('name')}"] += 1
+            return None
+        if ph in ("X", "s", "f") and has_ts and (cat_key in _CATEGORY_ALIASES or ph != "X"):
+            fixed = {"pid": -1, "tid": -1, "name": "", "id": -1, **e, "cat": cat_key, "args": a}
+            if not isinstance(fixed["name"], str):
+                fixed["name"] = self._odd_name(fixed["name"])
+            for key in ("pid", "tid"):
+                if not isinstance(fixed[key], (int, float, str)):
+                    fixed[key] = -1
+            return fixed
+        if ph in ("i", "I"):
+            self.skipped[f"instant:{_key(e.get('cat') or e.get('name'))}"] += 1
         elif ph == "X":
-            self.skipped[str(e.get("cat")) if e.get("ts") is not None else f"{e.get('cat')} without ts"] += 1
+            self.skipped[cat_key if has_ts else f"{cat_key} without ts"] += 1
         else:
-            self.skipped[f"ph={ph}"] += 1
-
-    def consume_one(self, e: dict[str, Any]) -> None:
-        """One repaired event through the fast path (without counting it again)."""
-        count = self.count
-        try:
-            self.consume([e])
-        finally:
-            self.count = count
+            self.skipped[f"ph={_key(ph)}"] += 1
+        return None
 
     def _flows(self, origin: float) -> Table:
+        for b in (self.flow_starts, self.flow_ends):
+            b.collect()
         starts = self.flow_starts.finish(origin, UNITS)
         ends = self.flow_ends.finish(origin, UNITS)
         index = {(c, i): n for n, (c, i) in enumerate(zip(starts["cat"].tolist(), starts["id"].tolist()))}
@@ -607,15 +529,21 @@ class _Normalizer:
         order = np.argsort(cols["ts"], kind="stable")
         return Table("flows", {k: v[order] for k, v in cols.items()}, {"ts": "us", "end_ts": "us"})
 
-    def finish(self, path: Path, metadata: dict[str, Any]) -> KinetoTrace:
+    def finish(self, path: Path, metadata: dict[str, Any], notes: ReadNotes | None = None) -> KinetoTrace:
         """The trace. Raises TraceFormatError when no item of the event array was a trace event."""
+        notes = notes or ReadNotes()
         if self.count == self.not_events:
             found = "the event array is empty" if self.count == 0 else \
                 f"{self.count} item(s) in the event array, none an object with a \"ph\""
-            raise TraceFormatError(f"{path}: holds no Kineto/Chrome trace events ({found}); {_EXPECTED}")
+            cut = f"; {notes.truncated}" if notes.truncated else ""
+            raise TraceFormatError(f"{path}: holds no Kineto/Chrome trace events ({found}{cut}); {EXPECTED}")
+        for b in self.builders():
+            b.collect()
         origin = min((b.min_ts() for b in self.builders()), default=math.inf)
         if origin == math.inf:
             origin = 0.0
+        warnings: list[str] = []
+        base_ns = _base_time_ns(metadata, origin, warnings)
         tables = {b.name: b.finish(origin, UNITS) for b in self.builders()}
         memops = tables["memops"]
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -626,12 +554,53 @@ class _Normalizer:
         skipped = dict(self.skipped)
         if self.unpaired_flows:
             skipped["flow without its other end"] = self.unpaired_flows
+        warnings.extend(self._warnings(notes))
         return KinetoTrace(
             path=path, origin_us=float(origin), kernels=tables["kernels"], memops=memops,
             runtime=tables["runtime"], syncs=tables["syncs"], cpu_ops=tables["cpu_ops"],
             annotations=tables["annotations"], flows=flows, memory=tables["memory"],
             metadata=metadata, process_names=self.process_names, thread_names=self.thread_names,
-            skipped=skipped, event_count=self.count)
+            skipped=skipped, event_count=self.count, base_time_ns=base_ns, warnings=warnings)
+
+    def _warnings(self, notes: ReadNotes) -> list[str]:
+        out = []
+        if notes.truncated:
+            out.append(f"file cut short: {notes.truncated}")
+        if notes.lenient_pieces:
+            out.append(f"{notes.lenient_pieces} piece(s) of the file held NaN / Infinity, raw control characters "
+                       f"or invalid UTF-8 (not strict JSON) and were read leniently")
+        if self.odd_names:
+            out.append(f"{self.odd_names} event(s) had a name that is not a string (null, a number or an object); "
+                       f"they are named by its JSON text")
+        for b in (*self.builders(), self.flow_starts, self.flow_ends):
+            for reason, n in sorted(b.excluded.items()):
+                if n:
+                    out.append(f"{n} {b.name.replace('_', ' ')} event(s) with {reason} left out of every figure")
+        if self.skipped.get("malformed event"):
+            out.append(f"{self.skipped['malformed event']} malformed event(s) skipped (fields of the wrong type)")
+        return out
+
+
+def _key(value: Any) -> str:
+    """A short, hashable label for a value used as a counter key."""
+    text = value if isinstance(value, str) else _text(value)
+    return text if len(text) <= 40 else text[:39] + "…"
+
+
+def _base_time_ns(metadata: dict[str, Any], origin_us: float, warnings: list[str]) -> int:
+    """``baseTimeNanoseconds`` as int (0 when absent or unusable, with a warning for the latter)."""
+    if "baseTimeNanoseconds" not in metadata:
+        return 0
+    raw = metadata["baseTimeNanoseconds"]
+    base = _as_int(raw, -1) if not isinstance(raw, bool) else -1
+    if base < 0 or (isinstance(raw, float) and not math.isfinite(raw)):
+        warnings.append(f"baseTimeNanoseconds {_key(raw)} is not a Unix time in ns: ignored (ts read as epoch us)")
+        return 0
+    if origin_us >= EPOCH_US_FLOOR:
+        warnings.append("the ts values are already Unix epoch microseconds although the file names a "
+                        "baseTimeNanoseconds: it was ignored")
+        return 0
+    return base
 
 
 def _product(dims: Any) -> int:
@@ -651,7 +620,7 @@ def _num(value: Any) -> float:
         return NAN
     try:
         return float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return NAN
 
 
@@ -662,36 +631,32 @@ def load_trace(path: str | os.PathLike[str], *, chunk_bytes: int = DEFAULT_CHUNK
     ``chunk_bytes``: size of the decompressed pieces parsed at a time (memory/speed trade-off).
     ``on_chunk``: called with the number of events after each piece (progress).
 
+    Odd content is repaired or left out and said in :attr:`KinetoTrace.warnings` (see "Odd input" above).
+
     Raises:
         FileNotFoundError: the file cannot be opened.
-        TraceFormatError: not gzip/JSON, no ``traceEvents`` array, or not one trace event (an object with a
-            ``ph`` phase) in the event array.
+        TraceFormatError: not gzip/JSON, no ``traceEvents`` array, JSON broken in the middle, or not one
+            trace event (an object with a ``ph`` phase) in the event array.
     """
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"trace not found: {p}")
-    reader = _EventChunks(p, chunk_bytes)
-    norm = _Normalizer()
-    for events in reader:
-        norm.consume(events)
-        if on_chunk is not None:
-            on_chunk(norm.count)
-    return norm.finish(p, reader.metadata)
+    return _load(p, EventChunks(p, chunk_bytes, lambda: open_binary(p)), on_chunk)
 
 
-def load_trace_bytes(data: bytes, name: str = "<memory>") -> KinetoTrace:
+def load_trace_bytes(data: bytes, name: str = "<memory>", chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> KinetoTrace:
     """Load a trace from bytes (plain or gzip JSON); for tests and small in-memory traces.
 
     Raises:
         TraceFormatError: as :func:`load_trace`.
     """
-    if data[:2] == b"\x1f\x8b":
-        try:
-            data = gzip.decompress(data)
-        except (OSError, EOFError, zlib.error) as exc:
-            raise TraceFormatError(f"{name}: cannot decompress: {exc}") from exc
-    reader = _EventChunks(Path(name), DEFAULT_CHUNK_BYTES)
+    return _load(Path(name), EventChunks(Path(name), chunk_bytes, read_bytes_opener(data)), None)
+
+
+def _load(path: Path, reader: EventChunks, on_chunk: Callable[[int], None] | None) -> KinetoTrace:
     norm = _Normalizer()
-    for events in reader._chunks(io.BytesIO(data)):
+    for events in reader:
         norm.consume(events)
-    return norm.finish(Path(name), reader.metadata)
+        if on_chunk is not None:
+            on_chunk(norm.count)
+    return norm.finish(path, reader.metadata, reader.notes)
