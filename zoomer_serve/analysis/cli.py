@@ -1,8 +1,9 @@
 """``zoomer-serve analyze``: findings and tables from Kineto trace files and/or the collector's store.
 
 Output: a terminal summary (rich), or ``--json`` (findings and tables on stdout); ``--html FILE`` writes a
-self-contained HTML report with plots, ``--perfetto FILE`` a merged Chrome trace (requests and kernels on one
-timeline; ``.gz`` compresses it). Exit codes: 0 (with or without findings), 2 when an input is missing,
+self-contained HTML report with plots, ``--perfetto FILE`` the merged timeline (requests, CPU ops and kernels
+on one time axis; TrackEvent protobuf, or Chrome JSON for ``.json`` names; see
+:mod:`zoomer_serve.analysis.perfetto`). Exit codes: 0 (with or without findings), 2 when an input is missing,
 unreadable or holds no trace events (message on stderr naming it, no traceback), 3 with ``--fail-on SEVERITY``
 when a finding at least that severe was found.
 """
@@ -43,7 +44,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print findings and tables as JSON instead of the summary")
     p.add_argument("--html", type=Path, default=None, metavar="FILE", help="write a self-contained HTML report")
     p.add_argument("--perfetto", type=Path, default=None, metavar="FILE",
-                   help="write a merged Chrome trace (requests + kernels) for ui.perfetto.dev; .gz to compress")
+                   help="write the merged timeline (request spans and phases, CPU ops, kernels) for "
+                   "ui.perfetto.dev: TrackEvent protobuf (FILE.pftrace; .gz to compress), or Chrome JSON when "
+                   "FILE ends in .json / .json.gz")
     p.add_argument("--rows", type=non_negative_int, default=10, help="rows per table in the summary (default 10)")
     p.add_argument("--fail-on", choices=SEVERITIES, default=None,
                    help="exit 3 when a finding of this severity or worse is found (for CI gates)")
@@ -137,6 +140,7 @@ def _write_outputs(args: argparse.Namespace, result: Any) -> list[str]:
         from zoomer_serve.analysis.perfetto import write_perfetto
 
         counts = write_perfetto(args.perfetto, [r.trace for r in result.traces], result.store)
-        notes.append(f"Perfetto trace: {args.perfetto} ({counts['events']} events, {counts['requests']} requests, "
-                     f"{counts['linked_requests']} linked to trace ranges; open in https://ui.perfetto.dev)")
+        notes.append(f"Perfetto timeline: {args.perfetto} ({counts['events']} slices and counter points on "
+                     f"{counts['tracks']} tracks, {counts['requests']} requests, {counts['linked_requests']} linked "
+                     f"to trace ranges; open in https://ui.perfetto.dev)")
     return notes

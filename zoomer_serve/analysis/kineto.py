@@ -301,8 +301,10 @@ class KinetoTrace:
 
     @property
     def origin_unix_ns(self) -> int:
-        """The time origin as Unix time in ns (``base_time_ns + origin_us * 1000``, rounded to the ns)."""
-        return self.base_time_ns + int(round(self.origin_us * 1000.0))
+        """The time origin as Unix time in ns (``base_time_ns + origin_us * 1000``, rounded to the ns; exact
+        also for epoch-microsecond origins, whose product with 1000 a double cannot hold)."""
+        whole = math.floor(self.origin_us)
+        return self.base_time_ns + int(whole) * 1000 + int(round((self.origin_us - whole) * 1000.0))
 
     def unix_ns(self, ts_us: np.ndarray | float) -> np.ndarray:
         """Table times (us relative to :attr:`origin_us`) as Unix time in ns (int64), right for traces with
