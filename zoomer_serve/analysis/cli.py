@@ -11,11 +11,11 @@ when a finding at least that severe was found.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
+import orjson
 from rich.console import Console
 from rich.text import Text
 
@@ -60,7 +60,15 @@ def _error(message: str) -> int:
 
 
 def run(args: argparse.Namespace, console: Console | None = None) -> int:
-    """Run the analysis for parsed ``args``; returns the exit code."""
+    """Run the analysis for parsed ``args``; returns the exit code. Never raises for bad input: exit 2 with
+    one line on stderr (an unexpected error included, named as such)."""
+    try:
+        return _run(args, console)
+    except Exception as exc:  # the promise is one line, never a traceback
+        return _error(f"internal error ({type(exc).__name__}: {exc}); please report it with the input")
+
+
+def _run(args: argparse.Namespace, console: Console | None) -> int:
     store = args.store
     if not args.traces and store is None:
         store = default_store_path()
@@ -75,6 +83,9 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
         return _error(str(exc))
     except (TraceFormatError, StoreAnalysisError) as exc:
         return _error(str(exc))
+    for rep in result.traces:
+        for warning in rep.trace.warnings:
+            print(f"zoomer-serve analyze: warning: {rep.trace.path}: {warning}", file=sys.stderr)
     console = console or Console()
     try:
         notes = _write_outputs(args, result)
@@ -83,7 +94,8 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
     if args.json:
         out = result.to_dict(rows=max(args.rows, 0))
         out["outputs"] = notes
-        sys.stdout.write(json.dumps(out, indent=2) + "\n")
+        sys.stdout.write(orjson.dumps(out, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY
+                                      | orjson.OPT_NON_STR_KEYS).decode() + "\n")
         sys.stdout.flush()
     else:
         render_summary(result, console, rows=args.rows)

@@ -101,6 +101,11 @@ EPOCH_US_FLOOR = 1e15
 """``ts`` values at or above this (microseconds: September 2001 as Unix time) are epoch times, not offsets
 from ``baseTimeNanoseconds``."""
 
+MAX_TIME_US = 1e17
+"""``ts`` / ``dur`` beyond this many microseconds (3,170 years) are out of range: left out like NaN."""
+MAX_BASE_TIME_NS = 1 << 62
+"""A ``baseTimeNanoseconds`` at or above this (year 2116) is not a time base: ignored."""
+
 _MEMCPY_NAME = re.compile(r"^Memcpy (\w+) \((\w+) -> (\w+)\)")
 _INT64_MAX = (1 << 63) - 1
 
@@ -175,18 +180,19 @@ class _Builder:
                 columns[col] = np.empty(0, dtype=dtype)
         self.parts = []
         ts = columns["ts"]
-        bad = ~np.isfinite(ts)
-        if "dur" in columns:
-            dur = columns["dur"]
-            bad |= ~np.isfinite(dur)
-            negative = np.isfinite(dur) & (dur < 0)
-            zero = (dur == 0) if self.name in GPU_TABLES else np.zeros(len(dur), dtype=bool)
-            self.excluded["a negative duration"] += int(negative.sum())
-            self.excluded["zero duration"] += int(zero.sum())
-            self.excluded["a NaN or infinite ts / dur"] += int(bad.sum())
-            bad |= negative | zero
-        else:
-            self.excluded["a NaN or infinite ts"] += int(bad.sum())
+        with np.errstate(invalid="ignore"):
+            bad = ~(np.abs(ts) <= MAX_TIME_US)
+            if "dur" in columns:
+                dur = columns["dur"]
+                bad |= ~(np.abs(dur) <= MAX_TIME_US)
+                negative = ~bad & (dur < 0)
+                zero = (dur == 0) if self.name in GPU_TABLES else np.zeros(len(dur), dtype=bool)
+                self.excluded["a negative duration"] += int(negative.sum())
+                self.excluded["zero duration"] += int(zero.sum())
+                self.excluded["a NaN, infinite or out-of-range ts / dur"] += int(bad.sum())
+                bad |= negative | zero
+            else:
+                self.excluded["a NaN, infinite or out-of-range ts"] += int(bad.sum())
         if bad.any():
             columns = {k: v[~bad] for k, v in columns.items()}
         self.columns = columns
@@ -213,14 +219,17 @@ def _column(values: tuple[Any, ...], dtype: Any) -> np.ndarray:
     """One column of raw JSON values as an array of ``dtype`` (ids: -1, numbers: NaN where unusable)."""
     if dtype is object:
         return np.fromiter(values, dtype=object, count=len(values))
-    if dtype is np.bool_:
-        return np.array(values, dtype=dtype)
     try:
-        return np.array(values, dtype=dtype)
+        arr = np.array(values, dtype=dtype)
+        if arr.shape == (len(values),):  # a list among the values would add a dimension
+            return arr
     except (TypeError, ValueError, OverflowError):
-        if dtype is np.int64:
-            return np.array([_as_int(v) for v in values], dtype=dtype)
-        return np.array([_num(v) for v in values], dtype=dtype)
+        pass
+    if dtype is np.int64:
+        return np.array([_as_int(v) for v in values], dtype=dtype)
+    if dtype is np.bool_:
+        return np.array([v is True for v in values], dtype=dtype)
+    return np.array([_num(v) for v in values], dtype=dtype)
 
 
 _F = np.float64
@@ -279,6 +288,7 @@ class KinetoTrace:
         event_count: all events read.
         warnings: what was odd about the input, one sentence each with its count (events dropped, names
             that were not text, a file cut short, ...); empty for a clean file.
+        reading: the reader's notes (bytes read, pieces parsed leniently, parse attempts, truncation).
     """
 
     path: Path
@@ -298,6 +308,7 @@ class KinetoTrace:
     event_count: int = 0
     base_time_ns: int = 0
     warnings: list[str] = field(default_factory=list)
+    reading: ReadNotes = field(default_factory=ReadNotes)
 
     @property
     def origin_unix_ns(self) -> int:
@@ -562,7 +573,7 @@ class _Normalizer:
             runtime=tables["runtime"], syncs=tables["syncs"], cpu_ops=tables["cpu_ops"],
             annotations=tables["annotations"], flows=flows, memory=tables["memory"],
             metadata=metadata, process_names=self.process_names, thread_names=self.thread_names,
-            skipped=skipped, event_count=self.count, base_time_ns=base_ns, warnings=warnings)
+            skipped=skipped, event_count=self.count, base_time_ns=base_ns, warnings=warnings, reading=notes)
 
     def _warnings(self, notes: ReadNotes) -> list[str]:
         out = []
@@ -595,7 +606,7 @@ def _base_time_ns(metadata: dict[str, Any], origin_us: float, warnings: list[str
         return 0
     raw = metadata["baseTimeNanoseconds"]
     base = _as_int(raw, -1) if not isinstance(raw, bool) else -1
-    if base < 0 or (isinstance(raw, float) and not math.isfinite(raw)):
+    if base < 0 or base >= MAX_BASE_TIME_NS or (isinstance(raw, float) and not math.isfinite(raw)):
         warnings.append(f"baseTimeNanoseconds {_key(raw)} is not a Unix time in ns: ignored (ts read as epoch us)")
         return 0
     if origin_us >= EPOCH_US_FLOOR:
@@ -618,7 +629,7 @@ def _product(dims: Any) -> int:
 
 
 def _num(value: Any) -> float:
-    if value is None:
+    if value is None or isinstance(value, (list, dict)):
         return NAN
     try:
         return float(value)

@@ -391,7 +391,8 @@ def write_perfetto(out_path: str | os.PathLike[str], traces: list[KinetoTrace] |
     ``.json`` / ``.json.gz``; gzip when it ends in ``.gz``.
 
     Returns counts: ``events`` (slices and counter points written), ``requests`` drawn, ``linked_requests``
-    (requests joined to a profiler range by a flow), ``tracks``.
+    (requests joined to a profiler range by a flow), ``tracks``, ``shifted_ns`` (0, or how far every time
+    was moved because a trace held times before 1970, which protobuf timestamps cannot hold).
 
     Raises:
         OSError: the file cannot be written.
@@ -400,13 +401,17 @@ def write_perfetto(out_path: str | os.PathLike[str], traces: list[KinetoTrace] |
     tl, counts = build_timeline(traces or [], store)
     json_format = out.name.endswith((".json", ".json.gz"))
     opener: Any = gzip.open if out.suffix == ".gz" else open
+    first = min([v[0].start_ns for v in tl.slices.values() if v] + [c[0][0] for c in tl.counters.values() if c],
+                default=0)
+    shift = 0 if json_format or first >= 0 else -first  # protobuf timestamps are unsigned
     with opener(out, "wb") as fh:
-        counts["events"] = _write_json(fh, tl) if json_format else _write_proto(fh, tl)
+        counts["events"] = _write_json(fh, tl) if json_format else _write_proto(fh, tl, shift)
     counts["tracks"] = len(tl.tracks)
+    counts["shifted_ns"] = shift
     return counts
 
 
-def _write_proto(fh: IO[bytes], tl: Timeline) -> int:
+def _write_proto(fh: IO[bytes], tl: Timeline, shift: int = 0) -> int:
     from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
 
     te = pb.TrackEvent
@@ -441,7 +446,7 @@ def _write_proto(fh: IO[bytes], tl: Timeline) -> int:
         if t.counter:
             for ts, value in tl.counters.get(t.uuid, []):
                 p = packet()
-                p.timestamp = ts
+                p.timestamp = ts + shift
                 p.track_event.type = counter_type
                 p.track_event.track_uuid = t.uuid
                 p.track_event.double_counter_value = value
@@ -449,7 +454,7 @@ def _write_proto(fh: IO[bytes], tl: Timeline) -> int:
             continue
         for ts, s in _events(tl, t.uuid):
             p = packet()
-            p.timestamp = ts
+            p.timestamp = ts + shift
             ev = p.track_event
             ev.track_uuid = t.uuid
             if s is None:

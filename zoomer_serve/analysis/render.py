@@ -19,7 +19,17 @@ SEVERITY_STYLE = {"high": "bold red", "medium": "bold yellow", "low": "cyan", "i
 _NAME_WIDTH = 80
 
 
+_CONTROL_PICTURES = {c: 0x2400 + c for c in range(0x20)} | {0x7F: 0x2421}
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters (which a trace may carry in names) shown as their Unicode control
+    pictures (U+2400 block), so that they cannot move the cursor or restyle a terminal."""
+    return text.translate(_CONTROL_PICTURES)
+
+
 def _short(text: str, width: int = _NAME_WIDTH) -> str:
+    text = printable(text)
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
@@ -59,6 +69,7 @@ def _first_type_argument(args: str) -> str:
 def short_kernel_name(name: str, width: int = 60) -> str:
     """A readable kernel name: no ``void``, namespaces or parameters; the first type argument of a template
     is kept (``vectorized_elementwise_kernel<CUDAFunctor_add>``). Used for labels; tables keep full names."""
+    name = printable(name)
     if name.startswith(("Memcpy", "Memset")):
         return name
     s = name[5:] if name.startswith("void ") else name

@@ -84,9 +84,10 @@ def _byte_pos(text: str, pos: int) -> int:
 
 
 def _clean_text(value: Any) -> Any:
-    """``value`` with lone surrogates (invalid UTF-8 bytes kept by ``surrogateescape``) replaced by U+FFFD."""
+    """``value`` with lone surrogates (invalid UTF-8 bytes kept by ``surrogateescape``, or ``\\udXXX`` escapes
+    without their pair) replaced by U+FFFD, so that every string can be written as UTF-8 again."""
     if isinstance(value, str):
-        return value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        return value.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
     if isinstance(value, list):
         return [_clean_text(v) for v in value]
     if isinstance(value, dict):
@@ -108,17 +109,19 @@ class _Lenient:
     def __init__(self, piece: bytes) -> None:
         try:
             text = piece.decode("utf-8")
-            dirty = False
+            dirty = b"\\ud" in piece or b"\\uD" in piece  # escapes of surrogates, maybe unpaired
         except UnicodeDecodeError:
             text = piece.decode("utf-8", "surrogateescape")
             dirty = True
         self.value: Any = None
         self.end = -1
         self.error = -1
+        self.ran_out = False  # the text ended before the value did (a cut, not broken text)
         try:
             value, end = _LENIENT.raw_decode(text)
         except json.JSONDecodeError as exc:
             self.error = _byte_pos(text, exc.pos)
+            self.ran_out = exc.pos >= len(text) or exc.msg.startswith("Unterminated string")
             return
         except RecursionError:
             self.error = 0
@@ -161,18 +164,25 @@ class EventChunks:
         was read, and is an error before that."""
         if self._eof:
             return b""
-        try:
-            data = fh.read(size)
-        except (OSError, EOFError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError
-            if self.notes.bytes_read == 0:
-                raise self._error("cannot decompress", exc) from exc
-            self.notes.truncated = (f"the compressed stream ends early or is damaged after {self.notes.bytes_read} "
-                                    f"decompressed bytes ({exc})")
-            data = b""
-        if not data:
-            self._eof = True
-        self.notes.bytes_read += len(data)
-        return data
+        read1 = getattr(fh, "read1", fh.read)  # one read of the underlying stream at a time: a cut gzip
+        parts: list[bytes] = []                # stream then loses nothing decompressed before the cut
+        got = 0
+        while got < size:
+            try:
+                data = read1(size - got)
+            except (OSError, EOFError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError
+                if self.notes.bytes_read + got == 0:
+                    raise self._error("cannot decompress", exc) from exc
+                self.notes.truncated = (f"the compressed stream ends early or is damaged after "
+                                        f"{self.notes.bytes_read + got} decompressed bytes ({exc})")
+                data = b""
+            if not data:
+                self._eof = True
+                break
+            parts.append(data)
+            got += len(data)
+        self.notes.bytes_read += got
+        return b"".join(parts)
 
     def _chunks(self, fh: BinaryIO) -> Iterator[list[Any]]:
         buf, array_format = self._find_events(fh)
@@ -219,9 +229,10 @@ class EventChunks:
                 search_from = at + 1
                 continue
             if self._eof:
+                cut = f" ({self.notes.truncated})" if self.notes.truncated else ""
                 if not buf.strip(_WS):
-                    raise self._error("empty file")
-                raise self._error(f"no top-level \"traceEvents\" array: not a Chrome trace JSON file ({EXPECTED})")
+                    raise self._error("empty file" + cut)
+                raise self._error(f"no top-level \"traceEvents\" array{cut}: not a Chrome trace JSON file ({EXPECTED})")
             search_from = max(0, len(buf) - 16)
             buf += self._read(fh, self.chunk_bytes)
 
@@ -365,16 +376,14 @@ class EventChunks:
                 self.notes.lenient_pieces += 1
             self._after_array(piece[parsed.end:], array_format)
             return parsed.value
-        cut_short = parsed.error >= len(piece) - 2 or (
-            self._cut_inside(piece, parsed.error) and b"]" not in piece[parsed.error:])
-        if parsed.error >= 0 and not cut_short:
+        if parsed.error >= 0 and not parsed.ran_out:
             raise self._error("invalid JSON", offset=self._consumed + max(0, parsed.error - 1),
                               exc=ValueError("not JSON even with NaN, Infinity and control characters allowed"))
         return self._truncated_events(buf)
 
     def _cut_inside(self, piece: bytes, error: int) -> bool:
-        """Whether a parse failure at ``error`` can be the end of a cut file: nothing but the unfinished
-        last event follows (the failure lies after the last event boundary)."""
+        """Whether a parse failure at ``error`` lies in the last event of ``piece`` (after its last event
+        boundary): a cut that fell inside a nested value of that event."""
         last = next(self._candidates(piece, len(piece)), None)
         return last is None or error > last[0]
 
