@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from zoomer_serve.analysis.breakdown import kernel_type_breakdown, time_breakdown
+from zoomer_serve.analysis.conventions import Conventions, apply_conventions, profiler_steps
 from zoomer_serve.analysis.findings import Finding, sort_findings
 from zoomer_serve.analysis.kernels import kernel_breakdown, kind_breakdown
 from zoomer_serve.analysis.kineto import KinetoTrace, load_trace
@@ -57,6 +59,9 @@ def trace_tables(trace: KinetoTrace) -> dict[str, Table]:
     """Every trace analyzer's table, by name."""
     return {
         "gpu_utilization": gpu_utilization(trace),
+        "time_breakdown": time_breakdown(trace),
+        "kernel_type_breakdown": kernel_type_breakdown(trace),
+        "profiler_steps": profiler_steps(trace),
         "kind_breakdown": kind_breakdown(trace),
         "kernel_breakdown": kernel_breakdown(trace),
         "launch_stats": launch_stats(trace),
@@ -66,13 +71,16 @@ def trace_tables(trace: KinetoTrace) -> dict[str, Table]:
     }
 
 
-def analyze_trace(trace: KinetoTrace | str | os.PathLike[str]) -> TraceReport:
-    """Load (when given a path) and analyse one Kineto trace.
+def analyze_trace(trace: KinetoTrace | str | os.PathLike[str],
+                  conventions: Conventions | None = None) -> TraceReport:
+    """Load (when given a path) and analyse one Kineto trace, counting what ``conventions`` count (ours and
+    all profiler steps by default; see :mod:`zoomer_serve.analysis.conventions`).
 
     Raises:
         FileNotFoundError / TraceFormatError: see :func:`~zoomer_serve.analysis.kineto.load_trace`.
     """
     t = trace if isinstance(trace, KinetoTrace) else load_trace(trace)
+    t = apply_conventions(t, conventions or Conventions())
     return TraceReport(t, trace_tables(t), sort_findings(detect_trace(t)))
 
 
@@ -88,12 +96,14 @@ def analyze_store(store_path: str | os.PathLike[str]) -> list[Finding]:
 
 
 def analyze(traces: list[str | os.PathLike[str]] | None = None,
-            store_path: str | os.PathLike[str] | None = None) -> AnalysisResult:
-    """Analyse any number of trace files and, optionally, a store."""
+            store_path: str | os.PathLike[str] | None = None,
+            conventions: Conventions | None = None) -> AnalysisResult:
+    """Analyse any number of trace files and, optionally, a store (``conventions``: see
+    :func:`analyze_trace`)."""
     result = AnalysisResult()
     findings: list[Finding] = []
     for path in traces or []:
-        report = analyze_trace(Path(path))
+        report = analyze_trace(Path(path), conventions)
         result.traces.append(report)
         findings.extend(report.findings)
     if store_path is not None:

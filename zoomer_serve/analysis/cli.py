@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.text import Text
 
 from zoomer_serve.analysis.api import AnalysisResult, analyze
+from zoomer_serve.analysis.conventions import CONVENTIONS, STEPS, Conventions
 from zoomer_serve.analysis.findings import SEVERITIES
 from zoomer_serve.analysis.kineto import TraceFormatError
 from zoomer_serve.analysis.render import render_findings, rich_table
@@ -47,6 +48,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    help="write the merged timeline (request spans and phases, CPU ops, kernels) for "
                    "ui.perfetto.dev: TrackEvent protobuf (FILE.pftrace; .gz to compress), or Chrome JSON when "
                    "FILE ends in .json / .json.gz")
+    p.add_argument("--conventions", choices=CONVENTIONS, default="zoomer",
+                   help="what the figures count: zoomer (default: every GPU operation in the trace, sync records "
+                   "are the host waiting, times as written) or hta (Holistic Trace Analysis' definitions, to "
+                   "compare with it; see README 'How our figures differ from HTA's')")
+    p.add_argument("--steps", choices=STEPS, default=None,
+                   help="profiler steps to count: all (default with --conventions zoomer) or complete (all but the "
+                   "last, whose GPU work may run past the recording; default with --conventions hta)")
     p.add_argument("--rows", type=non_negative_int, default=10, help="rows per table in the summary (default 10)")
     p.add_argument("--fail-on", choices=SEVERITIES, default=None,
                    help="exit 3 when a finding of this severity or worse is found (for CI gates)")
@@ -77,8 +85,9 @@ def _run(args: argparse.Namespace, console: Console | None) -> int:
     for t in args.traces:
         if not t.is_file():
             return _error(f"trace not found: {t}")
+    steps = args.steps or ("complete" if args.conventions == "hta" else "all")
     try:
-        result = analyze(args.traces, store)
+        result = analyze(args.traces, store, Conventions(args.conventions, steps))
     except FileNotFoundError as exc:
         return _error(str(exc))
     except (TraceFormatError, StoreAnalysisError) as exc:

@@ -289,6 +289,10 @@ class KinetoTrace:
         warnings: what was odd about the input, one sentence each with its count (events dropped, names
             that were not text, a file cut short, ...); empty for a clean file.
         reading: the reader's notes (bytes read, pieces parsed leniently, parse attempts, truncation).
+        conventions / steps: the definitions the tables were selected with ("zoomer" or "hta"; "all" or
+            "complete" profiler steps), see :mod:`zoomer_serve.analysis.conventions`.
+        syncs_are_gpu_work: HTA's convention: CUPTI synchronisation records on a stream count as GPU work
+            (in :meth:`gpu_ops`); ours (False): they are the host waiting.
     """
 
     path: Path
@@ -309,6 +313,10 @@ class KinetoTrace:
     base_time_ns: int = 0
     warnings: list[str] = field(default_factory=list)
     reading: ReadNotes = field(default_factory=ReadNotes)
+    conventions: str = "zoomer"
+    steps: str = "all"
+    syncs_are_gpu_work: bool = False
+    _gpu_ops: Table | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def origin_unix_ns(self) -> int:
@@ -340,12 +348,22 @@ class KinetoTrace:
     def gpu_ops(self) -> Table:
         """Kernels and memory operations together (the work that keeps a GPU busy), sorted by ``ts``:
         columns ``ts``, ``dur``, ``device``, ``stream``, ``correlation``, ``name``, ``kind`` ("kernel",
-        "memcpy", "memset")."""
-        k, m = self.kernels, self.memops
-        cols = {c: np.concatenate([k[c], m[c]]) for c in ("ts", "dur", "device", "stream", "correlation", "name")}
-        cols["kind"] = np.concatenate([np.full(len(k), "kernel", dtype=object), m["op"]])
-        order = np.argsort(cols["ts"], kind="stable")
-        return Table("gpu_ops", {c: v[order] for c, v in cols.items()}, {"ts": "us", "dur": "us"})
+        "memcpy", "memset"; "sync" for the synchronisation records on a stream when
+        :attr:`syncs_are_gpu_work`). Computed once per trace."""
+        if self._gpu_ops is None:
+            k, m = self.kernels, self.memops
+            parts = [k, m]
+            kinds = [np.full(len(k), "kernel", dtype=object), m["op"]]
+            if self.syncs_are_gpu_work:
+                s = self.syncs.take(self.syncs["stream"] != -1)
+                parts.append(Table("syncs", {**s.columns, "name": s["kind"]}))
+                kinds.append(np.full(len(s), "sync", dtype=object))
+            cols = {c: np.concatenate([p[c] for p in parts])
+                    for c in ("ts", "dur", "device", "stream", "correlation", "name")}
+            cols["kind"] = np.concatenate(kinds)
+            order = np.argsort(cols["ts"], kind="stable")
+            self._gpu_ops = Table("gpu_ops", {c: v[order] for c, v in cols.items()}, {"ts": "us", "dur": "us"})
+        return self._gpu_ops
 
     def summary(self) -> dict[str, Any]:
         """Event counts per table and the time span covered, for printing."""
@@ -355,7 +373,7 @@ class KinetoTrace:
             "cpu_ops": len(self.cpu_ops), "annotations": len(self.annotations), "flows": len(self.flows),
             "memory_events": len(self.memory), "devices": self.devices, "skipped": dict(self.skipped),
             "base_time_ns": self.base_time_ns, "start_unix_ns": self.origin_unix_ns,
-            "warnings": list(self.warnings),
+            "conventions": self.conventions, "steps": self.steps, "warnings": list(self.warnings),
         }
 
 

@@ -75,6 +75,8 @@ def gpu_utilization(trace: KinetoTrace, kernel_wait_threshold_us: float = KERNEL
     Columns: ``device``, ``stream`` (-1 = all streams of the device), ``ops`` (GPU operations),
     ``window_us``, ``busy_us``, ``idle_us``, ``utilization`` (busy / window, 0..1), ``host_wait_us``,
     ``kernel_wait_us``, ``other_idle_us`` (idle split, see the module docstring), ``longest_gap_us``.
+    Under HTA's conventions the device rows count CUPTI sync records on a stream as GPU work (as its temporal
+    breakdown does); the stream rows never do (as its idle time breakdown).
     """
     ops = trace.gpu_ops()
     launch = _launch_ts(trace, ops["correlation"])
@@ -83,8 +85,9 @@ def gpu_utilization(trace: KinetoTrace, kernel_wait_threshold_us: float = KERNEL
         dsel = ops["device"] == dev
         rows.append(_device_row(int(dev), ops["ts"][dsel], ops["dur"][dsel], launch[dsel], kernel_wait_threshold_us))
         streams = ops["stream"][dsel]
-        for stream in np.unique(streams):
-            ssel = streams == stream
+        work = ops["kind"][dsel] != "sync"  # per stream, sync records are never work (HTA's idle breakdown too)
+        for stream in np.unique(streams[work]):
+            ssel = (streams == stream) & work
             rows.append(_stream_row(int(dev), int(stream), ops["ts"][dsel][ssel], ops["dur"][dsel][ssel],
                                     launch[dsel][ssel], kernel_wait_threshold_us))
     return Table.from_rows(
