@@ -80,16 +80,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import orjson
 
+from zoomer_serve.analysis import trace_events as ev
 from zoomer_serve.analysis.table import Table
 from zoomer_serve.analysis.trace_reader import (
     EXPECTED,
     EventChunks,
+    Malformed,
     ReadNotes,
     TraceFormatError,
     open_binary,
+    orjson_decode,
     read_bytes_opener,
 )
 
@@ -416,12 +420,15 @@ class _Normalizer:
         return _text(value)
 
     def consume(self, events: list[Any]) -> None:
-        """Add one parsed piece of events. The common case (a complete ``X`` event of a known category)
-        takes the fast path; anything unusual is repaired by :meth:`_repair` and taken again, or counted."""
+        """Add one parsed piece of events (event structs, or dicts where the piece did not fit the schema).
+        The common case (a complete ``X`` event of a known category) takes the fast path; anything unusual
+        is repaired by :meth:`_repair` and taken again, or counted."""
         self.count += len(events)
+        if events and not isinstance(events[0], ev.Event) and not isinstance(events[-1], ev.Event):
+            events = ev.from_dicts(events)
         retry = self._take(events, repaired=False)
         if retry:
-            self._take(retry, repaired=True)
+            self._take(ev.from_dicts(retry), repaired=True)
         for b in self.builders():
             b.flush()
         self.flow_starts.flush()
@@ -434,74 +441,96 @@ class _Normalizer:
         kernels, memops, runtime = self.kernels.rows, self.memops.rows, self.runtime.rows
         syncs, cpu_ops, annotations = self.syncs.rows, self.cpu_ops.rows, self.annotations.rows
         flow_starts, flow_ends = self.flow_starts.rows, self.flow_ends.rows
+        x_type, s_type, f_type = _X_EVENT, _S_EVENT, _F_EVENT
+        empty = ev.EMPTY_ARGS
         retry: list[dict[str, Any]] = []
         for e in events:
             try:
-                ph = e["ph"]
-                if ph == "X":
-                    kind = aliases[e["cat"]]
-                    name = e["name"]
+                et = type(e)
+                if et is x_type:
+                    kind = aliases[e.cat]
+                    name = e.name
                     if type(name) is not str:
                         name = self._odd_name(name)
                     name = names.setdefault(name, name)
-                    a = e.get("args") or _EMPTY
+                    a = e.args or empty
+                    ts = e.ts
+                    if ts is None:
+                        raise TypeError("no ts")
+                    dur = e.dur
                     if kind == "cpu_op":
-                        cpu_ops.append((e["ts"], e.get("dur", 0), e["pid"], e["tid"], a.get("External id", -1),
-                                        name))
+                        cpu_ops.append((ts, dur, e.pid, e.tid, a.external_id, name))
                     elif kind == "runtime" or kind == "driver":
-                        runtime.append((e["ts"], e.get("dur", 0), e["pid"], e["tid"], a.get("correlation", -1),
-                                        a.get("External id", -1), name, a.get("cbid", -1),
+                        runtime.append((ts, dur, e.pid, e.tid, a.correlation, a.external_id, name, a.cbid,
                                         "runtime" if kind == "runtime" else "driver"))
                     elif kind == "kernel":
+                        device, stream = a.device, a.stream
                         kernels.append((
-                            e["ts"], e.get("dur", 0), a.get("device", e["pid"]), a.get("stream", e["tid"]),
-                            a.get("correlation", -1), a.get("External id", -1), name,
-                            _product(a.get("grid")), _product(a.get("block")), a.get("registers per thread", -1),
-                            a.get("shared memory", -1), a.get("blocks per SM", NAN), a.get("warps per SM", NAN),
-                            a.get("est. achieved occupancy %", NAN), a.get("graph node id", -1)))
+                            ts, dur, e.pid if device is None else device, e.tid if stream is None else stream,
+                            a.correlation, a.external_id, name, _product(a.grid), _product(a.block),
+                            a.registers_per_thread, a.shared_memory, a.blocks_per_sm, a.warps_per_sm, a.occupancy,
+                            a.graph_node_id))
                     elif kind == "memcpy" or kind == "memset":
                         direction, src, dst = self._memcpy_kind(name) if kind == "memcpy" else ("", "", "")
-                        memops.append((e["ts"], e.get("dur", 0), a.get("device", e["pid"]),
-                                       a.get("stream", e["tid"]), a.get("correlation", -1),
-                                       a.get("External id", -1), name, kind, direction, src, dst,
-                                       a.get("bytes", 0)))
+                        device, stream = a.device, a.stream
+                        memops.append((ts, dur, e.pid if device is None else device,
+                                       e.tid if stream is None else stream, a.correlation, a.external_id, name, kind,
+                                       direction, src, dst, a.bytes))
                     elif kind == "sync":
-                        sk = a.get("cuda_sync_kind") or name
+                        sk = a.cuda_sync_kind or name
                         if type(sk) is not str:
                             sk = self._odd_name(sk)
-                        syncs.append((e["ts"], e.get("dur", 0), a.get("device", e["pid"]), a.get("stream", -1),
-                                      a.get("correlation", -1), names.setdefault(sk, sk),
-                                      a.get("wait_on_stream", -1)))
+                        device, stream = a.device, a.stream
+                        syncs.append((ts, dur, e.pid if device is None else device, -1 if stream is None else stream,
+                                      a.correlation, names.setdefault(sk, sk), a.wait_on_stream))
                     else:  # annotation / gpu_annotation
                         on_gpu = kind == "gpu_annotation"
-                        annotations.append((e["ts"], e.get("dur", 0), e["pid"], e["tid"], name, on_gpu,
-                                            a.get("device", e["pid"]) if on_gpu else -1,
-                                            a.get("stream", e["tid"]) if on_gpu else -1,
-                                            a.get("External id", -1)))
-                elif ph == "f" or ph == "s":
-                    cat = e["cat"]
-                    if type(cat) is not str:
+                        device, stream = a.device, a.stream
+                        annotations.append((ts, dur, e.pid, e.tid, name, on_gpu,
+                                            (e.pid if device is None else device) if on_gpu else -1,
+                                            (e.tid if stream is None else stream) if on_gpu else -1, a.external_id))
+                elif et is f_type or et is s_type:
+                    cat = e.cat
+                    if type(cat) is not str or e.ts is None:
                         raise TypeError("flow category")
-                    (flow_ends if ph == "f" else flow_starts).append((cat, e["id"], e["ts"], e["pid"], e["tid"]))
+                    (flow_ends if et is f_type else flow_starts).append((cat, e.id, e.ts, e.pid, e.tid))
                 elif repaired:
                     self.skipped["malformed event"] += 1
                 else:
-                    fixed = self._repair(e)
+                    fixed = self._other(e)
                     if fixed is not None:
                         retry.append(fixed)
             except (KeyError, TypeError, AttributeError, ValueError, OverflowError):
                 if repaired:
                     self.skipped["malformed event"] += 1
                     continue
-                fixed = self._repair(e)
+                fixed = self._repair(ev.as_dict(e))
                 if fixed is not None:
                     retry.append(fixed)
         return retry
 
+    def _other(self, e: Any) -> dict[str, Any] | None:
+        """Events of other phases: metadata, memory instants, counters; the rest counted."""
+        if not isinstance(e, ev.Event):
+            return self._repair(ev.as_dict(e))
+        ph = ev.phase_of(e)
+        a = e.args or ev.EMPTY_ARGS
+        if ph == "M":
+            if e.name == "process_name":
+                self.process_names[_as_int(e.pid)] = _text(a.name or "")
+            elif e.name == "thread_name":
+                self.thread_names[(_as_int(e.pid), _as_int(e.tid))] = _text(a.name or "")
+            return None
+        if ph in ("i", "I") and e.name == "[memory]" and e.ts is not None:
+            device = _as_int(a.device_id, -1) if _as_int(a.device_type, 0) == 1 else -1
+            self.memory.rows.append((e.ts, 0.0, device, a.memory_bytes, a.total_allocated, a.total_reserved))
+            return None
+        return self._repair(ev.as_dict(e))
+
     def _repair(self, e: Any) -> dict[str, Any] | None:
-        """An event the fast path did not take: metadata and instants are handled here; an ``X`` / flow event
-        missing a field or with a value of the wrong type is returned repaired (to take again); anything
-        else is counted in :attr:`skipped` (None)."""
+        """An event (as a dict) the fast path did not take: an ``X`` / flow event missing a field or with a
+        value of the wrong type is returned repaired (to take again); anything else is counted in
+        :attr:`skipped` (None)."""
         if type(e) is not dict:
             self.skipped["<not an object>"] += 1
             self.not_events += 1
@@ -523,18 +552,16 @@ class _Normalizer:
                 self.thread_names[(_as_int(e.get("pid")), _as_int(e.get("tid")))] = _text(a.get("name", ""))
             return None
         has_ts = e.get("ts") is not None
-        if ph in ("i", "I") and e.get("name") == "[memory]" and has_ts:
-            device = _as_int(a.get("Device Id"), -1) if _as_int(a.get("Device Type"), 0) == 1 else -1
-            self.memory.rows.append((e["ts"], 0.0, device, a.get("Bytes", 0), a.get("Total Allocated", 0),
-                                     a.get("Total Reserved", 0)))
-            return None
         if ph in ("X", "s", "f") and has_ts and (cat_key in _CATEGORY_ALIASES or ph != "X"):
-            fixed = {"pid": -1, "tid": -1, "name": "", "id": -1, **e, "cat": cat_key, "args": a}
+            fixed = {"pid": -1, "tid": -1, "name": "", "id": -1, **e, "cat": cat_key,
+                     "args": {k: v for k, v in a.items() if isinstance(k, str)}}
             if not isinstance(fixed["name"], str):
                 fixed["name"] = self._odd_name(fixed["name"])
             for key in ("pid", "tid"):
                 if not isinstance(fixed[key], (int, float, str)):
                     fixed[key] = -1
+            if "dur" in fixed and fixed["dur"] is None:
+                fixed["dur"] = NAN
             return fixed
         if ph in ("i", "I"):
             self.skipped[f"instant:{_key(e.get('cat') or e.get('name'))}"] += 1
@@ -612,6 +639,11 @@ class _Normalizer:
         return out
 
 
+_X_EVENT = ev.EVENT_TYPES["X"]
+_S_EVENT = ev.EVENT_TYPES["s"]
+_F_EVENT = ev.EVENT_TYPES["f"]
+
+
 def _key(value: Any) -> str:
     """A short, hashable label for a value used as a counter key."""
     text = value if isinstance(value, str) else _text(value)
@@ -672,7 +704,7 @@ def load_trace(path: str | os.PathLike[str], *, chunk_bytes: int = DEFAULT_CHUNK
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"trace not found: {p}")
-    return _load(p, EventChunks(p, chunk_bytes, lambda: open_binary(p)), on_chunk)
+    return _load(p, EventChunks(p, chunk_bytes, lambda: open_binary(p), _decode_events), on_chunk)
 
 
 def load_trace_bytes(data: bytes, name: str = "<memory>", chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> KinetoTrace:
@@ -681,7 +713,28 @@ def load_trace_bytes(data: bytes, name: str = "<memory>", chunk_bytes: int = DEF
     Raises:
         TraceFormatError: as :func:`load_trace`.
     """
-    return _load(Path(name), EventChunks(Path(name), chunk_bytes, read_bytes_opener(data)), None)
+    return _load(Path(name), EventChunks(Path(name), chunk_bytes, read_bytes_opener(data), _decode_events), None)
+
+
+_BYTE_AT = re.compile(r"\(byte (\d+)\)")
+
+
+def _decode_events(piece: bytes) -> Any:
+    """A piece of the event array as event structs (:mod:`~zoomer_serve.analysis.trace_events`), or as
+    dicts when it is JSON of another shape.
+
+    Raises:
+        Malformed: not strict JSON (with the byte offset of the failure).
+    """
+    try:
+        return ev.DECODER.decode(piece)
+    except msgspec.ValidationError:
+        return orjson_decode(piece)
+    except msgspec.DecodeError as exc:
+        m = _BYTE_AT.search(str(exc))
+        raise Malformed(int(m.group(1)) if m else len(piece), str(exc)) from None
+    except UnicodeDecodeError as exc:  # invalid UTF-8 in a string: the lenient reader replaces it
+        raise Malformed(0, str(exc)) from None
 
 
 def _load(path: Path, reader: EventChunks, on_chunk: Callable[[int], None] | None) -> KinetoTrace:

@@ -95,11 +95,26 @@ def _clean_text(value: Any) -> Any:
     return value
 
 
-def _strict_error_at_end(piece: bytes, pos: int) -> bool:
-    """Whether ``orjson`` failed at the very end of ``piece`` (``pos`` counts characters): the text is fine
-    up to there and merely unfinished."""
-    length = len(piece) if piece.isascii() else len(piece.decode("utf-8", "replace"))
-    return pos >= length - 2
+class Malformed(ValueError):
+    """A piece is not strict JSON; ``pos`` is the byte offset where parsing failed (its length when the text
+    merely ended early)."""
+
+    def __init__(self, pos: int, message: str = "") -> None:
+        super().__init__(message or f"malformed JSON at byte {pos}")
+        self.pos = pos
+
+
+def orjson_decode(piece: bytes) -> Any:
+    """``piece`` parsed with ``orjson``.
+
+    Raises:
+        Malformed: not strict JSON (the byte offset of the failure).
+    """
+    try:
+        return orjson.loads(piece)
+    except orjson.JSONDecodeError as exc:
+        pos = exc.pos if piece.isascii() else len(piece.decode("utf-8", "replace")[:exc.pos].encode())
+        raise Malformed(pos, str(exc)) from None
 
 
 class _Lenient:
@@ -134,13 +149,16 @@ class EventChunks:
     """Iterate over lists of parsed events; after exhaustion :attr:`metadata` holds the other top-level keys
     and :attr:`notes` what was odd.
 
-    ``name`` names the input in error messages; ``opener`` returns its decompressed bytes.
+    ``name`` names the input in error messages; ``opener`` returns its decompressed bytes; ``decode`` parses a
+    piece of strict JSON into its value (a list of events), raising :class:`Malformed` (default: ``orjson``).
     """
 
-    def __init__(self, name: Path, chunk_bytes: int, opener: Callable[[], BinaryIO]) -> None:
+    def __init__(self, name: Path, chunk_bytes: int, opener: Callable[[], BinaryIO],
+                 decode: Callable[[bytes], Any] = orjson_decode) -> None:
         self.path = name
         self.chunk_bytes = max(1024, int(chunk_bytes))
         self.opener = opener
+        self.decode = decode
         self.metadata: dict[str, Any] = {}
         self.notes = ReadNotes()
         self._consumed = 0  # decompressed bytes dropped from the front of the buffer
@@ -294,10 +312,13 @@ class EventChunks:
             piece = b"[" + buf[:j + 1] + b"]"
             self.notes.parse_attempts += 1
             try:
-                return orjson.loads(piece), buf[after:], False
-            except orjson.JSONDecodeError as exc:
-                if _strict_error_at_end(piece, exc.pos):
+                return self.decode(piece), buf[after:], False
+            except Malformed as exc:
+                if exc.pos >= len(piece) - 2:
                     continue  # the cut fell inside a string or a nested array: try the previous boundary
+                closed = self._closed(piece, exc.pos)
+                if closed is not None:
+                    return closed[0], buf[closed[1] - 1:], True
             parsed = _Lenient(piece)
             if parsed.error >= 0:
                 if parsed.error >= len(piece) - 2 or self._cut_inside(piece, parsed.error):
@@ -306,21 +327,24 @@ class EventChunks:
                                   exc=ValueError("not JSON even with NaN, Infinity and control characters allowed"))
             if not isinstance(parsed.value, list):
                 continue
-            if not self._strict(piece[:parsed.end]):
-                self.notes.lenient_pieces += 1
+            self.notes.lenient_pieces += 1
             if parsed.end == len(piece):  # complete events, but not strict JSON
                 return parsed.value, buf[after:], False
             # the event array closed inside the piece: parsed.end is just after its ']'
             return parsed.value, buf[parsed.end - 1:], True
         return None
 
-    @staticmethod
-    def _strict(text: bytes) -> bool:
+    def _closed(self, piece: bytes, pos: int) -> tuple[list[Any], int] | None:
+        """(events, the offset just after the array's ']') when the event array closed before ``pos`` of
+        ``piece`` (the failure is trailing text after a complete strict JSON array), else None."""
+        end = piece.rfind(b"]", 0, pos + 1) + 1
+        if end <= 0 or piece[end:pos].strip(_WS + b",") != b"":
+            return None
         try:
-            orjson.loads(text)
-        except orjson.JSONDecodeError:
-            return False
-        return True
+            value = self.decode(piece[:end])
+        except Malformed:
+            return None
+        return (value, end) if isinstance(value, list) else None
 
     def _after_array(self, rest: bytes, array_format: bool) -> None:
         """Parse what follows the closed event array: the remaining top-level keys (object format)."""
@@ -356,24 +380,21 @@ class EventChunks:
         """The last events, the closing ']' and (object format) the keys after the array; a file that ends
         inside the array keeps the complete events before the cut."""
         body = buf.rstrip(_WS)
-        try:
-            if array_format:
-                events = orjson.loads(b"[" + body)
-                if isinstance(events, list):
-                    return events
-            else:
-                doc = orjson.loads(b'{"traceEvents":[' + body)
-                if isinstance(doc, dict) and isinstance(doc.get("traceEvents"), list):
-                    events = doc.pop("traceEvents")
-                    self.metadata.update(doc)
-                    return events
-        except orjson.JSONDecodeError:
-            pass
         piece = b"[" + body
+        try:
+            events = self.decode(piece)
+            if isinstance(events, list):
+                if not array_format:  # an object whose closing '}' is missing
+                    self._after_array(b"", array_format)
+                return events
+        except Malformed as exc:
+            closed = self._closed(piece, exc.pos) if exc.pos < len(piece) else None
+            if closed is not None:
+                self._after_array(piece[closed[1]:], array_format)
+                return closed[0]
         parsed = _Lenient(piece)
         if parsed.error < 0 and isinstance(parsed.value, list):
-            if not self._strict(piece[:parsed.end]):
-                self.notes.lenient_pieces += 1
+            self.notes.lenient_pieces += 1
             self._after_array(piece[parsed.end:], array_format)
             return parsed.value
         if parsed.error >= 0 and not parsed.ran_out:
