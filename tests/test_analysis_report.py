@@ -169,3 +169,48 @@ def test_html_report_renders_in_headless_chromium(store: Path, tmp_path: Path) -
                    capture_output=True, timeout=120)
     img = mpimg.imread(shot)
     assert img.shape[0] >= 2000 and float(np.std(img)) > 0.05
+
+
+def test_json_holds_every_row_of_every_table(capsys: Any) -> None:
+    """--json is complete (--rows only limits the terminal summary): every table's rows equal its row count."""
+    code, _ = run_cli([str(KINETO / "a100_alexnet_inference.json.gz"), "--json", "--rows", "2"])
+    assert code == 0
+    doc = json.loads(capsys.readouterr().out)
+    tables = doc["traces"][0]["tables"]
+    assert tables["kernel_breakdown"]["row_count"] > 10
+    for name, t in tables.items():
+        assert len(t["rows"]) == t["row_count"], name
+
+
+def test_html_columns_carry_their_unit_and_tables_their_caption() -> None:
+    """A column's unit is in its header and every cell of it is in that unit (the window of 13 s in
+    seconds, not "12,920,244.00 us" nor a mix); every table has a caption and scrolls inside the page."""
+    page = render_html(analyze([KINETO / "a100_alexnet_inference.json.gz"]))
+    tables = re.findall(r'<div class="scroll"><table data-table="([a-z_]+)"><caption>', page)
+    assert {"gpu_utilization", "time_breakdown", "kernel_breakdown", "launch_stats"} <= set(tables)
+    assert page.count("<table data-table=") == len(tables) == page.count("<caption>")
+    assert ".scroll{overflow-x:auto" in page
+    util = re.search(r'<table data-table="gpu_utilization">(.*?)</table>', page).group(1)
+    headers = re.findall(r"<th>([^<]*)</th>", util)
+    assert "window (s)" in headers and "utilization (%)" in headers and "window_us" not in headers
+    col = headers.index("window (s)")
+    first_row = re.findall(r"<td[^>]*>([^<]*)</td>", util.split("</tr>")[1])
+    assert first_row[col] == "12.92"  # 12,920,244 us
+    assert all(not cell.endswith((" s", " ms", " us")) for cell in first_row)
+
+
+def test_a_trace_without_gpu_work_says_so_in_one_sentence(tmp_path: Path) -> None:
+    """A CPU-only trace: one sentence instead of empty GPU tables and a misleading plot note."""
+    from zoomer_serve.analysis.render import NO_GPU_WORK
+
+    doc = {"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 10 * i,
+                            "dur": 5} for i in range(20)]}
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(doc))
+    page = render_html(analyze([path]))
+    assert page.count(NO_GPU_WORK) == 1
+    for table in ("gpu_utilization", "kernel_breakdown", "launch_stats", "time_breakdown"):
+        assert f'data-table="{table}"' not in page
+    assert "the traces hold no GPU work" in page and "needs a Kineto trace" not in page
+    code, out = run_cli([str(path)])
+    assert code == 0 and "holds no GPU work" in out.replace("\n", " ") and "GPU busy / idle" not in out

@@ -5,14 +5,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zoomer_serve.analysis.breakdown import kernel_type_breakdown, time_breakdown
 from zoomer_serve.analysis.conventions import Conventions, apply_conventions, profiler_steps
 from zoomer_serve.analysis.findings import Finding, sort_findings
 from zoomer_serve.analysis.kernels import kernel_breakdown, kind_breakdown
 from zoomer_serve.analysis.kineto import KinetoTrace, load_trace
-from zoomer_serve.analysis.store import StoreData, detect_store, load_store, request_percentiles
 from zoomer_serve.analysis.table import Table
 from zoomer_serve.analysis.timeline import (
     annotation_gpu_time,
@@ -22,6 +21,9 @@ from zoomer_serve.analysis.timeline import (
     request_gpu_time,
 )
 from zoomer_serve.analysis.trace_detectors import detect_trace
+
+if TYPE_CHECKING:
+    from zoomer_serve.analysis.store import StoreData
 
 
 @dataclass
@@ -43,8 +45,8 @@ class AnalysisResult:
     store_tables: dict[str, Table] = field(default_factory=dict)
     findings: list[Finding] = field(default_factory=list)
 
-    def to_dict(self, rows: int = 50) -> dict[str, Any]:
-        """JSON-ready: findings, and each table with at most ``rows`` rows."""
+    def to_dict(self, rows: int | None = None) -> dict[str, Any]:
+        """JSON-ready: findings, and each table with every row (at most ``rows`` when given)."""
         return {
             "findings": [f.to_dict() for f in self.findings],
             "traces": [{"summary": r.trace.summary(), "tables": {k: t.to_dict(rows) for k, t in r.tables.items()}}
@@ -92,6 +94,8 @@ def analyze_store(store_path: str | os.PathLike[str]) -> list[Finding]:
         FileNotFoundError: no such file.
         StoreAnalysisError: the store cannot be read.
     """
+    from zoomer_serve.analysis.store import detect_store, load_store
+
     return sort_findings(detect_store(load_store(store_path)))
 
 
@@ -107,6 +111,8 @@ def analyze(traces: list[str | os.PathLike[str]] | None = None,
         result.traces.append(report)
         findings.extend(report.findings)
     if store_path is not None:
+        from zoomer_serve.analysis.store import detect_store, load_store, request_percentiles
+
         data = load_store(store_path)
         result.store = data
         result.store_tables = {"request_percentiles": request_percentiles(data)}

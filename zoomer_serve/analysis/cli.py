@@ -23,7 +23,7 @@ from zoomer_serve.analysis.api import AnalysisResult, analyze
 from zoomer_serve.analysis.conventions import CONVENTIONS, STEPS, Conventions
 from zoomer_serve.analysis.findings import SEVERITIES
 from zoomer_serve.analysis.kineto import TraceFormatError
-from zoomer_serve.analysis.render import render_findings, rich_table
+from zoomer_serve.analysis.render import NO_GPU_WORK, has_gpu_work, render_findings, rich_table
 from zoomer_serve.analysis.store import StoreAnalysisError
 from zoomer_serve.cli_types import non_negative_int
 from zoomer_serve.collector.store import default_store_path
@@ -42,7 +42,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("traces", nargs="*", type=Path, metavar="TRACE", help="Kineto / Chrome trace JSON files")
     p.add_argument("--store", type=Path, default=None,
                    help="DuckDB store (default when no trace is given: $ZOOMER_STORE or ./zoomer-data/zoomer.duckdb)")
-    p.add_argument("--json", action="store_true", help="print findings and tables as JSON instead of the summary")
+    p.add_argument("--json", action="store_true",
+                   help="print findings and every row of every table as JSON instead of the summary")
     p.add_argument("--html", type=Path, default=None, metavar="FILE", help="write a self-contained HTML report")
     p.add_argument("--perfetto", type=Path, default=None, metavar="FILE",
                    help="write the merged timeline (request spans and phases, CPU ops, kernels) for "
@@ -55,7 +56,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--steps", choices=STEPS, default=None,
                    help="profiler steps to count: all (default with --conventions zoomer) or complete (all but the "
                    "last, whose GPU work may run past the recording; default with --conventions hta)")
-    p.add_argument("--rows", type=non_negative_int, default=10, help="rows per table in the summary (default 10)")
+    p.add_argument("--rows", type=non_negative_int, default=10,
+                   help="rows per table in the terminal summary (default 10; --json and --html hold every row)")
     p.add_argument("--fail-on", choices=SEVERITIES, default=None,
                    help="exit 3 when a finding of this severity or worse is found (for CI gates)")
     p.set_defaults(func=run)
@@ -101,7 +103,7 @@ def _run(args: argparse.Namespace, console: Console | None) -> int:
     except OSError as exc:
         return _error(f"cannot write the output: {exc}")
     if args.json:
-        out = result.to_dict(rows=max(args.rows, 0))
+        out = result.to_dict()  # every row: --rows is for the terminal summary
         out["outputs"] = notes
         sys.stdout.write(orjson.dumps(out, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY
                                       | orjson.OPT_NON_STR_KEYS).decode() + "\n")
@@ -124,20 +126,30 @@ def render_summary(result: AnalysisResult, console: Console, rows: int = 10) -> 
         console.rule(Text(f"trace {s['path']}"))
         console.print(Text(f"{s['events']} events: {s['kernels']} kernels, {s['memops']} copies/memsets, "
                            f"{s['runtime_calls']} runtime calls, {s['cpu_ops']} CPU ops, {s['annotations']} "
-                           f"annotations; devices {s['devices']}"))
+                           f"annotations; devices {s['devices']}; conventions {s['conventions']}, "
+                           f"{s['steps']} profiler steps"))
         t = rep.tables
-        console.print(rich_table(t["gpu_utilization"], ["device", "stream", "ops", "window_us", "busy_us",
-                                                         "utilization", "host_wait_us", "kernel_wait_us",
-                                                         "other_idle_us"], rows, "GPU busy / idle"))
-        console.print(rich_table(t["kind_breakdown"], limit=rows, title="GPU time by kind"))
-        console.print(rich_table(t["kernel_breakdown"], ["name", "kind", "count", "total_us", "mean_us", "share"],
-                                 rows, "Top kernels"))
-        console.print(rich_table(t["launch_stats"], ["device", "kernels", "kernel_median_us", "launch_median_us",
-                                                      "short_share", "launch_exceeds_kernel_share",
-                                                      "launch_delay_median_us"], rows, "Kernel launches"))
-        if len(t["memcpy_bandwidth"]):
-            console.print(rich_table(t["memcpy_bandwidth"], ["op", "direction", "src", "dst", "count", "bytes",
-                                                              "time_us", "bandwidth_gbps"], rows, "Copies"))
+        if not has_gpu_work(rep.trace):
+            console.print(Text(NO_GPU_WORK, style="italic"))
+        else:
+            console.print(rich_table(t["gpu_utilization"], ["device", "stream", "ops", "window_us", "busy_us",
+                                                             "utilization", "host_wait_us", "kernel_wait_us",
+                                                             "other_idle_us"], rows, "GPU busy / idle"))
+            console.print(rich_table(t["time_breakdown"], ["device", "window_us", "idle_us", "computation_us",
+                                                            "communication_us", "memory_us",
+                                                            "computation_communication_overlap_us"], rows,
+                                     "Where GPU time goes"))
+            console.print(rich_table(t["kind_breakdown"], limit=rows, title="GPU time by kind"))
+            console.print(rich_table(t["kernel_breakdown"], ["name", "kind", "count", "total_us", "mean_us", "share"],
+                                     rows, "Top kernels"))
+            console.print(rich_table(t["launch_stats"], ["device", "kernels", "kernel_median_us", "launch_median_us",
+                                                          "short_share", "launch_exceeds_kernel_share",
+                                                          "launch_delay_median_us"], rows, "Kernel launches"))
+            if len(t["memcpy_bandwidth"]):
+                console.print(rich_table(t["memcpy_bandwidth"], ["op", "direction", "src", "dst", "count", "bytes",
+                                                                  "time_us", "bandwidth_gbps"], rows, "Copies"))
+        if len(t["profiler_steps"]):
+            console.print(rich_table(t["profiler_steps"], limit=rows, title="Profiler steps"))
         if len(t["annotation_gpu_time"]):
             console.print(rich_table(t["annotation_gpu_time"], limit=rows, title="GPU time per annotation"))
         if len(t["request_gpu_time"]):
