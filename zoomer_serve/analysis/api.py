@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,13 +38,15 @@ class TraceReport:
 
 @dataclass
 class AnalysisResult:
-    """The outcome of :func:`analyze`: per-trace reports, the store's data and tables, all findings
-    (most severe first)."""
+    """The outcome of :func:`analyze`: per-trace reports, the store's data and tables, the tables across
+    traces (``collective_tables``: collectives, communication overlap and stragglers per rank, with two or
+    more traces), all findings (most severe first)."""
 
     traces: list[TraceReport] = field(default_factory=list)
     store: StoreData | None = None
     store_tables: dict[str, Table] = field(default_factory=dict)
     findings: list[Finding] = field(default_factory=list)
+    collective_tables: dict[str, Table] = field(default_factory=dict)
 
     def to_dict(self, rows: int | None = None) -> dict[str, Any]:
         """JSON-ready: findings, and each table with every row (at most ``rows`` when given)."""
@@ -54,6 +57,7 @@ class AnalysisResult:
             "store": None if self.store is None else {
                 "path": str(self.store.path), "requests": len(self.store.requests),
                 "tables": {k: t.to_dict(rows) for k, t in self.store_tables.items()}},
+            "collectives": {k: t.to_dict(rows) for k, t in self.collective_tables.items()} or None,
         }
 
 
@@ -99,7 +103,7 @@ def analyze_store(store_path: str | os.PathLike[str]) -> list[Finding]:
     return sort_findings(detect_store(load_store(store_path)))
 
 
-def analyze(traces: list[str | os.PathLike[str]] | None = None,
+def analyze(traces: Sequence[str | os.PathLike[str]] | None = None,
             store_path: str | os.PathLike[str] | None = None,
             conventions: Conventions | None = None) -> AnalysisResult:
     """Analyse any number of trace files and, optionally, a store (``conventions``: see
@@ -110,6 +114,12 @@ def analyze(traces: list[str | os.PathLike[str]] | None = None,
         report = analyze_trace(Path(path), conventions)
         result.traces.append(report)
         findings.extend(report.findings)
+    if len(result.traces) >= 2:  # the ranks of a distributed job (or unrelated traces: tables then empty)
+        from zoomer_serve.analysis.collectives import collective_tables, detect_collectives
+
+        loaded = [r.trace for r in result.traces]
+        result.collective_tables = collective_tables(loaded)
+        findings.extend(detect_collectives(loaded, result.collective_tables))
     if store_path is not None:
         from zoomer_serve.analysis.store import detect_store, load_store, request_percentiles
 

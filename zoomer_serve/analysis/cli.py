@@ -39,7 +39,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "synchronisations, tail latency, slow replicas, CPU-bound phases, GPU memory. With neither traces nor "
         "--store, the default store is read.",
     )
-    p.add_argument("traces", nargs="*", type=Path, metavar="TRACE", help="Kineto / Chrome trace JSON files")
+    p.add_argument("traces", nargs="*", type=Path, metavar="TRACE",
+                   help="Kineto / Chrome trace JSON files, or folders of them (the ranks of a job: collectives, "
+                   "communication overlap and stragglers across them)")
     p.add_argument("--store", type=Path, default=None,
                    help="DuckDB store (default when no trace is given: $ZOOMER_STORE or ./zoomer-data/zoomer.duckdb)")
     p.add_argument("--json", action="store_true",
@@ -56,6 +58,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--steps", choices=STEPS, default=None,
                    help="profiler steps to count: all (default with --conventions zoomer) or complete (all but the "
                    "last, whose GPU work may run past the recording; default with --conventions hta)")
+    p.add_argument("--diff", nargs=2, metavar=("BEFORE", "AFTER"), default=None,
+                   help="compare two traces, stores or store windows (STORE@FROM..TO, ISO 8601 or Unix seconds): "
+                   "figures with deltas, kernels and ops that appeared, vanished or changed, phases, findings")
     p.add_argument("--rows", type=non_negative_int, default=10,
                    help="rows per table in the terminal summary (default 10; --json and --html hold every row)")
     p.add_argument("--fail-on", choices=SEVERITIES, default=None,
@@ -79,17 +84,27 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, console: Console | None) -> int:
+    if args.diff is not None:
+        return _run_diff(args, console)
     store = args.store
     if not args.traces and store is None:
         store = default_store_path()
         if not store.is_file():
             return _error(f"no trace files given and no store at {store} (pass TRACE files and/or --store)")
+    traces: list[Path] = []
     for t in args.traces:
-        if not t.is_file():
+        if t.is_dir():
+            found = trace_files(t)
+            if not found:
+                return _error(f"no trace files (*.json, *.json.gz) in the folder {t}")
+            traces.extend(found)
+        elif not t.is_file():
             return _error(f"trace not found: {t}")
+        else:
+            traces.append(t)
     steps = args.steps or ("complete" if args.conventions == "hta" else "all")
     try:
-        result = analyze(args.traces, store, Conventions(args.conventions, steps))
+        result = analyze(traces, store, Conventions(args.conventions, steps))
     except FileNotFoundError as exc:
         return _error(str(exc))
     except (TraceFormatError, StoreAnalysisError) as exc:
@@ -117,6 +132,68 @@ def _run(args: argparse.Namespace, console: Console | None) -> int:
         if any(SEVERITIES.index(f.severity) <= worst for f in result.findings):
             return 3
     return 0
+
+
+def trace_files(folder: Path) -> list[Path]:
+    """The trace files of a folder (``*.json`` and ``*.json.gz``, as the ranks of a job write them), sorted."""
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith((".json", ".json.gz")))
+
+
+def _run_diff(args: argparse.Namespace, console: Console | None) -> int:
+    from zoomer_serve.analysis.diff import diff
+
+    if args.traces or args.store is not None:
+        return _error("--diff takes its two sides as BEFORE AFTER; give no other trace or --store")
+    steps = args.steps or ("complete" if args.conventions == "hta" else "all")
+    try:
+        report = diff(args.diff[0], args.diff[1], Conventions(args.conventions, steps))
+    except (FileNotFoundError, ValueError, StoreAnalysisError) as exc:  # TraceFormatError is a ValueError
+        return _error(str(exc))
+    for result in (report.before_result, report.after_result):
+        for rep in result.traces:
+            for warning in rep.trace.warnings:
+                print(f"zoomer-serve analyze: warning: {rep.trace.path}: {warning}", file=sys.stderr)
+    notes = []
+    if args.html is not None:
+        from zoomer_serve.analysis.html import write_diff_html
+
+        try:
+            write_diff_html(report, args.html)
+        except OSError as exc:
+            return _error(f"cannot write the output: {exc}")
+        notes.append(f"HTML diff: {args.html}")
+    if args.json:
+        out = report.to_dict()
+        out["outputs"] = notes
+        sys.stdout.write(orjson.dumps(out, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode() + "\n")
+        sys.stdout.flush()
+        return 0
+    console = console or Console()
+    render_diff(report, console, rows=args.rows)
+    for note in notes:
+        console.print(Text(note))
+    return 0
+
+
+def render_diff(report: Any, console: Console, rows: int = 10) -> None:
+    """The terminal view of a :class:`~zoomer_serve.analysis.diff.DiffReport`."""
+    console.rule(Text(f"before {report.before}  →  after {report.after}"))
+    t = report.tables
+    console.print(rich_table(t["figures"], limit=len(t["figures"]), title="Figures"))
+    k = t["kernels"]
+    if len(k):
+        console.print(rich_table(k.take(k["status"] != "same"), ["name", "kind", "status", "count_before",
+                                                                "count_after", "time_before_us", "time_after_us",
+                                                                "delta_us", "launches_before", "launches_after"],
+                                 rows, "Kernels and copies that appeared, vanished or changed most"))
+    o = t["cpu_ops"]
+    if len(o):
+        console.print(rich_table(o.take(o["status"] != "same"), ["name", "status", "count_before", "count_after",
+                                                                "time_before_us", "time_after_us", "delta_us"],
+                                 rows, "CPU ops that appeared, vanished or changed most"))
+    if len(t["phases"]):
+        console.print(rich_table(t["phases"], limit=rows, title="Phases"))
+    console.print(rich_table(t["findings"], limit=len(t["findings"]), title="Findings"))
 
 
 def render_summary(result: AnalysisResult, console: Console, rows: int = 10) -> None:
@@ -154,6 +231,13 @@ def render_summary(result: AnalysisResult, console: Console, rows: int = 10) -> 
             console.print(rich_table(t["annotation_gpu_time"], limit=rows, title="GPU time per annotation"))
         if len(t["request_gpu_time"]):
             console.print(rich_table(t["request_gpu_time"], limit=rows, title="GPU time per request"))
+    if result.collective_tables and len(result.collective_tables["collectives"]):
+        c = result.collective_tables
+        console.rule(Text(f"Collectives across {len(result.traces)} ranks"))
+        console.print(rich_table(c["collectives"], limit=rows * len(result.traces), title="Collectives per rank"))
+        console.print(rich_table(c["communication_overlap"], limit=len(c["communication_overlap"]),
+                                 title="Communication hidden behind computation"))
+        console.print(rich_table(c["stragglers"], limit=len(c["stragglers"]), title="Stragglers"))
     if result.store is not None:
         console.rule(Text(f"store {result.store.path}"))
         console.print(rich_table(result.store_tables["request_percentiles"], limit=rows, title="Requests"))

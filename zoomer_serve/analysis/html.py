@@ -363,6 +363,13 @@ def render_html(result: AnalysisResult, title: str = "zoomer-serve analysis") ->
             parts.append(_table_html(rep.tables["request_gpu_time"], limit=10, title="GPU time per request"))
     if not result.traces:
         parts.append(_nodata("kernel_breakdown", "The kernel breakdown needs a Kineto trace: pass trace files."))
+    c = result.collective_tables
+    if c and len(c["collectives"]):
+        parts.append(f"<h2>Collectives across {len(result.traces)} ranks</h2>")
+        parts.append(_table_html(c["collectives"], limit=60, title="Collectives per rank"))
+        parts.append(_table_html(c["communication_overlap"], limit=len(c["communication_overlap"]),
+                                 title="Communication hidden behind computation"))
+        parts.append(_table_html(c["stragglers"], limit=len(c["stragglers"]), title="Stragglers"))
     parts.append("</body></html>")
     return "".join(parts)
 
@@ -387,4 +394,39 @@ def write_html(result: AnalysisResult, out_path: str | os.PathLike[str], title: 
     """
     out = Path(out_path)
     out.write_text(render_html(result, title), encoding="utf-8")
+    return out
+
+
+def render_diff_html(report: Any, title: str = "zoomer-serve diff") -> str:
+    """A :class:`~zoomer_serve.analysis.diff.DiffReport` as one self-contained HTML page (no plots): the
+    figures, the kernels, CPU ops and phases that changed, and the findings."""
+    t = report.tables
+    parts = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
+             f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>",
+             f'<div class="meta">before: {html.escape(report.before)}; after: {html.escape(report.after)}; '
+             f'generated {time.strftime("%Y-%m-%d %H:%M:%S")}</div>']
+    parts.append("<h2>Figures</h2>" + _table_html(t["figures"], limit=len(t["figures"]), title="Figures"))
+    changed = t["kernels"].take(t["kernels"]["status"] != "same")
+    parts.append("<h2>Kernels and copies</h2>" + _table_html(
+        changed, ["name", "kind", "status", "count_before", "count_after", "time_before_us", "time_after_us",
+                  "delta_us", "change", "launches_before", "launches_after"], limit=40,
+        title="Kernels and copies that appeared, vanished or changed most"))
+    ops = t["cpu_ops"].take(t["cpu_ops"]["status"] != "same")
+    parts.append("<h2>CPU ops</h2>" + _table_html(ops, ["name", "status", "count_before", "count_after",
+                                                        "time_before_us", "time_after_us", "delta_us", "change"],
+                                                  limit=40, title="CPU ops that appeared, vanished or changed most"))
+    parts.append("<h2>Phases</h2>" + _table_html(t["phases"], limit=40, title="Phases"))
+    parts.append("<h2>Findings</h2>" + _table_html(t["findings"], limit=len(t["findings"]), title="Findings"))
+    parts.append("</body></html>")
+    return "".join(parts)
+
+
+def write_diff_html(report: Any, out_path: str | os.PathLike[str]) -> Path:
+    """Write :func:`render_diff_html` to ``out_path``; returns the path.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    out = Path(out_path)
+    out.write_text(render_diff_html(report), encoding="utf-8")
     return out
