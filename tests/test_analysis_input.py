@@ -291,11 +291,14 @@ def test_fuzzed_real_traces_never_crash(tmp_path: Path, capsys: Any) -> None:
     """C18 fuzz: FUZZ_CASES mutations (seed FUZZ_SEED) of the real A100 traces: names, times, ids, categories,
     phases and args replaced by null / numbers / NaN / infinities / huge values / objects / control
     characters, keys dropped or reordered, durations negative or zero, odd items in the event array, bad
-    time bases and device properties, files cut short, bytes changed, gzip cut. Every run honours the C18
+    time bases and device properties, files cut short, bytes changed, gzip cut; counter samples included. Every run honours the C18
     contract (exit 0 with warnings and valid JSON, or exit 2 with one line); the merged timeline is written
     for the runs that load. Stops early (not failing) past FUZZ_BUDGET_S on a slow machine."""
     rnd = random.Random(FUZZ_SEED)
     docs = [doc_of(EVENT_SYNC), doc_of(ALEXNET)]
+    t0 = docs[0]["traceEvents"][-1].get("ts", 0) or 0
+    docs[0]["traceEvents"] += [{"ph": "C", "name": "GPU 0 Counters", "pid": 0, "tid": "GPU 0 Counters",
+                                "ts": t0 + i, "args": {"sm__throughput": 1.5 * i, "dram": i}} for i in range(5)]
     deadline = time.monotonic() + FUZZ_BUDGET_S
     codes = {0: 0, 2: 0}
     for case in range(FUZZ_CASES):

@@ -16,6 +16,7 @@ from zoomer_serve.analysis.kineto import KinetoTrace, load_trace
 from zoomer_serve.analysis.table import Table
 from zoomer_serve.analysis.timeline import (
     annotation_gpu_time,
+    counter_summary,
     gpu_utilization,
     launch_stats,
     memcpy_bandwidth,
@@ -74,6 +75,7 @@ def trace_tables(trace: KinetoTrace) -> dict[str, Table]:
         "memcpy_bandwidth": memcpy_bandwidth(trace),
         "annotation_gpu_time": annotation_gpu_time(trace),
         "request_gpu_time": request_gpu_time(trace),
+        "counters": counter_summary(trace),
     }
 
 

@@ -225,6 +225,8 @@ def render_summary(result: AnalysisResult, console: Console, rows: int = 10) -> 
             if len(t["memcpy_bandwidth"]):
                 console.print(rich_table(t["memcpy_bandwidth"], ["op", "direction", "src", "dst", "count", "bytes",
                                                                   "time_us", "bandwidth_gbps"], rows, "Copies"))
+        if len(t["counters"]):
+            console.print(rich_table(t["counters"], limit=rows, title="Counter tracks"))
         if len(t["profiler_steps"]):
             console.print(rich_table(t["profiler_steps"], limit=rows, title="Profiler steps"))
         if len(t["annotation_gpu_time"]):

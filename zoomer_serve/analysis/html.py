@@ -355,6 +355,8 @@ def render_html(result: AnalysisResult, title: str = "zoomer-serve analysis") ->
             parts.append(_table_html(rep.tables["launch_stats"], title="Kernel launches"))
             if len(rep.tables["memcpy_bandwidth"]):
                 parts.append(_table_html(rep.tables["memcpy_bandwidth"], title="Copies and memsets"))
+        if len(rep.tables["counters"]):
+            parts.append(_table_html(rep.tables["counters"], limit=30, title="Counter tracks"))
         if len(rep.tables["profiler_steps"]):
             parts.append(_table_html(rep.tables["profiler_steps"], title="Profiler steps"))
         if len(rep.tables["annotation_gpu_time"]):

@@ -65,6 +65,13 @@ forward-to-backward links): ``cat``, ``id`` (for launch arrows: the correlation 
 ``memory`` (instant events named ``[memory]``, written with ``profile_memory=True``): ``device`` (-1 = CPU),
 ``bytes`` (the allocation, negative for a free), ``total_allocated``, ``total_reserved`` (bytes).
 
+``counters`` (counter samples, ``ph`` "C": CUPTI PM sampling writes them on a "GPU N Counters" track):
+``device`` (the event's pid: the GPU for device counters), ``tid`` (the track, as text), ``counter`` (the
+event's name), ``name`` (the series: the ``args`` key, or the counter's name for a key "value"), ``value``.
+
+Kernels replayed from a CUDA graph (``cudaGraphLaunch``) are ordinary rows of ``kernels``: their
+``correlation`` is the graph launch's, and ``graph_node_id`` (Kineto's "graph node id") is >= 0.
+
 Events of other kinds are not tabled but counted in :attr:`KinetoTrace.skipped` (by category), so nothing
 disappears without a trace.
 """
@@ -201,6 +208,11 @@ class _Builder:
             columns = {k: v[~bad] for k, v in columns.items()}
         self.columns = columns
 
+    def empty(self) -> Table:
+        """The table without rows."""
+        return Table(self.name, {col: np.empty(0, dtype=dtype) for col, dtype in self.spec},
+                     {k: u for k, u in UNITS.items() if k in dict(self.spec)})
+
     def min_ts(self) -> float:
         ts = self.columns["ts"]
         return float(ts.min()) if len(ts) else math.inf
@@ -255,6 +267,7 @@ _ANNOT_SPEC = (("ts", _F), ("dur", _F), ("pid", _I), ("tid", _I), ("name", _O), 
                ("device", _I), ("stream", _I), ("external_id", _I))
 _FLOW_END_SPEC = (("cat", _O), ("id", _I), ("ts", _F), ("pid", _I), ("tid", _I))
 _EMPTY: dict[str, Any] = {}
+_COUNTER_SPEC = (("ts", _F), ("device", _I), ("tid", _O), ("counter", _O), ("name", _O), ("value", _F))
 _MEMORY_SPEC = (("ts", _F), ("dur", _F), ("device", _I), ("bytes", _I), ("total_allocated", _I),
                 ("total_reserved", _I))
 
@@ -315,6 +328,7 @@ class KinetoTrace:
     skipped: dict[str, int] = field(default_factory=dict)
     event_count: int = 0
     base_time_ns: int = 0
+    counters: Table = field(default_factory=lambda: _Builder("counters", _COUNTER_SPEC).empty())
     warnings: list[str] = field(default_factory=list)
     reading: ReadNotes = field(default_factory=ReadNotes)
     conventions: str = "zoomer"
@@ -392,6 +406,7 @@ class _Normalizer:
         self.cpu_ops = _Builder("cpu_ops", _CPU_SPEC)
         self.annotations = _Builder("annotations", _ANNOT_SPEC)
         self.memory = _Builder("memory", _MEMORY_SPEC)
+        self.counters = _Builder("counters", _COUNTER_SPEC)
         self.flow_starts = _Builder("flow_starts", _FLOW_END_SPEC)
         self.flow_ends = _Builder("flow_ends", _FLOW_END_SPEC)
         self.names: dict[str, str] = {}
@@ -405,7 +420,8 @@ class _Normalizer:
         self._memcpy_cache: dict[str, tuple[str, str, str]] = {}
 
     def builders(self) -> tuple[_Builder, ...]:
-        return (self.kernels, self.memops, self.runtime, self.syncs, self.cpu_ops, self.annotations, self.memory)
+        return (self.kernels, self.memops, self.runtime, self.syncs, self.cpu_ops, self.annotations, self.memory,
+                self.counters)
 
     def _memcpy_kind(self, name: str) -> tuple[str, str, str]:
         kind = self._memcpy_cache.get(name)
@@ -511,6 +527,9 @@ class _Normalizer:
 
     def _other(self, e: Any) -> dict[str, Any] | None:
         """Events of other phases: metadata, memory instants, counters; the rest counted."""
+        if isinstance(e, ev.CounterEvent):
+            self._counter(e)
+            return None
         if not isinstance(e, ev.Event):
             return self._repair(ev.as_dict(e))
         ph = ev.phase_of(e)
@@ -526,6 +545,19 @@ class _Normalizer:
             self.memory.rows.append((e.ts, 0.0, device, a.memory_bytes, a.total_allocated, a.total_reserved))
             return None
         return self._repair(ev.as_dict(e))
+
+    def _counter(self, e: Any) -> None:
+        """A counter sample (``ph`` "C"): one row per numeric value in its ``args`` (Chrome's counter format:
+        the event names the counter, each key a series; a key "value" is the counter itself)."""
+        args = e.args if isinstance(e.args, dict) else {}
+        name = e.name if isinstance(e.name, str) else _text(e.name)
+        numeric = {k: v for k, v in args.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if e.ts is None or not numeric:
+            self.skipped[f"counter:{_key(name)}"] += 1
+            return
+        tid = e.tid if isinstance(e.tid, str) else _text(e.tid)
+        for key, value in numeric.items():
+            self.counters.rows.append((e.ts, e.pid, tid, name, name if key == "value" else key, value))
 
     def _repair(self, e: Any) -> dict[str, Any] | None:
         """An event (as a dict) the fast path did not take: an ``X`` / flow event missing a field or with a
@@ -616,7 +648,7 @@ class _Normalizer:
         return KinetoTrace(
             path=path, origin_us=float(origin), kernels=tables["kernels"], memops=memops,
             runtime=tables["runtime"], syncs=tables["syncs"], cpu_ops=tables["cpu_ops"],
-            annotations=tables["annotations"], flows=flows, memory=tables["memory"],
+            annotations=tables["annotations"], flows=flows, memory=tables["memory"], counters=tables["counters"],
             metadata=metadata, process_names=self.process_names, thread_names=self.thread_names,
             skipped=skipped, event_count=self.count, base_time_ns=base_ns, warnings=warnings, reading=notes)
 

@@ -29,7 +29,8 @@ Layout
 - Per trace (named by its file): "<file> · process <pid>" with one child per thread (CPU ops, runtime calls,
   annotations, including the request ranges ``zoomer.request/<trace_id>/<span_id>``), and "<file> · GPU <n>"
   with one child per stream (kernels, copies, memsets, GPU annotations), one for synchronisation records, and
-  one counter track per PM-sampling counter.
+  one counter track per counter series of the device (``ph`` "C": CUPTI PM sampling); counters of other pids
+  in a group of their own. Kernels replayed from a CUDA graph carry their ``graph_node_id``.
 - Flows: each runtime call to the GPU operations it launched (correlation id); each request span to its
   first profiler range.
 
@@ -250,6 +251,7 @@ def _add_gpu(tl: Timeline, trace: KinetoTrace, prefix: str, label: str) -> None:
     k, m, a, s = trace.kernels, trace.memops, trace.annotations, trace.syncs
     gpu_annot = np.flatnonzero(a["on_gpu"])
     devices = sorted(set(trace.devices) | set(a["device"][gpu_annot].tolist()) | set(s["device"].tolist()))
+    _add_other_counters(tl, trace, set(devices), label)
     for dev in devices:
         name = props.get(dev, {}).get("name")
         parent = tl.track(f"{label} · GPU {dev}" + (f" ({name})" if isinstance(name, str) and name else ""))
@@ -272,15 +274,22 @@ def _add_gpu(tl: Timeline, trace: KinetoTrace, prefix: str, label: str) -> None:
 
 
 def _add_device_counters(tl: Timeline, trace: KinetoTrace, dev: int, parent: int) -> None:
-    counters = getattr(trace, "counters", None)
-    if counters is None or not len(counters):
-        return
-    sel = counters["device"] == dev
-    for name in sorted(set(counters["name"][sel].tolist())):
-        rows = np.flatnonzero(sel & (counters["name"] == name))
-        uuid = tl.track(str(name), parent, counter=True)
-        ts = trace.unix_ns(counters["ts"][rows])
-        tl.counters[uuid] = list(zip(ts.tolist(), counters["value"][rows].astype(float).tolist()))
+    """Counter tracks (``ph`` "C") of one device (or process), one per counter and series."""
+    c = trace.counters
+    sel = c["device"] == dev
+    for counter, name in sorted(set(zip(c["counter"][sel].tolist(), c["name"][sel].tolist()))):
+        rows = np.flatnonzero(sel & (c["counter"] == counter) & (c["name"] == name))
+        uuid = tl.track(name if name == counter else f"{counter}: {name}", parent, counter=True)
+        ts = trace.unix_ns(c["ts"][rows])
+        tl.counters[uuid] = list(zip(ts.tolist(), c["value"][rows].astype(float).tolist()))
+
+
+def _add_other_counters(tl: Timeline, trace: KinetoTrace, devices: set[int], label: str) -> None:
+    """Counters whose pid is no GPU of the trace: a group per pid."""
+    for pid in sorted(set(trace.counters["device"].tolist()) - devices):
+        name = trace.process_names.get(pid, "")
+        parent = tl.track(f"{label} · counters of {pid}" + (f" ({name})" if name else ""))
+        _add_device_counters(tl, trace, pid, parent)
 
 
 def _add_launch_flows(tl: Timeline, trace: KinetoTrace, prefix: str) -> None:
