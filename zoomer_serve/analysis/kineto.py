@@ -608,10 +608,21 @@ class _Normalizer:
             b.collect()
         starts = self.flow_starts.finish(origin, UNITS)
         ends = self.flow_ends.finish(origin, UNITS)
-        index = {(c, i): n for n, (c, i) in enumerate(zip(starts["cat"].tolist(), starts["id"].tolist()))}
-        pairs = [(index.get(key, -1), n) for n, key in enumerate(zip(ends["cat"].tolist(), ends["id"].tolist()))]
-        s_idx = np.array([p[0] for p in pairs if p[0] >= 0], dtype=np.int64)
-        e_idx = np.array([p[1] for p in pairs if p[0] >= 0], dtype=np.int64)
+        # pair each end with the (last) start of the same category and id
+        n_s = len(starts)
+        cats = np.concatenate([starts["cat"], ends["cat"]]).astype(str)
+        _, cat_code = np.unique(cats, return_inverse=True)
+        keys = np.stack([cat_code.reshape(-1), np.concatenate([starts["id"], ends["id"]])], axis=1)
+        if len(keys):
+            _, group = np.unique(keys, axis=0, return_inverse=True)
+            group = group.reshape(-1)
+        else:
+            group = np.zeros(0, dtype=np.int64)
+        last_start = np.full(int(group.max()) + 1 if len(group) else 0, -1, dtype=np.int64)
+        np.maximum.at(last_start, group[:n_s], np.arange(n_s, dtype=np.int64))
+        matched = last_start[group[n_s:]] if len(ends) else np.zeros(0, dtype=np.int64)
+        e_idx = np.flatnonzero(matched >= 0)
+        s_idx = matched[e_idx]
         self.unpaired_flows = len(starts) + len(ends) - 2 * len(s_idx)
         cols = {"cat": starts["cat"][s_idx], "id": starts["id"][s_idx], "ts": starts["ts"][s_idx],
                 "pid": starts["pid"][s_idx], "tid": starts["tid"][s_idx], "end_ts": ends["ts"][e_idx],
