@@ -103,7 +103,11 @@ def _child_parity(trace: str, steps: str) -> dict[str, Any]:
 
     from zoomer_serve.analysis.kineto import load_trace
 
-    return parity.compare(parity.ours(load_trace(trace), steps), parity.hta(trace, steps))
+    mine, theirs = parity.ours(load_trace(trace), steps), parity.hta(trace, steps)
+    side = {g: {"ours": mine[g], "hta": theirs[g]} for g in ("temporal", "idle_by_stream", "kernel_type")}
+    side["kernel_sum_total"] = {"ours": {"all kernels": sum(mine["kernel_sum"].values())},
+                                "hta": {"all kernels": sum(theirs["kernel_sum"].values())}}
+    return {"diff": parity.compare(mine, theirs), "side_by_side": side}
 
 
 def _run_child(tool: str, trace: Path, timeout_s: float = 1800) -> dict[str, Any]:
@@ -186,6 +190,15 @@ def make_nested_first_trace(src: Path, dst: Path) -> int:
     return len(events)
 
 
+def make_plain_copy(src: Path, dst: Path) -> int:
+    """``src`` decompressed, as it is. Returns its size in bytes."""
+    import gzip
+
+    data = gzip.decompress(src.read_bytes()) if src.suffix == ".gz" else src.read_bytes()
+    dst.write_bytes(data)
+    return len(data)
+
+
 def _make_in_child(src: Path, dst: Path, maker: str = "make_million_trace") -> int:
     """:func:`make_million_trace` in a child process: a child started by a parent that held the trace would
     report the parent's peak RSS as its own (Linux keeps ``ru_maxrss`` across fork and exec)."""
@@ -253,10 +266,17 @@ def _print_speed(name: str, s: dict[str, Any]) -> None:
           f"(target <= {RSS_TARGET:g}: {'met' if ok_rss else 'NOT met'})")
 
 
-def _print_parity(steps: str, diff: dict[str, dict[str, Any]]) -> None:
+def _print_parity(steps: str, parity: dict[str, Any]) -> None:
+    diff, side = parity["diff"], parity["side_by_side"]
     print(f"\n#### figures both compute, HTA {'default' if steps == 'complete' else 'include_last_profiler_step=True'}"
           f" vs ours with --conventions hta --steps {steps}\n")
-    print("| figures | compared | largest relative difference | where | only ours | only HTA |")
+    print("| figure | HTA (us) | ours (us) |")
+    print("| --- | ---: | ---: |")
+    for group in ("temporal", "kernel_sum_total", "kernel_type", "idle_by_stream"):
+        theirs, mine = side[group]["hta"], side[group]["ours"]
+        for key in sorted(set(theirs) | set(mine), key=str):
+            print(f"| {group}: {key} | {theirs.get(key, 0.0):,.2f} | {mine.get(key, 0.0):,.2f} |")
+    print("\n| figures | compared | largest relative difference | where | only ours | only HTA |")
     print("| --- | ---: | ---: | --- | --- | --- |")
     for group, d in diff.items():
         print(f"| {group} | {d['compared']} | {d['max_rel']:.2e} | {str(d['at'])[:50]} | {len(d['only_ours'])} | "
@@ -330,20 +350,16 @@ def main() -> int:
     ok &= results["real"]["speedup_wall_median"] >= SPEEDUP_TARGET and results["real"]["peak_rss_ratio"] <= RSS_TARGET
     if not args.no_parity:
         for steps in ("complete", "all"):
-            diff = _run_child(f"parity:{steps}", args.trace)
-            diff.pop("wall_s", None)
-            results[f"parity_{steps}"] = diff
-            _print_parity(steps, diff)
-            ok &= max(d["max_rel"] for d in diff.values()) <= 0.01
+            parity = _run_child(f"parity:{steps}", args.trace)
+            parity.pop("wall_s", None)
+            results[f"parity_{steps}"] = parity
+            _print_parity(steps, parity)
+            ok &= max(d["max_rel"] for d in parity["diff"].values()) <= 0.01
     if not args.no_key_order:
         with tempfile.TemporaryDirectory() as tmp:
             plain, nested = Path(tmp) / "kineto_order.json", Path(tmp) / "nested_first.json"
             _make_in_child(args.trace, nested, "make_nested_first_trace")
-            _run_child("ours", args.trace)  # warm the page cache for both
-            import gzip
-
-            plain.write_bytes(gzip.decompress(args.trace.read_bytes()) if args.trace.suffix == ".gz"
-                              else args.trace.read_bytes())
+            _make_in_child(args.trace, plain, "make_plain_copy")
             ko = {"kineto_order": [], "nested_first": []}
             for _ in range(args.repeat):
                 ko["kineto_order"].append(_run_child("ours", plain)["load_s"])
