@@ -440,7 +440,7 @@ class _Normalizer:
         The common case (a complete ``X`` event of a known category) takes the fast path; anything unusual
         is repaired by :meth:`_repair` and taken again, or counted."""
         self.count += len(events)
-        if events and not isinstance(events[0], ev.Event) and not isinstance(events[-1], ev.Event):
+        if events and not isinstance(events[0], ev.STRUCTS) and not isinstance(events[-1], ev.STRUCTS):
             events = ev.from_dicts(events)
         retry = self._take(events, repaired=False)
         if retry:

@@ -87,6 +87,8 @@ EVENT_TYPES: dict[str, Any] = {
     ph: msgspec.defstruct(f"Event_{ph}", [], bases=(Event,), tag=ph) for ph in PHASES}
 EventType = Union[tuple(EVENT_TYPES.values()) + (CounterEvent,)]  # type: ignore[valid-type]  # noqa: UP007
 DECODER = msgspec.json.Decoder(list[EventType])  # type: ignore[valid-type]
+STRUCTS = (Event, CounterEvent)
+"""The classes of decoded events (anything else in a piece is a dict or a bare JSON value)."""
 
 
 def phase_of(event: Any) -> str:
