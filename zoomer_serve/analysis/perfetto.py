@@ -4,8 +4,10 @@ annotations, kernels, copies and counters of Kineto traces, on one time axis, fo
 Format
 ------
 The default output is Perfetto's native TrackEvent protobuf (``.pftrace``; ``.pftrace.gz`` gzips it),
-written with the ``perfetto`` package's trace builder and protobuf classes. Why not the Chrome JSON that
-Kineto writes:
+written with the protobuf classes the ``perfetto`` package ships (``perfetto_trace_pb2``), in batches of
+packets serialised as one ``Trace`` message each (concatenated ``Trace`` messages are one trace, which is
+what its streaming trace builder writes too, one packet at a time). Why not the Chrome JSON that Kineto
+writes:
 
 - **Time.** Unix time in microseconds (1.8e15 in 2026) leaves a double 0.25 us of resolution, so JSON would
   blur sub-microsecond kernels and launch gaps; TrackEvent timestamps are integer nanoseconds.
