@@ -231,3 +231,18 @@ def test_lanes_nest_and_are_first_fit() -> None:
                     nested = (a[0] <= b[0] and b[1] <= a[1]) or (b[0] <= a[0] and a[1] <= b[1])
                     assert disjoint or nested, (a, b)
     assert assign_lanes([(0, 10), (2, 5), (5, 10), (8, 12), (12, 13)]) == [0, 0, 0, 1, 0]
+
+
+def test_gpu_check_runs_the_timeline_rows_on_the_cpu(tmp_path: Path) -> None:
+    """benchmarks/gpu_check.py --cpu: a CPU profiling session of the demo server, then step 8 (C19) up to its
+    CUDA-only rows: every covered request's range inside its span, the kernel rows marked not checked."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_check.py"), "--cpu", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=240, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    inside = [line for line in proc.stdout.splitlines() if "ranges inside their spans" in line]
+    assert len(inside) == 1 and "12 of 12" in inside[0] and inside[0].rstrip().endswith("PASS")
+    assert "needs CUDA: not checked" in proc.stdout and "FAIL" not in proc.stdout
+    assert (tmp_path / "merged.pftrace").is_file()
