@@ -1,7 +1,8 @@
 """Collectives across ranks. The shared traces are of one rank each; the A100 training step holds NCCL kernels
-(42 SendRecv, 18 AllReduce; the V100 trace, of a one-rank job, holds none), so the ranks here are copies of
-its GPU work (kernels and copies), each with its own ``distributedInfo.rank``, one of them delayed by a known
-amount: written by :func:`write_ranks`."""
+(42 SendRecv, 18 AllReduce; the V100 trace, of a one-rank job, has NCCL calls on the CPU, 25
+``nccl:all_reduce`` and 10 ``nccl:broadcast`` ranges, but no NCCL kernel), so the ranks here are copies of
+the A100 trace's GPU work (kernels and copies), each with its own ``distributedInfo.rank``, one of them
+delayed by a known amount: written by :func:`write_ranks`."""
 
 from __future__ import annotations
 
