@@ -5,7 +5,7 @@ Usage::
     python benchmarks/gpu_check.py              # about 2 minutes; exits 0 when every check passes
     python benchmarks/gpu_check.py --seconds 10 --out /tmp/gpu-check
 
-On a machine without CUDA it prints why and exits 2 without checking anything.
+On a machine without CUDA it prints why and exits 2 without checking anything, unless ``--cpu`` is given.
 
 What runs, in order (each step adds rows ``(step, what, value, ok)`` to the table; a step that raises is an
 error row and the next step still runs):
@@ -33,6 +33,13 @@ error row and the next step still runs):
 7. ``store``: after a flush, the collector's store: requests, spans with memory attributes, allocation-event
    child spans attributed to a request (share), the OOM span (event, status, error.type) and OOM metric,
    NVML metrics seen.
+8. ``timeline`` (:func:`check_timeline`, case C19): ``zoomer-serve analyze``'s merged timeline of step 5's
+   trace and the store, read back as Perfetto pairs slices: the trace's time base, every covered request's
+   profiler range inside its span (within 1 ms); CUDA-only rows: every kernel starts after its launch call
+   and lies within the profiled requests' time.
+
+``--cpu`` runs what needs no GPU, on a machine without one: a CPU profiling session of the demo server
+(``cpu_profile``) and step 8 on its trace up to the CUDA-only rows, which it lists as not checked.
 
 Other engineers add steps to :data:`STEPS` (a function ``step(ctx) -> None`` that calls ``ctx.row``); a step
 that needs the running server (``ctx.target``) goes before ``check_store``, which stops it.
@@ -66,6 +73,8 @@ C06_TOLERANCE = 0.15
 PROFILE_REQUESTS = 50
 PROFILE_MIN_SHARE = 0.95
 AIO_PROFILE_REQUESTS = 20
+CPU_PROFILE_REQUESTS = 12
+TIMELINE_TOLERANCE_NS = 1_000_000
 
 
 @dataclass
@@ -75,6 +84,7 @@ class Context:
     args: argparse.Namespace
     out: Path
     store: Path
+    cuda: bool = True
     collector: Any = None
     telemetry: Any = None
     server: Any = None
@@ -260,7 +270,7 @@ def check_aio_kernels(ctx: Context) -> None:
         controller.close(timeout_s=60)
 
 
-def _kernel_session(ctx: Context, step: str, controller: Any, target: str, requests: int) -> Any:
+def _kernel_session(ctx: Context, step: str, controller: Any, target: str, requests: int, cuda: bool = True) -> Any:
     """A CUDA profiling session over ``requests`` calls to ``target``, with the rows both kernel steps share:
     the session starts and ends with one covered request per call, the trace, its kernels, the share of kernel
     time attributed to request ranges (target PROFILE_MIN_SHARE), every covered request with kernels. Returns
@@ -269,9 +279,9 @@ def _kernel_session(ctx: Context, step: str, controller: Any, target: str, reque
     from zoomer_serve.profiling import SessionOptions, load_trace, summarize_events
 
     started = time.monotonic()
-    reply = controller.start(SessionOptions(max_requests=requests, cuda=True))
-    ctx.row(step, "CUDA session starts (CPU + CUDA activities)", f"{reply.message} "
-            f"({time.monotonic() - started:.1f} s)", reply.session is not None and reply.session.cuda)
+    reply = controller.start(SessionOptions(max_requests=requests, cuda=cuda))
+    ctx.row(step, "CUDA session starts (CPU + CUDA activities)" if cuda else "CPU session starts", f"{reply.message} "
+            f"({time.monotonic() - started:.1f} s)", reply.session is not None and reply.session.cuda == cuda)
     load = drive_load(target, 60.0, clients=4, batch_size=64, max_requests=requests, stream_share=0.2,
                       invalid_share=0.0)
     finished = controller.wait_idle(120)
@@ -283,7 +293,11 @@ def _kernel_session(ctx: Context, step: str, controller: Any, target: str, reque
     if info is None or info.trace_path is None:
         return None
     ctx.row(step, "trace (gzip Chrome trace)", f"{info.trace_path} ({info.trace_bytes:,} B)", info.trace_bytes > 0)
+    ctx.facts.setdefault("kernel_traces", []).append(info.trace_path)
     summary = summarize_events(load_trace(info.trace_path)["traceEvents"])
+    if not cuda:
+        ctx.row(step, "kernel rows (kernels, attribution to request ranges)", "needs CUDA: not checked")
+        return summary
     share = summary.attributed_share or 0.0
     ctx.row(step, "kernels in the trace; GPU kernel time", f"{summary.totals.kernel_count:,}; "
             f"{summary.totals.kernel_time_us:,.0f} µs", summary.totals.kernel_count > 0)
@@ -298,15 +312,12 @@ def _kernel_session(ctx: Context, step: str, controller: Any, target: str, reque
 
 def check_store(ctx: Context) -> None:
     """Step 7: flush everything, stop the collector, read the store."""
-    import zoomer_serve
     from zoomer_serve.collector.store import open_readonly
     from zoomer_serve.telemetry import names as n
 
-    _stop_server(ctx)
     history = ctx.telemetry.gpu.history
     unattributed = ctx.facts.get("unattributed", history.stats.unattributed if history else 0)
-    zoomer_serve.shutdown(timeout_s=10)
-    ctx.collector.stop()
+    _close_store(ctx)
     con = open_readonly(ctx.store)
     try:
         spans = _rows(con, "SELECT span_id, parent_span_id, name, kind, status_code, attributes, events FROM spans")
@@ -346,12 +357,72 @@ def check_store(ctx: Context) -> None:
     ctx.row("store", "NVML metrics seen", ", ".join(nvml) or "none", needed <= set(nvml))
 
 
+def check_timeline(ctx: Context) -> None:
+    """Step 8 (C19): the merged timeline of the first kernel trace and the store; see the module docstring."""
+    from zoomer_serve.analysis import analyze
+    from zoomer_serve.analysis.perfetto import (
+        linked_requests,
+        ranges_outside_spans,
+        read_timeline,
+        write_perfetto,
+    )
+
+    traces = ctx.facts.get("kernel_traces") or []
+    if not traces:
+        ctx.row("timeline", "a trace of the profile step", "none was written", False)
+        return
+    _close_store(ctx)
+    result = analyze([traces[0]], ctx.store)
+    trace = result.traces[0].trace
+    ctx.row("timeline", "trace time base (baseTimeNanoseconds)", trace.base_time_ns or "none: ts are epoch µs")
+    out = ctx.out / "merged.pftrace"
+    counts = write_perfetto(out, [trace], result.store)
+    tl = read_timeline(out)
+    covered = len(result.traces[0].tables["request_gpu_time"])
+    ctx.row("timeline", "request ranges linked to their spans in the merged timeline",
+            f"{counts['linked_requests']} of {covered} ({out})", covered > 0 and counts["linked_requests"] == covered)
+    checked, outside = ranges_outside_spans(tl, TIMELINE_TOLERANCE_NS)
+    ctx.row("timeline", "ranges inside their spans (within 1 ms)",
+            f"{checked - len(outside)} of {checked}" + (f"; first outside: {outside[0]}" if outside else ""),
+            checked > 0 and not outside)
+    if not ctx.cuda:
+        ctx.row("timeline", "kernels after their launch calls, within the requests' time", "needs CUDA: not checked")
+        return
+    launches = {fid: s for s in tl.slices if s.category == "cuda_runtime" for fid in s.flows_out}
+    kernels = [s for s in tl.slices if s.category == "kernel"]
+    early = [k for k in kernels for fid in k.flows_in if fid in launches and k.start_ns < launches[fid].start_ns]
+    with_launch = sum(1 for k in kernels if any(fid in launches for fid in k.flows_in))
+    ctx.row("timeline", "kernels that start after their launch call starts",
+            f"{with_launch - len(early)} of {with_launch} with a launch flow ({len(kernels)} kernels)",
+            with_launch > 0 and not early)
+    pairs = linked_requests(tl)
+    if pairs:
+        lo = min(req.start_ns for req, _ in pairs) - TIMELINE_TOLERANCE_NS
+        hi = max(req.end_ns for req, _ in pairs) + TIMELINE_TOLERANCE_NS
+        inside = sum(1 for k in kernels if lo <= k.start_ns and k.end_ns <= hi)
+        ctx.row("timeline", "kernels within the profiled requests' time (first start to last end, ± 1 ms)",
+                f"{inside} of {len(kernels)}", inside == len(kernels) > 0)
+
+
+def check_cpu_profile(ctx: Context) -> None:
+    """``--cpu``: a CPU profiling session of CPU_PROFILE_REQUESTS calls on the demo server (for step 8)."""
+    from zoomer_serve.profiling import ProfilerConfig, ProfilerController
+
+    _start_server(ctx, device="cpu")
+    controller = ProfilerController(ProfilerConfig(profiles_dir=ctx.out / "profiles"), ctx.telemetry).attach()
+    try:
+        _kernel_session(ctx, "cpu_profile", controller, ctx.target, CPU_PROFILE_REQUESTS, cuda=False)
+    finally:
+        controller.close(timeout_s=60)
+
+
 STEPS: list[Callable[[Context], None]] = [check_load, check_oom, check_overhead, check_c06, check_profiler_kernels,
-                                          check_aio_kernels, check_store]
+                                          check_aio_kernels, check_store, check_timeline]
+CPU_STEPS: list[Callable[[Context], None]] = [check_cpu_profile, check_timeline]
 
 
 # -- helpers -----------------------------------------------------------------------------------------------
-def _start_server(ctx: Context) -> None:
+def _start_server(ctx: Context, device: str = "cuda") -> None:
     import grpc
 
     from interceptors import ZoomerServerInterceptor
@@ -362,7 +433,7 @@ def _start_server(ctx: Context) -> None:
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
             OOM_SERVICE, {OOM_METHOD: grpc.unary_unary_rpc_method_handler(_force_oom)}),))
 
-    model = build_model(device="cuda")
+    model = build_model(device=device)
     ctx.server, port = build_server(model, "127.0.0.1", 0, interceptors=[ZoomerServerInterceptor()],
                                     extra_servicers=[add_oom_service])
     ctx.target = f"127.0.0.1:{port}"
@@ -386,6 +457,18 @@ def _stop_server(ctx: Context) -> None:
     if ctx.server is not None:
         ctx.server.stop(2.0).wait(10)
         ctx.server = None
+
+
+def _close_store(ctx: Context) -> None:
+    """Stop the server, flush telemetry and stop the collector (once), so that the store can be read."""
+    import zoomer_serve
+
+    if ctx.facts.get("store_closed"):
+        return
+    _stop_server(ctx)
+    zoomer_serve.shutdown(timeout_s=10)
+    ctx.collector.stop()
+    ctx.facts["store_closed"] = True
 
 
 def _snapshot_during_load(ctx: Context, out: dict[str, Any]) -> None:
@@ -417,13 +500,14 @@ def _configure(ctx: Context) -> None:
     ctx.collector.start()
     env = dict(os.environ)
     env.update({"ZOOMER_GPU": "on", "ZOOMER_GPU_MEMORY_HISTORY": "true", "ZOOMER_GPU_MEMORY_HISTORY_STACKS": "python",
-                "ZOOMER_GPU_MEMORY_HISTORY_DRAIN_MS": "250", "ZOOMER_GPU_NVML_PERIOD_MS": "500"})
+                "ZOOMER_GPU_MEMORY_HISTORY_DRAIN_MS": "250", "ZOOMER_GPU_NVML_PERIOD_MS": "500"} if ctx.cuda
+               else {"ZOOMER_GPU": "off"})
     cfg = zoomer_serve.ZoomerConfig.from_env(env)
     ctx.telemetry = zoomer_serve.configure(service_name="gpu-check", endpoint=f"http://127.0.0.1:{ctx.collector.grpc_port}",
                                            protocol="grpc", export_mode="process", schedule_delay_ms=200,
                                            metric_export_interval_ms=2000, config=cfg)
     gpu = ctx.telemetry.gpu
-    if gpu is None or gpu.observer is None or gpu.sampler is None:
+    if ctx.cuda and (gpu is None or gpu.observer is None or gpu.sampler is None):
         raise RuntimeError(f"GPU telemetry did not start fully: {gpu!r} (see the warning above)")
 
 
@@ -457,18 +541,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overhead-seconds", type=float, default=8.0, help="each on/off latency run (s)")
     parser.add_argument("--snapshot-budget", type=float, default=20.0, help="C07 snapshot time budget (s)")
     parser.add_argument("--out", type=Path, default=None, help="where to keep the store and the snapshot")
+    parser.add_argument("--cpu", action="store_true",
+                        help="no GPU: run the CPU profiling session and the timeline check up to the CUDA-only rows")
     args = parser.parse_args(argv)
     import torch
 
-    if not torch.cuda.is_available():
+    if not args.cpu and not torch.cuda.is_available():
         print(f"gpu_check: no CUDA device here (torch {torch.__version__}, torch.cuda.is_available() is False); "
-              "nothing checked. Run it on a machine with an NVIDIA GPU and a CUDA build of torch.")
+              "nothing checked. Run it on a machine with an NVIDIA GPU and a CUDA build of torch (--cpu runs the "
+              "steps that need none).")
         return 2
     out = args.out or Path(tempfile.mkdtemp(prefix="zoomer-gpu-check-"))
     out.mkdir(parents=True, exist_ok=True)
-    ctx = Context(args, out, out / "gpu-check.duckdb")
+    ctx = Context(args, out, out / "gpu-check.duckdb", cuda=not args.cpu)
     threading.Thread(target=_watchdog, args=(ctx,), daemon=True).start()
-    print(f"gpu_check: {torch.cuda.get_device_name()} (torch {torch.__version__}); output in {out}", flush=True)
+    device = torch.cuda.get_device_name() if ctx.cuda else "CPU only (--cpu)"
+    print(f"gpu_check: {device} (torch {torch.__version__}); output in {out}", flush=True)
     started = time.monotonic()
     try:
         _configure(ctx)
@@ -476,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx.row("setup", "collector and GPU telemetry", f"{type(exc).__name__}: {exc}", False)
         _print_table(ctx.rows)
         return 1
-    for step in STEPS:
+    for step in STEPS if ctx.cuda else CPU_STEPS:
         t0 = time.monotonic()
         try:
             step(ctx)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import gzip
 import io
 import json
 import re
@@ -22,10 +21,9 @@ from rich.console import Console
 from zoomer_serve.analysis import analyze, cli, render_findings
 from zoomer_serve.analysis import labels as L
 from zoomer_serve.analysis.html import PLOTS, render_html
-from zoomer_serve.analysis.perfetto import REQUESTS_PID, write_perfetto
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_analysis_store import BASE_NS, MS, Req, normal, record_replica
+from test_analysis_store import MS, normal, record_replica
 
 KINETO = Path(__file__).resolve().parents[2] / "shared" / "data" / "kineto"
 pytestmark = pytest.mark.skipif(not KINETO.is_dir(), reason=f"real Kineto traces not found at {KINETO}")
@@ -173,83 +171,46 @@ def test_html_report_renders_in_headless_chromium(store: Path, tmp_path: Path) -
     assert img.shape[0] >= 2000 and float(np.std(img)) > 0.05
 
 
-def test_perfetto_trace_puts_requests_and_kernels_on_one_timeline(store: Path, tmp_path: Path) -> None:
-    """Requests from the store and the trace's kernels in one Chrome trace; a request labelled in the trace
-    (zoomer.request/<trace_id>/<span_id>) is linked to its span by a flow arrow."""
-    result = analyze([], store)
-    req = result.store.requests
-    i = int(np.flatnonzero(req["instance"] == "fast")[0])
-    label = L.request_label(req["trace_id"][i], req["span_id"][i])
-    doc = json.loads(gzip.decompress(TRACE.read_bytes()))
-    step = next(e for e in doc["traceEvents"] if e.get("name") == "ProfilerStep#100")
-    doc["traceEvents"].append({**step, "name": label})
-    linked_trace = tmp_path / "linked.json"
-    linked_trace.write_text(json.dumps(doc))
-    out = tmp_path / "merged.json.gz"
-    code, text = run_cli([str(linked_trace), "--store", str(store), "--perfetto", str(out)])
-    assert code == 0 and "Perfetto trace" in text
-    merged = json.loads(gzip.decompress(out.read_bytes()))
-    evs = merged["traceEvents"]
-    kernels = [e for e in evs if e.get("cat") == "kernel"]
-    requests = [e for e in evs if e.get("cat") == "request"]
-    phases = [e for e in evs if e.get("cat") == "phase"]
-    assert len(kernels) == 4 and len(requests) == 50 and len(phases) == 150
-    assert {e["pid"] for e in requests} == {REQUESTS_PID}
-    # kernels keep their absolute Kineto time; requests are placed at start_ns / 1000
-    k0 = min(kernels, key=lambda e: e["ts"])
-    assert k0["ts"] == 1707417525512145.0
-    r = next(e for e in requests if e["args"]["span_id"] == req["span_id"][i])
-    assert r["ts"] == pytest.approx(req["start_ns"][i] / 1000)
-    flows = [e for e in evs if e.get("cat") == "zoomer.request"]
-    assert [e["ph"] for e in flows] == ["s", "f"] and flows[1]["ts"] == step["ts"]
-    launch_arrows = [e for e in evs if e.get("cat") == "ac2g" and e["ph"] == "f"]
-    assert len(launch_arrows) == 5  # 4 kernels + 1 copy
-    counts = write_perfetto(tmp_path / "only_trace.json", [result.traces[0].trace] if result.traces else [], None)
-    assert counts["requests"] == 0
+def test_json_holds_every_row_of_every_table(capsys: Any) -> None:
+    """--json is complete (--rows only limits the terminal summary): every table's rows equal its row count."""
+    code, _ = run_cli([str(KINETO / "a100_alexnet_inference.json.gz"), "--json", "--rows", "2"])
+    assert code == 0
+    doc = json.loads(capsys.readouterr().out)
+    tables = doc["traces"][0]["tables"]
+    assert tables["kernel_breakdown"]["row_count"] > 10
+    for name, t in tables.items():
+        assert len(t["rows"]) == t["row_count"], name
 
 
-def test_all_requests_are_drawn_when_none_overlap_the_trace(collector: Any, tmp_path: Path) -> None:
-    """A store recorded at another time than the trace: the merged trace still holds every request."""
-    record_replica(collector, "early", [Req([("forward", 1.0)])], BASE_NS)
-    collector.finish()
-    from zoomer_serve.analysis.kineto import load_trace
-    from zoomer_serve.analysis.store import load_store
+def test_html_columns_carry_their_unit_and_tables_their_caption() -> None:
+    """A column's unit is in its header and every cell of it is in that unit (the window of 13 s in
+    seconds, not "12,920,244.00 us" nor a mix); every table has a caption and scrolls inside the page."""
+    page = render_html(analyze([KINETO / "a100_alexnet_inference.json.gz"]))
+    tables = re.findall(r'<div class="scroll"><table data-table="([a-z_]+)"><caption>', page)
+    assert {"gpu_utilization", "time_breakdown", "kernel_breakdown", "launch_stats"} <= set(tables)
+    assert page.count("<table data-table=") == len(tables) == page.count("<caption>")
+    assert ".scroll{overflow-x:auto" in page
+    util = re.search(r'<table data-table="gpu_utilization">(.*?)</table>', page).group(1)
+    headers = re.findall(r"<th>([^<]*)</th>", util)
+    assert "window (s)" in headers and "utilization (%)" in headers and "window_us" not in headers
+    col = headers.index("window (s)")
+    first_row = re.findall(r"<td[^>]*>([^<]*)</td>", util.split("</tr>")[1])
+    assert first_row[col] == "12.92"  # 12,920,244 us
+    assert all(not cell.endswith((" s", " ms", " us")) for cell in first_row)
 
-    data = load_store(collector.store_path)
-    counts = write_perfetto(tmp_path / "m.json", [load_trace(TRACE)], data)
-    assert counts["requests"] == 1 and counts["linked_requests"] == 0
 
+def test_a_trace_without_gpu_work_says_so_in_one_sentence(tmp_path: Path) -> None:
+    """A CPU-only trace: one sentence instead of empty GPU tables and a misleading plot note."""
+    from zoomer_serve.analysis.render import NO_GPU_WORK
 
-def test_a_real_profiling_session_is_analysed_with_its_requests(telemetry: Any, collector: Any, tmp_path: Path) -> None:
-    """End to end on CPU: the demo model server with the profiling controller records a real torch.profiler
-    trace of 8 requests (ranges named with the shared request label); the analysis reads that trace and the
-    store, finds every profiled request's range, and links each to its span in the merged Perfetto trace."""
-    torch = pytest.importorskip("torch")
-    from _profiling_support import serve_with_profiling, traces
-
-    from zoomer_serve.demo.load import drive_load
-    from zoomer_serve.demo.model import build_model
-    from zoomer_serve.profiling import SessionOptions
-
-    torch.set_num_threads(1)
-    model = build_model(device="cpu")
-    with serve_with_profiling(telemetry, model, tmp_path / "profiles") as served:
-        served.controller.start(SessionOptions(max_requests=8))
-        drive_load(served.target, 30.0, max_requests=24, clients=2, batch_size=8)
-        assert served.controller.wait_idle(60)
-    info = served.controller.last
-    assert info is not None and info.requests == 8
-    [trace_path] = traces(tmp_path / "profiles")
-    collector.finish()
-
-    result = analyze([trace_path], collector.store_path)
-    report = result.traces[0]
-    per_request = report.tables["request_gpu_time"]
-    assert len(per_request) == 8
-    assert np.all(per_request["cpu_time_us"] > 0) and np.all(per_request["gpu_ops"] == 0)  # CPU only
-    assert len(report.trace.cpu_ops) > 0 and len(report.trace.kernels) == 0
-    assert not [f for f in result.findings if f.id.startswith(("gpu.", "cuda."))]
-    stored = set(zip(result.store.requests["trace_id"].tolist(), result.store.requests["span_id"].tolist()))
-    assert set(zip(per_request["trace_id"].tolist(), per_request["span_id"].tolist())) <= stored
-    counts = write_perfetto(tmp_path / "merged.json", [report.trace], result.store)
-    assert counts["linked_requests"] == 8
+    doc = {"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 10 * i,
+                            "dur": 5} for i in range(20)]}
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(doc))
+    page = render_html(analyze([path]))
+    assert page.count(NO_GPU_WORK) == 1
+    for table in ("gpu_utilization", "kernel_breakdown", "launch_stats", "time_breakdown"):
+        assert f'data-table="{table}"' not in page
+    assert "the traces hold no GPU work" in page and "needs a Kineto trace" not in page
+    code, out = run_cli([str(path)])
+    assert code == 0 and "holds no GPU work" in out.replace("\n", " ") and "GPU busy / idle" not in out

@@ -3,23 +3,29 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from zoomer_serve.analysis.breakdown import kernel_type_breakdown, time_breakdown
+from zoomer_serve.analysis.conventions import Conventions, apply_conventions, profiler_steps
 from zoomer_serve.analysis.findings import Finding, sort_findings
 from zoomer_serve.analysis.kernels import kernel_breakdown, kind_breakdown
 from zoomer_serve.analysis.kineto import KinetoTrace, load_trace
-from zoomer_serve.analysis.store import StoreData, detect_store, load_store, request_percentiles
 from zoomer_serve.analysis.table import Table
 from zoomer_serve.analysis.timeline import (
     annotation_gpu_time,
+    counter_summary,
     gpu_utilization,
     launch_stats,
     memcpy_bandwidth,
     request_gpu_time,
 )
 from zoomer_serve.analysis.trace_detectors import detect_trace
+
+if TYPE_CHECKING:
+    from zoomer_serve.analysis.store import StoreData
 
 
 @dataclass
@@ -33,16 +39,18 @@ class TraceReport:
 
 @dataclass
 class AnalysisResult:
-    """The outcome of :func:`analyze`: per-trace reports, the store's data and tables, all findings
-    (most severe first)."""
+    """The outcome of :func:`analyze`: per-trace reports, the store's data and tables, the tables across
+    traces (``collective_tables``: collectives, communication overlap and stragglers per rank, with two or
+    more traces), all findings (most severe first)."""
 
     traces: list[TraceReport] = field(default_factory=list)
     store: StoreData | None = None
     store_tables: dict[str, Table] = field(default_factory=dict)
     findings: list[Finding] = field(default_factory=list)
+    collective_tables: dict[str, Table] = field(default_factory=dict)
 
-    def to_dict(self, rows: int = 50) -> dict[str, Any]:
-        """JSON-ready: findings, and each table with at most ``rows`` rows."""
+    def to_dict(self, rows: int | None = None) -> dict[str, Any]:
+        """JSON-ready: findings, and each table with every row (at most ``rows`` when given)."""
         return {
             "findings": [f.to_dict() for f in self.findings],
             "traces": [{"summary": r.trace.summary(), "tables": {k: t.to_dict(rows) for k, t in r.tables.items()}}
@@ -50,6 +58,7 @@ class AnalysisResult:
             "store": None if self.store is None else {
                 "path": str(self.store.path), "requests": len(self.store.requests),
                 "tables": {k: t.to_dict(rows) for k, t in self.store_tables.items()}},
+            "collectives": {k: t.to_dict(rows) for k, t in self.collective_tables.items()} or None,
         }
 
 
@@ -57,22 +66,29 @@ def trace_tables(trace: KinetoTrace) -> dict[str, Table]:
     """Every trace analyzer's table, by name."""
     return {
         "gpu_utilization": gpu_utilization(trace),
+        "time_breakdown": time_breakdown(trace),
+        "kernel_type_breakdown": kernel_type_breakdown(trace),
+        "profiler_steps": profiler_steps(trace),
         "kind_breakdown": kind_breakdown(trace),
         "kernel_breakdown": kernel_breakdown(trace),
         "launch_stats": launch_stats(trace),
         "memcpy_bandwidth": memcpy_bandwidth(trace),
         "annotation_gpu_time": annotation_gpu_time(trace),
         "request_gpu_time": request_gpu_time(trace),
+        "counters": counter_summary(trace),
     }
 
 
-def analyze_trace(trace: KinetoTrace | str | os.PathLike[str]) -> TraceReport:
-    """Load (when given a path) and analyse one Kineto trace.
+def analyze_trace(trace: KinetoTrace | str | os.PathLike[str],
+                  conventions: Conventions | None = None) -> TraceReport:
+    """Load (when given a path) and analyse one Kineto trace, counting what ``conventions`` count (ours and
+    all profiler steps by default; see :mod:`zoomer_serve.analysis.conventions`).
 
     Raises:
         FileNotFoundError / TraceFormatError: see :func:`~zoomer_serve.analysis.kineto.load_trace`.
     """
     t = trace if isinstance(trace, KinetoTrace) else load_trace(trace)
+    t = apply_conventions(t, conventions or Conventions())
     return TraceReport(t, trace_tables(t), sort_findings(detect_trace(t)))
 
 
@@ -84,19 +100,31 @@ def analyze_store(store_path: str | os.PathLike[str]) -> list[Finding]:
         FileNotFoundError: no such file.
         StoreAnalysisError: the store cannot be read.
     """
+    from zoomer_serve.analysis.store import detect_store, load_store
+
     return sort_findings(detect_store(load_store(store_path)))
 
 
-def analyze(traces: list[str | os.PathLike[str]] | None = None,
-            store_path: str | os.PathLike[str] | None = None) -> AnalysisResult:
-    """Analyse any number of trace files and, optionally, a store."""
+def analyze(traces: Sequence[str | os.PathLike[str]] | None = None,
+            store_path: str | os.PathLike[str] | None = None,
+            conventions: Conventions | None = None) -> AnalysisResult:
+    """Analyse any number of trace files and, optionally, a store (``conventions``: see
+    :func:`analyze_trace`)."""
     result = AnalysisResult()
     findings: list[Finding] = []
     for path in traces or []:
-        report = analyze_trace(Path(path))
+        report = analyze_trace(Path(path), conventions)
         result.traces.append(report)
         findings.extend(report.findings)
+    if len(result.traces) >= 2:  # the ranks of a distributed job (or unrelated traces: tables then empty)
+        from zoomer_serve.analysis.collectives import collective_tables, detect_collectives
+
+        loaded = [r.trace for r in result.traces]
+        result.collective_tables = collective_tables(loaded)
+        findings.extend(detect_collectives(loaded, result.collective_tables))
     if store_path is not None:
+        from zoomer_serve.analysis.store import detect_store, load_store, request_percentiles
+
         data = load_store(store_path)
         result.store = data
         result.store_tables = {"request_percentiles": request_percentiles(data)}

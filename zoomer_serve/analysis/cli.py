@@ -1,8 +1,9 @@
 """``zoomer-serve analyze``: findings and tables from Kineto trace files and/or the collector's store.
 
 Output: a terminal summary (rich), or ``--json`` (findings and tables on stdout); ``--html FILE`` writes a
-self-contained HTML report with plots, ``--perfetto FILE`` a merged Chrome trace (requests and kernels on one
-timeline; ``.gz`` compresses it). Exit codes: 0 (with or without findings), 2 when an input is missing,
+self-contained HTML report with plots, ``--perfetto FILE`` the merged timeline (requests, CPU ops and kernels
+on one time axis; TrackEvent protobuf, or Chrome JSON for ``.json`` names; see
+:mod:`zoomer_serve.analysis.perfetto`). Exit codes: 0 (with or without findings), 2 when an input is missing,
 unreadable or holds no trace events (message on stderr naming it, no traceback), 3 with ``--fail-on SEVERITY``
 when a finding at least that severe was found.
 """
@@ -10,18 +11,19 @@ when a finding at least that severe was found.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
+import orjson
 from rich.console import Console
 from rich.text import Text
 
 from zoomer_serve.analysis.api import AnalysisResult, analyze
+from zoomer_serve.analysis.conventions import CONVENTIONS, STEPS, Conventions
 from zoomer_serve.analysis.findings import SEVERITIES
 from zoomer_serve.analysis.kineto import TraceFormatError
-from zoomer_serve.analysis.render import render_findings, rich_table
+from zoomer_serve.analysis.render import NO_GPU_WORK, has_gpu_work, render_findings, rich_table
 from zoomer_serve.analysis.store import StoreAnalysisError
 from zoomer_serve.cli_types import non_negative_int
 from zoomer_serve.collector.store import default_store_path
@@ -37,14 +39,30 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "synchronisations, tail latency, slow replicas, CPU-bound phases, GPU memory. With neither traces nor "
         "--store, the default store is read.",
     )
-    p.add_argument("traces", nargs="*", type=Path, metavar="TRACE", help="Kineto / Chrome trace JSON files")
+    p.add_argument("traces", nargs="*", type=Path, metavar="TRACE",
+                   help="Kineto / Chrome trace JSON files, or folders of them (the ranks of a job: collectives, "
+                   "communication overlap and stragglers across them)")
     p.add_argument("--store", type=Path, default=None,
                    help="DuckDB store (default when no trace is given: $ZOOMER_STORE or ./zoomer-data/zoomer.duckdb)")
-    p.add_argument("--json", action="store_true", help="print findings and tables as JSON instead of the summary")
+    p.add_argument("--json", action="store_true",
+                   help="print findings and every row of every table as JSON instead of the summary")
     p.add_argument("--html", type=Path, default=None, metavar="FILE", help="write a self-contained HTML report")
     p.add_argument("--perfetto", type=Path, default=None, metavar="FILE",
-                   help="write a merged Chrome trace (requests + kernels) for ui.perfetto.dev; .gz to compress")
-    p.add_argument("--rows", type=non_negative_int, default=10, help="rows per table in the summary (default 10)")
+                   help="write the merged timeline (request spans and phases, CPU ops, kernels) for "
+                   "ui.perfetto.dev: TrackEvent protobuf (FILE.pftrace; .gz to compress), or Chrome JSON when "
+                   "FILE ends in .json / .json.gz")
+    p.add_argument("--conventions", choices=CONVENTIONS, default="zoomer",
+                   help="what the figures count: zoomer (default: every GPU operation in the trace, sync records "
+                   "are the host waiting, times as written) or hta (Holistic Trace Analysis' definitions, to "
+                   "compare with it; see README 'How our figures differ from HTA's')")
+    p.add_argument("--steps", choices=STEPS, default=None,
+                   help="profiler steps to count: all (default with --conventions zoomer) or complete (all but the "
+                   "last, whose GPU work may run past the recording; default with --conventions hta)")
+    p.add_argument("--diff", nargs=2, metavar=("BEFORE", "AFTER"), default=None,
+                   help="compare two traces, stores or store windows (STORE@FROM..TO, ISO 8601 or Unix seconds): "
+                   "figures with deltas, kernels and ops that appeared, vanished or changed, phases, findings")
+    p.add_argument("--rows", type=non_negative_int, default=10,
+                   help="rows per table in the terminal summary (default 10; --json and --html hold every row)")
     p.add_argument("--fail-on", choices=SEVERITIES, default=None,
                    help="exit 3 when a finding of this severity or worse is found (for CI gates)")
     p.set_defaults(func=run)
@@ -57,30 +75,53 @@ def _error(message: str) -> int:
 
 
 def run(args: argparse.Namespace, console: Console | None = None) -> int:
-    """Run the analysis for parsed ``args``; returns the exit code."""
+    """Run the analysis for parsed ``args``; returns the exit code. Never raises for bad input: exit 2 with
+    one line on stderr (an unexpected error included, named as such)."""
+    try:
+        return _run(args, console)
+    except Exception as exc:  # the promise is one line, never a traceback
+        return _error(f"internal error ({type(exc).__name__}: {exc}); please report it with the input")
+
+
+def _run(args: argparse.Namespace, console: Console | None) -> int:
+    if args.diff is not None:
+        return _run_diff(args, console)
     store = args.store
     if not args.traces and store is None:
         store = default_store_path()
         if not store.is_file():
             return _error(f"no trace files given and no store at {store} (pass TRACE files and/or --store)")
+    traces: list[Path] = []
     for t in args.traces:
-        if not t.is_file():
+        if t.is_dir():
+            found = trace_files(t)
+            if not found:
+                return _error(f"no trace files (*.json, *.json.gz) in the folder {t}")
+            traces.extend(found)
+        elif not t.is_file():
             return _error(f"trace not found: {t}")
+        else:
+            traces.append(t)
+    steps = args.steps or ("complete" if args.conventions == "hta" else "all")
     try:
-        result = analyze(args.traces, store)
+        result = analyze(traces, store, Conventions(args.conventions, steps))
     except FileNotFoundError as exc:
         return _error(str(exc))
     except (TraceFormatError, StoreAnalysisError) as exc:
         return _error(str(exc))
+    for rep in result.traces:
+        for warning in rep.trace.warnings:
+            print(f"zoomer-serve analyze: warning: {rep.trace.path}: {warning}", file=sys.stderr)
     console = console or Console()
     try:
         notes = _write_outputs(args, result)
     except OSError as exc:
         return _error(f"cannot write the output: {exc}")
     if args.json:
-        out = result.to_dict(rows=max(args.rows, 0))
+        out = result.to_dict()  # every row: --rows is for the terminal summary
         out["outputs"] = notes
-        sys.stdout.write(json.dumps(out, indent=2) + "\n")
+        sys.stdout.write(orjson.dumps(out, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY
+                                      | orjson.OPT_NON_STR_KEYS).decode() + "\n")
         sys.stdout.flush()
     else:
         render_summary(result, console, rows=args.rows)
@@ -93,6 +134,68 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
     return 0
 
 
+def trace_files(folder: Path) -> list[Path]:
+    """The trace files of a folder (``*.json`` and ``*.json.gz``, as the ranks of a job write them), sorted."""
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith((".json", ".json.gz")))
+
+
+def _run_diff(args: argparse.Namespace, console: Console | None) -> int:
+    from zoomer_serve.analysis.diff import diff
+
+    if args.traces or args.store is not None:
+        return _error("--diff takes its two sides as BEFORE AFTER; give no other trace or --store")
+    steps = args.steps or ("complete" if args.conventions == "hta" else "all")
+    try:
+        report = diff(args.diff[0], args.diff[1], Conventions(args.conventions, steps))
+    except (FileNotFoundError, ValueError, StoreAnalysisError) as exc:  # TraceFormatError is a ValueError
+        return _error(str(exc))
+    for result in (report.before_result, report.after_result):
+        for rep in result.traces:
+            for warning in rep.trace.warnings:
+                print(f"zoomer-serve analyze: warning: {rep.trace.path}: {warning}", file=sys.stderr)
+    notes = []
+    if args.html is not None:
+        from zoomer_serve.analysis.html import write_diff_html
+
+        try:
+            write_diff_html(report, args.html)
+        except OSError as exc:
+            return _error(f"cannot write the output: {exc}")
+        notes.append(f"HTML diff: {args.html}")
+    if args.json:
+        out = report.to_dict()
+        out["outputs"] = notes
+        sys.stdout.write(orjson.dumps(out, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode() + "\n")
+        sys.stdout.flush()
+        return 0
+    console = console or Console()
+    render_diff(report, console, rows=args.rows)
+    for note in notes:
+        console.print(Text(note))
+    return 0
+
+
+def render_diff(report: Any, console: Console, rows: int = 10) -> None:
+    """The terminal view of a :class:`~zoomer_serve.analysis.diff.DiffReport`."""
+    console.rule(Text(f"before {report.before}  →  after {report.after}"))
+    t = report.tables
+    console.print(rich_table(t["figures"], limit=len(t["figures"]), title="Figures"))
+    k = t["kernels"]
+    if len(k):
+        console.print(rich_table(k.take(k["status"] != "same"), ["name", "kind", "status", "count_before",
+                                                                "count_after", "time_before_us", "time_after_us",
+                                                                "delta_us", "launches_before", "launches_after"],
+                                 rows, "Kernels and copies that appeared, vanished or changed most"))
+    o = t["cpu_ops"]
+    if len(o):
+        console.print(rich_table(o.take(o["status"] != "same"), ["name", "status", "count_before", "count_after",
+                                                                "time_before_us", "time_after_us", "delta_us"],
+                                 rows, "CPU ops that appeared, vanished or changed most"))
+    if len(t["phases"]):
+        console.print(rich_table(t["phases"], limit=rows, title="Phases"))
+    console.print(rich_table(t["findings"], limit=len(t["findings"]), title="Findings"))
+
+
 def render_summary(result: AnalysisResult, console: Console, rows: int = 10) -> None:
     """The terminal summary: per trace its tables, the store's per-method percentiles, then the findings."""
     for rep in result.traces:
@@ -100,24 +203,43 @@ def render_summary(result: AnalysisResult, console: Console, rows: int = 10) -> 
         console.rule(Text(f"trace {s['path']}"))
         console.print(Text(f"{s['events']} events: {s['kernels']} kernels, {s['memops']} copies/memsets, "
                            f"{s['runtime_calls']} runtime calls, {s['cpu_ops']} CPU ops, {s['annotations']} "
-                           f"annotations; devices {s['devices']}"))
+                           f"annotations; devices {s['devices']}; conventions {s['conventions']}, "
+                           f"{s['steps']} profiler steps"))
         t = rep.tables
-        console.print(rich_table(t["gpu_utilization"], ["device", "stream", "ops", "window_us", "busy_us",
-                                                         "utilization", "host_wait_us", "kernel_wait_us",
-                                                         "other_idle_us"], rows, "GPU busy / idle"))
-        console.print(rich_table(t["kind_breakdown"], limit=rows, title="GPU time by kind"))
-        console.print(rich_table(t["kernel_breakdown"], ["name", "kind", "count", "total_us", "mean_us", "share"],
-                                 rows, "Top kernels"))
-        console.print(rich_table(t["launch_stats"], ["device", "kernels", "kernel_median_us", "launch_median_us",
-                                                      "short_share", "launch_exceeds_kernel_share",
-                                                      "launch_delay_median_us"], rows, "Kernel launches"))
-        if len(t["memcpy_bandwidth"]):
-            console.print(rich_table(t["memcpy_bandwidth"], ["op", "direction", "src", "dst", "count", "bytes",
-                                                              "time_us", "bandwidth_gbps"], rows, "Copies"))
+        if not has_gpu_work(rep.trace):
+            console.print(Text(NO_GPU_WORK, style="italic"))
+        else:
+            console.print(rich_table(t["gpu_utilization"], ["device", "stream", "ops", "window_us", "busy_us",
+                                                             "utilization", "host_wait_us", "kernel_wait_us",
+                                                             "other_idle_us"], rows, "GPU busy / idle"))
+            console.print(rich_table(t["time_breakdown"], ["device", "window_us", "idle_us", "computation_us",
+                                                            "communication_us", "memory_us",
+                                                            "computation_communication_overlap_us"], rows,
+                                     "Where GPU time goes"))
+            console.print(rich_table(t["kind_breakdown"], limit=rows, title="GPU time by kind"))
+            console.print(rich_table(t["kernel_breakdown"], ["name", "kind", "count", "total_us", "mean_us", "share"],
+                                     rows, "Top kernels"))
+            console.print(rich_table(t["launch_stats"], ["device", "kernels", "kernel_median_us", "launch_median_us",
+                                                          "short_share", "launch_exceeds_kernel_share",
+                                                          "launch_delay_median_us"], rows, "Kernel launches"))
+            if len(t["memcpy_bandwidth"]):
+                console.print(rich_table(t["memcpy_bandwidth"], ["op", "direction", "src", "dst", "count", "bytes",
+                                                                  "time_us", "bandwidth_gbps"], rows, "Copies"))
+        if len(t["counters"]):
+            console.print(rich_table(t["counters"], limit=rows, title="Counter tracks"))
+        if len(t["profiler_steps"]):
+            console.print(rich_table(t["profiler_steps"], limit=rows, title="Profiler steps"))
         if len(t["annotation_gpu_time"]):
             console.print(rich_table(t["annotation_gpu_time"], limit=rows, title="GPU time per annotation"))
         if len(t["request_gpu_time"]):
             console.print(rich_table(t["request_gpu_time"], limit=rows, title="GPU time per request"))
+    if result.collective_tables and len(result.collective_tables["collectives"]):
+        c = result.collective_tables
+        console.rule(Text(f"Collectives across {len(result.traces)} ranks"))
+        console.print(rich_table(c["collectives"], limit=rows * len(result.traces), title="Collectives per rank"))
+        console.print(rich_table(c["communication_overlap"], limit=len(c["communication_overlap"]),
+                                 title="Communication hidden behind computation"))
+        console.print(rich_table(c["stragglers"], limit=len(c["stragglers"]), title="Stragglers"))
     if result.store is not None:
         console.rule(Text(f"store {result.store.path}"))
         console.print(rich_table(result.store_tables["request_percentiles"], limit=rows, title="Requests"))
@@ -137,6 +259,7 @@ def _write_outputs(args: argparse.Namespace, result: Any) -> list[str]:
         from zoomer_serve.analysis.perfetto import write_perfetto
 
         counts = write_perfetto(args.perfetto, [r.trace for r in result.traces], result.store)
-        notes.append(f"Perfetto trace: {args.perfetto} ({counts['events']} events, {counts['requests']} requests, "
-                     f"{counts['linked_requests']} linked to trace ranges; open in https://ui.perfetto.dev)")
+        notes.append(f"Perfetto timeline: {args.perfetto} ({counts['events']} slices and counter points on "
+                     f"{counts['tracks']} tracks, {counts['requests']} requests, {counts['linked_requests']} linked "
+                     f"to trace ranges; open in https://ui.perfetto.dev)")
     return notes

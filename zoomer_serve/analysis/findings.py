@@ -77,5 +77,7 @@ DETECTOR_IDS = {
     "request.cpu-bound-phase": "a CPU phase (preprocess / postprocess) takes longer than the forward pass",
     "request.tail-latency": "p99 latency far above the median; the slowest requests and what they share",
     "request.slow-replica": "a replica (service.instance.id) much slower than the fleet median",
+    "collective.straggler": "a rank that starts the collectives last and makes the other ranks wait",
+    "collective.exposed-communication": "communication that computation does not hide on a rank",
 }
 """Every detector id with what it looks for."""

@@ -23,7 +23,14 @@ import numpy as np
 from zoomer_serve.analysis.api import AnalysisResult, TraceReport
 from zoomer_serve.analysis.findings import SEVERITIES, Finding
 from zoomer_serve.analysis.labels import METRIC_GPU_MEMORY_USAGE, METRIC_GPU_UTILIZATION
-from zoomer_serve.analysis.render import fmt_item, fmt_value, short_kernel_name
+from zoomer_serve.analysis.render import (
+    NO_GPU_WORK,
+    column_format,
+    fmt_item,
+    fmt_value,
+    has_gpu_work,
+    short_kernel_name,
+)
 from zoomer_serve.analysis.table import Table
 from zoomer_serve.analysis.timeline import utilization_timeline
 
@@ -44,6 +51,8 @@ table{border-collapse:collapse;font-size:12px;margin:6px 0} td,th{border:1px sol
 th{background:#fafafa} td.num{text-align:right;font-variant-numeric:tabular-nums}
 img.plot{max-width:100%;border:1px solid #eee;margin:6px 0} .nodata{color:#777;font-style:italic;padding:8px;border:1px dashed #ccc}
 details summary{cursor:pointer;color:#1565c0;font-size:13px} code{font-size:12px}
+.scroll{overflow-x:auto;max-width:100%} caption{text-align:left;font-weight:bold;font-size:13px;padding:4px 0}
+.nogpu{color:#555;font-style:italic;margin:6px 0}
 """
 
 
@@ -147,6 +156,9 @@ def plot_gpu_utilization(result: AnalysisResult) -> str:
     for label, (t, v) in _metric_series(result, METRIC_GPU_UTILIZATION).items():
         series.append((f"NVML {label}", (t - t.min()) / 1e6, v * 100, "metric"))
     if not series:
+        if result.traces:
+            return _nodata("gpu_utilization", "No GPU utilisation to plot: the traces hold no GPU work (no kernels, "
+                                              "copies or memsets) and the store no hw.gpu.utilization metrics.")
         return _nodata("gpu_utilization", "GPU utilisation needs a Kineto trace (trace files) or hw.gpu.utilization "
                                           "metrics in the store.")
     plt = _plt()
@@ -234,22 +246,27 @@ def plot_kernel_breakdown(rep: TraceReport, index: int) -> str:
 # ---- html --------------------------------------------------------------------------------------------------
 
 
-def _table_html(table: Table, columns: list[str] | None = None, limit: int = 15) -> str:
+def _table_html(table: Table, columns: list[str] | None = None, limit: int = 15, title: str = "") -> str:
+    """A table with a caption (``title`` and the table's description), one unit per column (in its
+    header), at most ``limit`` rows; it scrolls sideways inside the page when wide."""
     cols = columns or table.column_names
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+    formats = {c: column_format(table, c) for c in cols}
+    head = "".join(f"<th>{html.escape(formats[c][0])}</th>" for c in cols)
     body = []
     for row in table.rows(limit):
         cells = []
         for c in cols:
             v = row[c]
             cls = ' class="num"' if isinstance(v, (int, float)) and not isinstance(v, bool) else ""
-            text = fmt_value(v, table.units.get(c, ""))
-            if c == "name" and isinstance(v, str):
-                text = short_kernel_name(v, 90)
+            text = short_kernel_name(v, 90) if c in ("name", "next_op") and isinstance(v, str) else formats[c][1](v)
             cells.append(f"<td{cls} title=\"{html.escape(str(v))}\">{html.escape(text)}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
-    more = f'<div class="meta">{len(table) - limit} more rows in --json</div>' if len(table) > limit else ""
-    return f"<table><tr>{head}</tr>{''.join(body)}</table>{more}"
+    more = (f'<div class="meta">{len(table) - limit} more rows: every row is in the --json output</div>'
+            if len(table) > limit else "")
+    caption = html.escape(title or table.name) + (f' <span class="meta">{html.escape(table.description)}</span>'
+                                                  if table.description else "")
+    return (f'<div class="scroll"><table data-table="{html.escape(table.name)}"><caption>{caption}</caption>'
+            f"<tr>{head}</tr>{''.join(body)}</table></div>{more}")
 
 
 def _kv_table(values: dict[str, Any]) -> str:
@@ -320,22 +337,41 @@ def render_html(result: AnalysisResult, title: str = "zoomer-serve analysis") ->
     parts.append(_safe(plot_latency_over_time, result, "latency_over_time"))
     parts.append(_safe(plot_method_percentiles, result, "method_percentiles"))
     if "request_percentiles" in result.store_tables:
-        parts.append(_table_html(result.store_tables["request_percentiles"]))
+        parts.append(_table_html(result.store_tables["request_percentiles"], title="Request latency per method"))
     parts.append("<h2>GPU</h2>")
     parts.append(_safe(plot_gpu_utilization, result, "gpu_utilization"))
     parts.append(_safe(plot_gpu_memory, result, "gpu_memory"))
     for i, rep in enumerate(result.traces):
         parts.append(f"<h3>Trace {html.escape(str(rep.trace.path))}</h3>")
-        parts.append(_safe(functools.partial(_kernel_plot, rep=rep, index=i), result, "kernel_breakdown"))
-        parts.append(_table_html(rep.tables["gpu_utilization"]))
-        parts.append(_table_html(rep.tables["kernel_breakdown"], ["device", "name", "kind", "count", "total_us",
-                                                                    "mean_us", "share"], limit=12))
-        parts.append(_table_html(rep.tables["launch_stats"]))
-        parts.append(_table_html(rep.tables["memcpy_bandwidth"]))
+        if not has_gpu_work(rep.trace):
+            parts.append(f'<p class="nogpu" data-no-gpu="{i}">{html.escape(NO_GPU_WORK)}</p>')
+        else:
+            parts.append(_safe(functools.partial(_kernel_plot, rep=rep, index=i), result, "kernel_breakdown"))
+            parts.append(_table_html(rep.tables["gpu_utilization"], title="GPU busy / idle per device and stream"))
+            parts.append(_table_html(rep.tables["time_breakdown"], title="Where GPU time goes"))
+            parts.append(_table_html(rep.tables["kernel_breakdown"], ["device", "name", "kind", "count", "total_us",
+                                                                        "mean_us", "share"], limit=12,
+                                     title="Top kernels and copies"))
+            parts.append(_table_html(rep.tables["launch_stats"], title="Kernel launches"))
+            if len(rep.tables["memcpy_bandwidth"]):
+                parts.append(_table_html(rep.tables["memcpy_bandwidth"], title="Copies and memsets"))
+        if len(rep.tables["counters"]):
+            parts.append(_table_html(rep.tables["counters"], limit=30, title="Counter tracks"))
+        if len(rep.tables["profiler_steps"]):
+            parts.append(_table_html(rep.tables["profiler_steps"], title="Profiler steps"))
         if len(rep.tables["annotation_gpu_time"]):
-            parts.append(_table_html(rep.tables["annotation_gpu_time"], limit=10))
+            parts.append(_table_html(rep.tables["annotation_gpu_time"], limit=10, title="GPU time per annotation"))
+        if len(rep.tables["request_gpu_time"]):
+            parts.append(_table_html(rep.tables["request_gpu_time"], limit=10, title="GPU time per request"))
     if not result.traces:
         parts.append(_nodata("kernel_breakdown", "The kernel breakdown needs a Kineto trace: pass trace files."))
+    c = result.collective_tables
+    if c and len(c["collectives"]):
+        parts.append(f"<h2>Collectives across {len(result.traces)} ranks</h2>")
+        parts.append(_table_html(c["collectives"], limit=60, title="Collectives per rank"))
+        parts.append(_table_html(c["communication_overlap"], limit=len(c["communication_overlap"]),
+                                 title="Communication hidden behind computation"))
+        parts.append(_table_html(c["stragglers"], limit=len(c["stragglers"]), title="Stragglers"))
     parts.append("</body></html>")
     return "".join(parts)
 
@@ -360,4 +396,39 @@ def write_html(result: AnalysisResult, out_path: str | os.PathLike[str], title: 
     """
     out = Path(out_path)
     out.write_text(render_html(result, title), encoding="utf-8")
+    return out
+
+
+def render_diff_html(report: Any, title: str = "zoomer-serve diff") -> str:
+    """A :class:`~zoomer_serve.analysis.diff.DiffReport` as one self-contained HTML page (no plots): the
+    figures, the kernels, CPU ops and phases that changed, and the findings."""
+    t = report.tables
+    parts = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
+             f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>",
+             f'<div class="meta">before: {html.escape(report.before)}; after: {html.escape(report.after)}; '
+             f'generated {time.strftime("%Y-%m-%d %H:%M:%S")}</div>']
+    parts.append("<h2>Figures</h2>" + _table_html(t["figures"], limit=len(t["figures"]), title="Figures"))
+    changed = t["kernels"].take(t["kernels"]["status"] != "same")
+    parts.append("<h2>Kernels and copies</h2>" + _table_html(
+        changed, ["name", "kind", "status", "count_before", "count_after", "time_before_us", "time_after_us",
+                  "delta_us", "change", "launches_before", "launches_after"], limit=40,
+        title="Kernels and copies that appeared, vanished or changed most"))
+    ops = t["cpu_ops"].take(t["cpu_ops"]["status"] != "same")
+    parts.append("<h2>CPU ops</h2>" + _table_html(ops, ["name", "status", "count_before", "count_after",
+                                                        "time_before_us", "time_after_us", "delta_us", "change"],
+                                                  limit=40, title="CPU ops that appeared, vanished or changed most"))
+    parts.append("<h2>Phases</h2>" + _table_html(t["phases"], limit=40, title="Phases"))
+    parts.append("<h2>Findings</h2>" + _table_html(t["findings"], limit=len(t["findings"]), title="Findings"))
+    parts.append("</body></html>")
+    return "".join(parts)
+
+
+def write_diff_html(report: Any, out_path: str | os.PathLike[str]) -> Path:
+    """Write :func:`render_diff_html` to ``out_path``; returns the path.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    out = Path(out_path)
+    out.write_text(render_diff_html(report), encoding="utf-8")
     return out

@@ -81,11 +81,17 @@ def kernel_breakdown(trace: KinetoTrace, include_memops: bool = True) -> Table:
     ``mean_us``, ``min_us``, ``max_us``, ``std_us`` (sample standard deviation, 0 for one kernel),
     ``share`` (of the device's summed kernel + memory operation time, 0..1). Durations are summed as
     they are (concurrent kernels on different streams both count), as in HTA's kernel breakdown.
-    ``include_memops`` adds memcpy / memset operations as rows of kind memcpy / memset.
+    ``include_memops`` adds memcpy / memset operations as rows of kind memcpy / memset. Under HTA's
+    conventions the rows are what its kernel breakdown lists (by its name rules; memory operations as
+    kernels of their own kind).
     """
     k = trace.kernels
-    names = [k["name"]]
     kinds = [kernel_kinds(k["name"])]
+    if trace.conventions == "hta":
+        k = _hta_kernels(trace, include_memops)
+        kinds = [np.where(k["kind"] == "kernel", kernel_kinds(k["name"]), k["kind"])]
+        include_memops = False
+    names = [k["name"]]
     durs = [k["dur"]]
     devices = [k["device"]]
     if include_memops and len(trace.memops):
@@ -133,6 +139,17 @@ def kernel_breakdown(trace: KinetoTrace, include_memops: bool = True) -> Table:
         dtypes={"device": np.int64, "name": object, "kind": object, "count": np.int64, "total_us": np.float64,
                 "mean_us": np.float64, "min_us": np.float64, "max_us": np.float64, "std_us": np.float64,
                 "share": np.float64})
+
+
+def _hta_kernels(trace: KinetoTrace, include_memops: bool) -> Table:
+    """The GPU operations HTA's kernel breakdown lists: those of type COMPUTATION or COMMUNICATION (and
+    MEMORY with ``include_memops``) by its name rules, sync records on a stream included."""
+    from zoomer_serve.analysis.breakdown import op_types
+
+    ops = trace.gpu_ops()
+    types = op_types(trace)
+    keep = (types == "COMPUTATION") | (types == "COMMUNICATION") | ((types == "MEMORY") & include_memops)
+    return ops.take(keep)
 
 
 def kind_breakdown(trace: KinetoTrace) -> Table:

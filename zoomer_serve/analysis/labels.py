@@ -47,38 +47,52 @@ A request that failed with CUDA out-of-memory is also recognised from its ``erro
 from __future__ import annotations
 
 import re
+from importlib import import_module
+from typing import Any
 
-from zoomer_serve.host import names as _host
-from zoomer_serve.profiling import export as _export
 from zoomer_serve.profiling import labels as _profiling
-from zoomer_serve.telemetry import names as _gpu
 
 REQUEST_LABEL_PREFIX = _profiling.REQUEST_LABEL_PREFIX
 """Start of the ``record_function`` name of a request range: ``zoomer.request/<trace_id>/<span_id>``."""
 
-# Written by the GPU telemetry: its names module is the one place for these strings.
-GPU_MEMORY_ALLOCATED = _gpu.MEM_ALLOCATED_END
-GPU_MEMORY_RESERVED = _gpu.MEM_RESERVED_END
-GPU_MEMORY_PEAK = _gpu.MEM_PEAK
-GPU_MEMORY_ALLOC_RETRIES = _gpu.MEM_ALLOC_RETRIES
-GPU_MEMORY_OOMS = _gpu.MEM_OOMS
-GPU_MEMORY_ATTRIBUTES = (GPU_MEMORY_ALLOCATED, GPU_MEMORY_RESERVED, GPU_MEMORY_PEAK, GPU_MEMORY_ALLOC_RETRIES,
-                         GPU_MEMORY_OOMS)
-GPU_OOM_EVENT = _gpu.OOM_EVENT
 OOM_ERROR_MARKER = "OutOfMemoryError"  # in error.type (torch.OutOfMemoryError) or an exception event
-METRIC_GPU_UTILIZATION = _gpu.HW_GPU_UTILIZATION
-METRIC_GPU_MEMORY_USAGE = _gpu.HW_GPU_MEMORY_USAGE
-METRIC_HW_ID = _gpu.HW_ID
-
-REQUEST_CPU_TIME = _host.REQUEST_CPU_TIME
-PROFILE_SPAN = _export.PROFILE_SPAN_NAME
 PROFILE_SESSION_ID = "zoomer.profile.session_id"
-CPU_PROFILE_PATH = _host.CPU_PATH
-CPU_PROFILE_SAMPLES = _host.CPU_SAMPLES
-CPU_TOP_FUNCTION = _host.CPU_TOP_FUNCTION
-CPU_TOP_LOCATION = _host.CPU_TOP_LOCATION
-CPU_TOP_SELF_SHARE = _host.CPU_TOP_SELF_SHARE
-CPU_TOP_TOTAL_SHARE = _host.CPU_TOP_TOTAL_SHARE
+
+# The names the store analysis reads, taken from the modules that write them (the one place for each
+# string), on first use: reading a trace needs none of them, nor the GPU and host telemetry they live in.
+_FROM = {
+    "GPU_MEMORY_ALLOCATED": ("zoomer_serve.telemetry.names", "MEM_ALLOCATED_END"),
+    "GPU_MEMORY_RESERVED": ("zoomer_serve.telemetry.names", "MEM_RESERVED_END"),
+    "GPU_MEMORY_PEAK": ("zoomer_serve.telemetry.names", "MEM_PEAK"),
+    "GPU_MEMORY_ALLOC_RETRIES": ("zoomer_serve.telemetry.names", "MEM_ALLOC_RETRIES"),
+    "GPU_MEMORY_OOMS": ("zoomer_serve.telemetry.names", "MEM_OOMS"),
+    "GPU_OOM_EVENT": ("zoomer_serve.telemetry.names", "OOM_EVENT"),
+    "METRIC_GPU_UTILIZATION": ("zoomer_serve.telemetry.names", "HW_GPU_UTILIZATION"),
+    "METRIC_GPU_MEMORY_USAGE": ("zoomer_serve.telemetry.names", "HW_GPU_MEMORY_USAGE"),
+    "METRIC_HW_ID": ("zoomer_serve.telemetry.names", "HW_ID"),
+    "REQUEST_CPU_TIME": ("zoomer_serve.host.names", "REQUEST_CPU_TIME"),
+    "PROFILE_SPAN": ("zoomer_serve.profiling.export", "PROFILE_SPAN_NAME"),
+    "CPU_PROFILE_PATH": ("zoomer_serve.host.names", "CPU_PATH"),
+    "CPU_PROFILE_SAMPLES": ("zoomer_serve.host.names", "CPU_SAMPLES"),
+    "CPU_TOP_FUNCTION": ("zoomer_serve.host.names", "CPU_TOP_FUNCTION"),
+    "CPU_TOP_LOCATION": ("zoomer_serve.host.names", "CPU_TOP_LOCATION"),
+    "CPU_TOP_SELF_SHARE": ("zoomer_serve.host.names", "CPU_TOP_SELF_SHARE"),
+    "CPU_TOP_TOTAL_SHARE": ("zoomer_serve.host.names", "CPU_TOP_TOTAL_SHARE"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "GPU_MEMORY_ATTRIBUTES":
+        value: Any = tuple(__getattr__(n) for n in ("GPU_MEMORY_ALLOCATED", "GPU_MEMORY_RESERVED", "GPU_MEMORY_PEAK",
+                                                     "GPU_MEMORY_ALLOC_RETRIES", "GPU_MEMORY_OOMS"))
+    elif name in _FROM:
+        module, attr = _FROM[name]
+        value = getattr(import_module(module), attr)
+    else:
+        raise AttributeError(f"module 'zoomer_serve.analysis.labels' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
 
 PHASE_ATTRIBUTE = "zoomer.phase"
 """Span attribute naming a request phase (set by :func:`zoomer_serve.phase`)."""

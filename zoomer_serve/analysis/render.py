@@ -4,9 +4,10 @@ as plain text (kernel and annotation names contain brackets that rich would read
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 from rich.console import Console, Group
 from rich.panel import Panel
 from rich.table import Table as RichTable
@@ -15,11 +16,32 @@ from rich.text import Text
 from zoomer_serve.analysis.findings import Finding
 from zoomer_serve.analysis.table import Table
 
+NO_GPU_WORK = ("This trace holds no GPU work (no kernels, copies or memsets): it was recorded without CUDA "
+               "activities or on a machine without a GPU, so it has no GPU tables; its CPU side is in the "
+               "findings, the annotation and request tables and the merged timeline.")
+
+
+def has_gpu_work(trace: Any) -> bool:
+    """Whether a :class:`~zoomer_serve.analysis.kineto.KinetoTrace` ran anything on a GPU (kernels, copies or
+    memsets)."""
+    return len(trace.kernels) + len(trace.memops) > 0
+
+
 SEVERITY_STYLE = {"high": "bold red", "medium": "bold yellow", "low": "cyan", "info": "dim"}
 _NAME_WIDTH = 80
 
 
+_CONTROL_PICTURES = {c: 0x2400 + c for c in range(0x20)} | {0x7F: 0x2421}
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters (which a trace may carry in names) shown as their Unicode control
+    pictures (U+2400 block), so that they cannot move the cursor or restyle a terminal."""
+    return text.translate(_CONTROL_PICTURES)
+
+
 def _short(text: str, width: int = _NAME_WIDTH) -> str:
+    text = printable(text)
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
@@ -59,6 +81,7 @@ def _first_type_argument(args: str) -> str:
 def short_kernel_name(name: str, width: int = 60) -> str:
     """A readable kernel name: no ``void``, namespaces or parameters; the first type argument of a template
     is kept (``vectorized_elementwise_kernel<CUDAFunctor_add>``). Used for labels; tables keep full names."""
+    name = printable(name)
     if name.startswith(("Memcpy", "Memset")):
         return name
     s = name[5:] if name.startswith("void ") else name
@@ -98,6 +121,41 @@ def fmt_value(value: Any, unit: str = "") -> str:
     if isinstance(value, int) and unit == "bytes":
         return _bytes(value)
     return _short(str(value))
+
+
+_TIME_SCALES = (("s", 1e6), ("ms", 1e3), ("us", 1.0))
+_BYTE_SCALES = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1))
+_SUFFIXES = {"us": "_us", "ms": "_ms", "bytes": "_bytes", "GB/s": "_gbps", "ratio": "_share", "%": "_pct"}
+
+
+def column_format(table: Table, column: str) -> tuple[str, Callable[[Any], str]]:
+    """The header and the cell formatter of a table column, with one unit for the whole column: times in
+    the largest of s / ms / us that fits every cell (``window_us`` of 2.5e6 us: "window (s)", cells
+    "2.50"), byte counts likewise in GiB / MiB / KiB / B, ratios as percentages, GB/s as they are."""
+    unit = table.units.get(column, "")
+    values = table[column]
+    base = column[: -len(_SUFFIXES[unit])] if unit in _SUFFIXES and column.endswith(_SUFFIXES[unit]) else column
+    numeric = values.dtype.kind in "iuf" and len(values) > 0
+    finite = np.abs(values[np.isfinite(values)]) if numeric else np.empty(0)
+    top = float(finite.max()) if len(finite) else 0.0
+    if unit in ("us", "bytes") and numeric:
+        scales = _TIME_SCALES if unit == "us" else _BYTE_SCALES
+        name, div = next(((n, d) for n, d in scales if top >= d), scales[-1])
+        digits = 0 if name == "B" else 2 if top / div < 1e4 else 0
+        return f"{base} ({name})", lambda v: _number(v, div, digits)
+    if unit == "ms" and numeric:
+        return f"{base} (ms)", lambda v: _number(v, 1.0, 2)
+    if unit == "ratio":
+        return f"{base} (%)", lambda v: _number(v, 0.01, 1)
+    if unit in ("GB/s", "%") and numeric:
+        return f"{base} ({unit})", lambda v: _number(v, 1.0, 2)
+    return column, lambda v: fmt_value(v, unit)
+
+
+def _number(value: Any, div: float, digits: int) -> str:
+    if value is None or isinstance(value, bool) or (isinstance(value, float) and not math.isfinite(value)):
+        return "-" if not isinstance(value, bool) else ("yes" if value else "no")
+    return f"{value / div:,.{digits}f}"
 
 
 def _bytes(n: float) -> str:
@@ -170,15 +228,17 @@ def render_findings(findings: Sequence[Finding], console: Console | None = None,
 
 
 def rich_table(table: Table, columns: Sequence[str] | None = None, limit: int = 15, title: str | None = None) -> RichTable:
-    """A :class:`~zoomer_serve.analysis.table.Table` as a rich table (first ``limit`` rows)."""
+    """A :class:`~zoomer_serve.analysis.table.Table` as a rich table (first ``limit`` rows), one unit per
+    column (:func:`column_format`)."""
     cols = list(columns or table.column_names)
     out = RichTable(title=Text(title or table.name, style="bold"), title_justify="left")
+    formats = {c: column_format(table, c) for c in cols}
     for c in cols:
         numeric = table[c].dtype.kind in "iuf"
-        out.add_column(Text(c), justify="right" if numeric else "left", overflow="fold")
+        out.add_column(Text(formats[c][0]), justify="right" if numeric else "left", overflow="fold")
     for row in table.rows(limit):
         out.add_row(*[Text(short_kernel_name(row[c]) if c in ("name", "next_op") and isinstance(row[c], str)
-                           else fmt_value(row[c], table.units.get(c, ""))) for c in cols])
+                           else formats[c][1](row[c])) for c in cols])
     if len(table) > limit:
         out.caption = f"{len(table) - limit} more rows"
     return out

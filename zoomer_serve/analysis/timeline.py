@@ -75,6 +75,8 @@ def gpu_utilization(trace: KinetoTrace, kernel_wait_threshold_us: float = KERNEL
     Columns: ``device``, ``stream`` (-1 = all streams of the device), ``ops`` (GPU operations),
     ``window_us``, ``busy_us``, ``idle_us``, ``utilization`` (busy / window, 0..1), ``host_wait_us``,
     ``kernel_wait_us``, ``other_idle_us`` (idle split, see the module docstring), ``longest_gap_us``.
+    Under HTA's conventions the device rows count CUPTI sync records on a stream as GPU work (as its temporal
+    breakdown does); the stream rows never do (as its idle time breakdown).
     """
     ops = trace.gpu_ops()
     launch = _launch_ts(trace, ops["correlation"])
@@ -83,8 +85,9 @@ def gpu_utilization(trace: KinetoTrace, kernel_wait_threshold_us: float = KERNEL
         dsel = ops["device"] == dev
         rows.append(_device_row(int(dev), ops["ts"][dsel], ops["dur"][dsel], launch[dsel], kernel_wait_threshold_us))
         streams = ops["stream"][dsel]
-        for stream in np.unique(streams):
-            ssel = streams == stream
+        work = ops["kind"][dsel] != "sync"  # per stream, sync records are never work (HTA's idle breakdown too)
+        for stream in np.unique(streams[work]):
+            ssel = (streams == stream) & work
             rows.append(_stream_row(int(dev), int(stream), ops["ts"][dsel][ssel], ops["dur"][dsel][ssel],
                                     launch[dsel][ssel], kernel_wait_threshold_us))
     return Table.from_rows(
@@ -182,7 +185,10 @@ def kernel_launches(trace: KinetoTrace) -> Table:
     Columns: ``device``, ``stream``, ``name``, ``ts``, ``dur`` (kernel, us), ``launch_name`` (e.g.
     ``cudaLaunchKernel``, "" when the call is not in the trace), ``launch_dur_us`` (time the CPU spent in
     the launch call), ``launch_delay_us`` (launch call start -> kernel start: queueing plus launch latency),
-    ``pid``, ``tid`` (the launching thread, -1 when unknown).
+    ``pid``, ``tid`` (the launching thread, -1 when unknown), ``launch_row`` (the call's row in
+    ``trace.runtime``, -1), ``launch_kernels`` (kernels that call launched: more than one for a CUDA graph
+    replay), ``launch_kernel_us`` (their summed time), ``graph`` (the kernel came from a CUDA graph: a
+    ``graph node id``, or a launch shared with other kernels).
     """
     k = trace.kernels
     idx = launch_index(trace, k["correlation"])
@@ -196,52 +202,92 @@ def kernel_launches(trace: KinetoTrace) -> Table:
             return np.full(len(k), missing, dtype=dtype)
         return np.where(ok, rt[col][safe], missing).astype(dtype)
 
+    # kernels sharing one launch call (a CUDA graph replay: cudaGraphLaunch) and their summed time
+    shared = np.bincount(safe[ok], minlength=max(len(rt), 1)) if ok.any() else np.zeros(max(len(rt), 1), np.int64)
+    launch_gpu = np.bincount(safe[ok], weights=k["dur"][ok], minlength=max(len(rt), 1)) if ok.any() \
+        else np.zeros(max(len(rt), 1))
     cols = {
         "device": k["device"], "stream": k["stream"], "name": k["name"], "ts": k["ts"], "dur": k["dur"],
         "launch_name": pick("name", "", object),
         "launch_dur_us": pick("dur", np.nan, np.float64),
         "launch_delay_us": np.where(ok, k["ts"] - (rt["ts"][safe] if has else 0.0), np.nan),
         "pid": pick("pid", -1, np.int64), "tid": pick("tid", -1, np.int64),
+        "launch_row": idx,
+        "launch_kernels": np.where(ok, shared[safe], 0).astype(np.int64),
+        "launch_kernel_us": np.where(ok, launch_gpu[safe], np.nan),
+        "graph": (k["graph_node_id"] >= 0) | (np.where(ok, shared[safe], 0) > 1),
     }
-    return Table("kernel_launches", cols, {"ts": US, "dur": US, "launch_dur_us": US, "launch_delay_us": US},
+    return Table("kernel_launches", cols, {"ts": US, "dur": US, "launch_dur_us": US, "launch_delay_us": US,
+                                           "launch_kernel_us": US},
                  "kernels with their launching runtime call")
+
+
+def counter_summary(trace: KinetoTrace) -> Table:
+    """Counter tracks (``ph`` "C" samples, e.g. CUPTI PM sampling on a "GPU N Counters" track): one row per
+    device, counter and series.
+
+    Columns: ``device``, ``counter``, ``name``, ``samples``, ``min``, ``mean``, ``max`` (in the counter's own
+    unit), ``first_us``, ``last_us`` (relative to the trace origin).
+    """
+    c = trace.counters
+    rows = []
+    if len(c):
+        keys = list(zip(c["device"].tolist(), c["counter"].tolist(), c["name"].tolist()))
+        groups: dict[tuple[int, str, str], list[int]] = {}
+        for i, key in enumerate(keys):
+            groups.setdefault(key, []).append(i)
+        for (dev, counter, name), idx in sorted(groups.items()):
+            v, ts = c["value"][idx], c["ts"][idx]
+            rows.append((dev, counter, name, len(idx), float(v.min()), float(v.mean()), float(v.max()),
+                         float(ts.min()), float(ts.max())))
+    return Table.from_rows(
+        "counters", ("device", "counter", "name", "samples", "min", "mean", "max", "first_us", "last_us"), rows,
+        units={"first_us": US, "last_us": US}, description="counter tracks (ph C samples) per device and series",
+        dtypes={"device": np.int64, "counter": object, "name": object, "samples": np.int64, "min": np.float64,
+                "mean": np.float64, "max": np.float64, "first_us": np.float64, "last_us": np.float64})
 
 
 def launch_stats(trace: KinetoTrace, short_kernel_us: float = SHORT_KERNEL_US) -> Table:
     """Launch statistics per device: how long the CPU spends launching kernels against how long they run.
 
     Columns: ``device``, ``kernels``, ``launched`` (kernels whose launch call is in the trace),
-    ``kernel_total_us``, ``launch_total_us`` (summed launch call durations), ``kernel_median_us``,
-    ``launch_median_us``, ``short_kernels`` (kernels shorter than ``short_kernel_us``), ``short_share``,
-    ``launch_exceeds_kernel_share`` (kernels whose launch call took longer than the kernel ran),
-    ``launch_delay_median_us``, ``launch_delay_p90_us`` (launch call start -> kernel start).
+    ``kernel_total_us``, ``launch_total_us`` (summed launch call durations, each call once),
+    ``kernel_median_us``, ``launch_median_us`` (per call), ``short_kernels`` (kernels shorter than
+    ``short_kernel_us``), ``short_share``, ``launch_exceeds_kernel_share`` (launch calls that took longer than
+    the kernels they launched ran: for a CUDA graph replay, all of its kernels together),
+    ``launch_delay_median_us``, ``launch_delay_p90_us`` (launch call start -> kernel start), ``launch_calls``,
+    ``graph_kernels`` (kernels replayed from CUDA graphs).
     """
     kl = kernel_launches(trace)
     rows = []
     for dev in np.unique(kl["device"]):
         sel = kl["device"] == dev
         dur = kl["dur"][sel]
-        ld = kl["launch_dur_us"][sel]
         delay = kl["launch_delay_us"][sel]
-        launched = ~np.isnan(ld)
+        launched = kl["launch_row"][sel] >= 0
         n = int(sel.sum())
         short = int((dur < short_kernel_us).sum())
-        exceeds = int((ld[launched] > dur[launched]).sum())
-        rows.append((int(dev), n, int(launched.sum()), float(dur.sum()), float(np.nansum(ld)),
-                     float(np.median(dur)), _nanq(ld, 0.5), short, short / n if n else 0.0,
-                     exceeds / int(launched.sum()) if launched.any() else 0.0, _nanq(delay, 0.5),
-                     _nanq(delay, 0.9)))
+        # per launch call, once: a CUDA graph replay launches many kernels with one call
+        calls, first = np.unique(kl["launch_row"][sel][launched], return_index=True)
+        call_dur = kl["launch_dur_us"][sel][launched][first]
+        call_gpu = kl["launch_kernel_us"][sel][launched][first]
+        exceeds = int((call_dur > call_gpu).sum())
+        rows.append((int(dev), n, int(launched.sum()), float(dur.sum()), float(call_dur.sum()),
+                     float(np.median(dur)), _nanq(call_dur, 0.5), short, short / n if n else 0.0,
+                     exceeds / len(calls) if len(calls) else 0.0, _nanq(delay, 0.5), _nanq(delay, 0.9),
+                     len(calls), int(kl["graph"][sel].sum())))
     return Table.from_rows(
         "launch_stats",
         ("device", "kernels", "launched", "kernel_total_us", "launch_total_us", "kernel_median_us",
          "launch_median_us", "short_kernels", "short_share", "launch_exceeds_kernel_share",
-         "launch_delay_median_us", "launch_delay_p90_us"),
+         "launch_delay_median_us", "launch_delay_p90_us", "launch_calls", "graph_kernels"),
         rows,
         units={"kernel_total_us": US, "launch_total_us": US, "kernel_median_us": US, "launch_median_us": US,
                "short_share": "ratio", "launch_exceeds_kernel_share": "ratio", "launch_delay_median_us": US,
                "launch_delay_p90_us": US},
         description=f"CPU launch time vs kernel time per device (short = under {short_kernel_us:g} us)",
-        dtypes={"device": np.int64, "kernels": np.int64, "launched": np.int64, "short_kernels": np.int64})
+        dtypes={"device": np.int64, "kernels": np.int64, "launched": np.int64, "short_kernels": np.int64,
+                "launch_calls": np.int64, "graph_kernels": np.int64})
 
 
 def _nanq(values: np.ndarray, q: float) -> float:
