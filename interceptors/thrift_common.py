@@ -91,9 +91,12 @@ class ThriftLimits:
     """Bounds on what one connection may make the server read.
 
     Attributes:
-        max_message_bytes: largest message accepted, in bytes: a frame header announcing more (framed
-            transports) or more bytes read for one unframed message closes the connection as a protocol
-            error before anything that large is allocated.
+        max_message_bytes: largest message accepted, in bytes, however it arrives: unframed, in one frame or
+            spread over several frames, first on its connection or not. A frame header announcing more
+            (framed transports) closes the connection as a protocol error before anything that large is
+            allocated; so does reading more than ``max_message_bytes + read_chunk_bytes`` bytes for one
+            message (thriftpy2's transports read ahead by up to one chunk, which may belong to the next
+            message, so that much is allowed for: a message is refused by the time that much is read).
         read_chunk_bytes: most bytes asked of the socket in one read, whatever the transport asks for (a
             declared length of gigabytes then costs only the bytes that really arrive).
 
@@ -616,7 +619,8 @@ class Meter:
     """Sits between a connection's socket and thriftpy2's transports: counts the bytes of each call, notes
     when the first byte of a message arrived, asks the socket for at most ``read_chunk_bytes`` at a time, and
     closes the connection (a :class:`MessageTooLarge` / :class:`InvalidFrame` transport error) on a frame
-    header (framed transports) or an unframed message beyond ``max_message_bytes``. Socket errors become
+    header (framed transports) or a message, in any number of frames or none, beyond ``max_message_bytes``
+    (see :class:`ThriftLimits`). Socket errors become
     ``TTransportException`` so that thriftpy2's server loop closes the connection without a traceback.
 
     The subclasses define what thriftpy2's transports call on the socket below them (``read``, ``write``,
@@ -626,7 +630,7 @@ class Meter:
     server CPU per call in a busy server (benchmarks/RESULTS.md)."""
 
     __slots__ = ("inner", "limits", "framed", "idle", "msg_start_ns", "bytes_in", "bytes_out", "conn", "peer",
-                 "published", "_frame_left", "_header", "_owner", "__weakref__")
+                 "published", "_frame_left", "_header", "_owner", "_bound", "__weakref__")
 
     def __init__(self, inner: Any, limits: ThriftLimits, framed: bool, owner: MeteredTransportFactory,
                  peer: dict[str, Any]) -> None:
@@ -643,6 +647,7 @@ class Meter:
         self._frame_left = 0
         self._header = b""
         self._owner = owner
+        self._bound = limits.max_message_bytes + limits.read_chunk_bytes  # see ThriftLimits
 
     def end_message(self) -> None:
         """The processor finished a call: the next byte read starts the next message."""
@@ -656,14 +661,28 @@ class Meter:
             self.idle = False
             self.msg_start_ns = _time_ns()
             if not self.published:
-                self.published = True
-                _meter_var.set(self)
+                self._publish()
         self.bytes_in += len(data)
         if self.framed:
             self._scan_frames(data)
-        elif self.bytes_in > self.limits.max_message_bytes and self.conn is not None:
-            raise MessageTooLarge(TTransportException.UNKNOWN, f"zoomer-serve: unframed Thrift message over "
-                                  f"max_message_bytes={self.limits.max_message_bytes}")
+        # only while a traced processor serves the connection: it ends each message (end_message), without
+        # which bytes_in would grow over the connection's life
+        if self.bytes_in > self._bound and self.conn is not None:
+            raise MessageTooLarge(TTransportException.UNKNOWN, f"zoomer-serve: Thrift message over "
+                                  f"max_message_bytes={self.limits.max_message_bytes} ({self.bytes_in} bytes "
+                                  f"read for it{' in several frames' if self.framed else ''})")
+
+    def _publish(self) -> None:
+        """The connection's first read. It happens inside the traced processor's ``process``, on the thread or
+        task that serves the connection: link this meter to that connection's state now, so that the size
+        bound holds from the first message on. Also publish it (:func:`_link_meter` finds it there when the
+        processor had no connection state yet)."""
+        self.published = True
+        _meter_var.set(self)
+        conn = _conn_var.get()
+        if conn is not None and conn.meter is None and self.conn is None:
+            conn.meter = self
+            self.conn = conn
 
     def _scan_frames(self, data: bytes) -> None:
         """Follow the frame boundaries of the byte stream and check each 4-byte frame length."""
