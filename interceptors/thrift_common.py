@@ -29,7 +29,9 @@ Span shape (semantic conventions for RPC, v1.40.0 stable names, as for gRPC):
 - time: from the first byte of the message (metered connections; otherwise from when the message was
   decoded) to the reply written, or to the handler's return for oneway calls.
 
-Unknown methods get a span ``_OTHER`` with ``rpc.method`` = ``_OTHER`` and ``rpc.method_original``.
+Unknown methods (and, on a multiplexed processor, methods of unknown services) are answered with a
+``TApplicationException`` UNKNOWN_METHOD, the connection goes on, and get a span ``_OTHER`` with ``rpc.method``
+= ``_OTHER`` and ``rpc.method_original`` = the name as it arrived (``Service:method`` when multiplexed).
 Bytes that are not a Thrift message get no span: :func:`protocol_error_counts` (and the exported counter
 ``zoomer.rpc.server.protocol_errors``) count them by kind, the first of each kind is logged, and only that
 connection is closed. A client that disconnects between calls is no error.
@@ -243,7 +245,7 @@ class Connection:
     served by its own thread, or its own asyncio task, one call after the other)."""
 
     __slots__ = ("iprot", "oprot", "meter", "linked", "peer", "tracking", "phase", "span", "call", "exc",
-                 "outcome", "api", "seqid", "oneway", "invoke", "ainvoke", "base_attrs")
+                 "outcome", "api", "seqid", "oneway", "invoke", "ainvoke", "base_attrs", "wire_name")
 
     def __init__(self, iprot: Any, oprot: Any = None) -> None:
         self.iprot = iprot
@@ -263,6 +265,7 @@ class Connection:
         self.oneway = False
         self.invoke = self._invoke
         self.ainvoke = self._ainvoke
+        self.wire_name: str | None = None  # an unknown method's name as it arrived, when the processor kept it
 
     @classmethod
     def current(cls, iprot: Any, oprot: Any) -> Connection:
@@ -437,7 +440,8 @@ class ThriftTracer:
                     return api, seqid, self._handshake(conn, result), noop
                 if isinstance(result, TApplicationException):
                     conn.outcome = OUT_UNKNOWN_METHOD
-                    conn.span = self._start(conn, None, self._other_static(api), seqid, header)
+                    wire_name, conn.wire_name = conn.wire_name or api, None
+                    conn.span = self._start(conn, None, self._other_static(wire_name), seqid, header)
                     if conn.tracking >= 2:
                         conn.oprot.write_struct(_EMPTY_RESPONSE_HEADER)
                 return api, seqid, result, call

@@ -630,3 +630,42 @@ def test_thrift_limits_unframed_pipelined_messages_within_the_limit_are_served(s
         assert result.success == text
     server.stop()
     assert len(collector.spans("SERVER")) == 2
+
+
+def test_multiplexed_client_on_a_newer_idl_gets_unknown_method_and_keeps_its_connection(telemetry, collector):
+    """Thrift limits: a multiplexed client built from a newer IDL (``EchoPlus``, one method more) calls that
+    method on a server that registered the older ``Echo``: the reply is a ``TApplicationException``
+    UNKNOWN_METHOD, the call has an ``_OTHER`` span, and the next call on the same connection works (thriftpy2's
+    own multiplexed processor closes the connection without a reply). Same for an unregistered service."""
+    processor = TracedMultiplexedProcessor(server_address="127.0.0.1")
+    processor.register_processor("alpha.Echo", TProcessor(T.Echo, Handler()))
+    sock = BoundServerSocket(host="127.0.0.1", port=0)
+    sock.listen()
+    server = TracedThreadedServer(processor, sock, itrans_factory=MeteredTransportFactory(
+        thriftpy2.transport.TBufferedTransportFactory()), daemon=True).start()
+    try:
+        newer = plain_client(T.EchoPlus, "127.0.0.1", server.port, timeout=TIMEOUT_MS,
+                             proto_factory=TMultiplexedProtocolFactory(TBinaryProtocolFactory(), "alpha.Echo"))
+        with pytest.raises(TApplicationException) as info:
+            newer.extra()
+        assert info.value.type == TApplicationException.UNKNOWN_METHOD
+        assert newer.plain(1) == 2  # same connection
+        with pytest.raises(TApplicationException) as again:
+            newer.extra()
+        assert again.value.type == TApplicationException.UNKNOWN_METHOD
+        assert newer.echo("still here") == "still here"
+        newer.close()
+        stranger = plain_client(T.Calc, "127.0.0.1", server.port, timeout=TIMEOUT_MS,
+                                proto_factory=TMultiplexedProtocolFactory(TBinaryProtocolFactory(), "beta.Calc"))
+        with pytest.raises(TApplicationException) as unknown_service:
+            stranger.add(1, 2)
+        assert unknown_service.value.type == TApplicationException.UNKNOWN_METHOD
+        stranger.close()
+    finally:
+        server.stop()
+    spans = collector.spans("SERVER")
+    assert [s["name"] for s in spans] == ["_OTHER", "alpha.Echo/plain", "_OTHER", "alpha.Echo/echo", "_OTHER"]
+    others = [s["attributes"] for s in spans if s["name"] == "_OTHER"]
+    assert [a["rpc.method_original"] for a in others] == ["alpha.Echo:extra", "alpha.Echo:extra", "beta.Calc:add"]
+    assert {a["rpc.response.status_code"] for a in others} == {"UNKNOWN_METHOD"}
+    assert all(s["status_code"] == "ERROR" for s in spans if s["name"] == "_OTHER")
