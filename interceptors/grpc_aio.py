@@ -27,6 +27,19 @@ ends any span still open when the call is over, so no span outlives its call. ``
 trailing metadata) passes through unchanged; its code and details are the span's. Sync handler functions on
 an aio server (grpc runs them in its migration thread pool) are left untraced, with one warning per method.
 Anything that goes wrong inside the interceptor is counted and logged once; the call proceeds (fail open).
+
+Calls that fail before or around the handler (C16; the sync module's docstring has the sync side):
+
+- a request message that the method's deserializer rejects: grpc.aio raises the deserializer's exception in
+  the call's task before any handler runs (it then logs it and answers UNKNOWN). The interceptor's
+  deserializer hands the message on marked (:class:`~interceptors.grpc_common.UndecodableRequest`) and the
+  traced handler raises the same exception there, without calling the application, so grpc does and answers
+  the same and the call has its span (UNKNOWN, ``error.type`` = the exception's type, an ``exception``
+  event). In a request stream the exception is raised from the handler's read, as grpc.aio raises it.
+- a client's cancel (or grpc's size limit cutting a request stream) reaches a handler blocked on its next
+  request message as the end of the stream as often as not; the wrapper yields to the event loop once before
+  it reports such a call complete, so that grpc's cancel of the task arrives first in most of them (see
+  :func:`_let_a_cancel_arrive`).
 """
 
 from __future__ import annotations
@@ -40,7 +53,7 @@ from typing import Any, NoReturn
 
 import grpc
 
-from interceptors.grpc_common import ServerCallTracer, ServerInterceptorCore, message_size
+from interceptors.grpc_common import ServerCallTracer, ServerInterceptorCore, UndecodableRequest, message_size
 from zoomer_serve.recording import RequestSpan, internal_error
 
 logger = logging.getLogger("zoomer_serve")
@@ -59,7 +72,8 @@ class _HandlerContext(grpc.aio.ServicerContext):
     """The handler's view of an aio ``ServicerContext``: the same context, except that
 
     - messages passing through ``read()`` / ``write()`` are counted into ``counts`` = [request messages,
-      request bytes, response messages, response bytes] (read/write-style handlers);
+      request bytes, response messages, response bytes, 1 once the request stream has ended] (read/write-style
+      handlers); a message that could not be deserialized raises its exception here, as grpc.aio would;
     - ``abort()`` / ``abort_with_status()`` end the span with the given code and details first: grpc.aio
       sends the status to the client inside ``abort()``, before it raises, so the span must be complete by
       then (as with the sync server, where the status leaves after the handler).
@@ -78,10 +92,14 @@ class _HandlerContext(grpc.aio.ServicerContext):
 
     async def read(self) -> Any:
         message = await self._context.read()
-        if message is not _EOF:
-            counts = self._counts
-            counts[0] += 1
-            counts[1] += message_size(message)
+        counts = self._counts
+        if message is _EOF:
+            counts[4] = 1
+            return message
+        counts[0] += 1
+        if message.__class__ is UndecodableRequest:
+            _refuse(message)
+        counts[1] += message_size(message)
         return message
 
     async def write(self, message: Any) -> None:
@@ -121,8 +139,17 @@ for _name in dir(grpc.aio.ServicerContext):
 abc.update_abstractmethods(_HandlerContext)
 
 
+def _refuse(request: UndecodableRequest) -> NoReturn:
+    """A request message that the method's deserializer rejected: raise its exception in the handler's task,
+    where grpc.aio would have raised it without the interceptor (it then logs it and answers UNKNOWN)."""
+    if request.error is None:  # not produced on grpc.aio (the asyncio flavour hands None results on)
+        raise RuntimeError("zoomer-serve: request could not be deserialized")
+    raise request.error
+
+
 class _CountingRequests:
-    """An async iterator over the request stream that counts messages and bytes into ``counts[0:2]``."""
+    """An async iterator over the request stream that counts messages and bytes into ``counts[0:2]`` and
+    notes its end in ``counts[4]``; a message that could not be deserialized raises its exception here."""
 
     __slots__ = ("_requests", "_iterator", "_counts")
 
@@ -137,21 +164,30 @@ class _CountingRequests:
     async def __anext__(self) -> Any:
         if self._iterator is None:
             self._iterator = self._requests.__aiter__()
-        message = await self._iterator.__anext__()
         counts = self._counts
+        try:
+            message = await self._iterator.__anext__()
+        except StopAsyncIteration:
+            counts[4] = 1
+            raise
         counts[0] += 1
+        if message.__class__ is UndecodableRequest:
+            _refuse(message)
         counts[1] += message_size(message)
         return message
 
 
 def _inputs(tracer: ServerCallTracer, span: RequestSpan | None, request: Any, context: grpc.aio.ServicerContext,
-            streaming_request: bool, counts: list[int]) -> tuple[Any, _HandlerContext]:
-    """The request (or a counting request iterator) and the context the handler gets."""
+            streaming_request: bool) -> tuple[Any, _HandlerContext, list[int]]:
+    """The request (or a counting request iterator), the context the handler gets, and ``counts`` =
+    [request messages, request bytes, response messages, response bytes, 1 once the request stream ended].
+    A unary request that could not be deserialized stays an :class:`UndecodableRequest` (see the wrappers)."""
     if streaming_request:
+        counts = [0, 0, 0, 0, 0]
         request = _CountingRequests(request, counts)
     else:
-        counts[0], counts[1] = 1, message_size(request)
-    return request, _HandlerContext(context, counts, tracer, span)
+        counts = [1, message_size(request), 0, 0, 0]
+    return request, _HandlerContext(context, counts, tracer, span), counts
 
 
 def _finish_when_done(tracer: ServerCallTracer, span: RequestSpan | None, context: grpc.aio.ServicerContext,
@@ -166,21 +202,35 @@ def _finish_when_done(tracer: ServerCallTracer, span: RequestSpan | None, contex
         internal_error(tracer.place + ".add_done_callback", exc)
 
 
+async def _let_a_cancel_arrive(counts: list[int]) -> None:
+    """Before a call whose request stream has ended is reported complete, yield to the event loop once. A
+    client's cancel reaches grpc.aio twice: as the end of the request stream (the pending read returns EOF)
+    and as the cancel of the call's task; when the handler sees the EOF first and returns, grpc's status then
+    fails silently and the call would look OK. The yield lets the task's cancel arrive in most such calls (it
+    is raised here: the span ends CANCELLED); grpc.aio offers Python no other sign of it."""
+    if counts[4]:
+        await asyncio.sleep(0)
+
+
 def _wrap_coroutine(tracer: ServerCallTracer, behavior: Callable[..., Awaitable[Any]], streaming_request: bool,
                     streaming_response: bool) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
     """``async def`` handlers: unary responses (returned), or read/write style streams (written through the
     context; the coroutine returns nothing after the last write)."""
+    refuse = not streaming_request  # a unary request is checked here, a streamed one as it is read
 
     async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
         span = tracer.start(context)
-        counts = [0, 0, 0, 0]
-        request, handler_context = _inputs(tracer, span, request, context, streaming_request, counts)
+        request, handler_context, counts = _inputs(tracer, span, request, context, streaming_request)
         if streaming_response:
             _finish_when_done(tracer, span, context, counts)
         if span is not None:
             span.activate()
         try:
+            if refuse and request.__class__ is UndecodableRequest:
+                _refuse(request)
             response = await behavior(request, handler_context)
+            if streaming_request:
+                await _let_a_cancel_arrive(counts)
         except BaseException as exc:
             if span is not None:
                 span.deactivate()
@@ -200,17 +250,19 @@ def _wrap_async_generator(tracer: ServerCallTracer, behavior: Callable[..., Asyn
                           streaming_request: bool) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
     """Async-generator handlers: the span is current around each step of the handler and ends after its
     last message, on its exception, or when the call is cancelled."""
+    refuse = not streaming_request  # a unary request is checked here, a streamed one as it is read
 
     async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         span = tracer.start(context)
-        counts = [0, 0, 0, 0]
-        request, handler_context = _inputs(tracer, span, request, context, streaming_request, counts)
+        request, handler_context, counts = _inputs(tracer, span, request, context, streaming_request)
         _finish_when_done(tracer, span, context, counts)
         error: BaseException | None = None
         try:
             if span is not None:
                 span.activate()
             try:
+                if refuse and request.__class__ is UndecodableRequest:
+                    _refuse(request)
                 iterator = behavior(request, handler_context).__aiter__()
             finally:
                 if span is not None:
@@ -221,13 +273,15 @@ def _wrap_async_generator(tracer: ServerCallTracer, behavior: Callable[..., Asyn
                 try:
                     message = await iterator.__anext__()
                 except StopAsyncIteration:
-                    return
+                    break
                 finally:
                     if span is not None:
                         span.deactivate()
                 counts[2] += 1
                 counts[3] += message_size(message)
                 yield message
+            if streaming_request:
+                await _let_a_cancel_arrive(counts)
         except BaseException as exc:
             error = exc
             raise
@@ -246,6 +300,7 @@ class ZoomerAioServerInterceptor(ServerInterceptorCore, grpc.aio.ServerIntercept
     """
 
     place = "grpc_aio"
+    sync_grpc = False
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],

@@ -10,22 +10,75 @@ become its children), and ends it exactly once: after the response for unary res
 streamed message, or when the call is cancelled or its deadline passes. Anything that goes wrong inside the
 interceptor is counted and logged once; the call itself proceeds unchanged (fail open). Handler exceptions
 are recorded on the span and re-raised unchanged.
+
+Calls that fail before or around the handler (C16):
+
+- a request message that the method's deserializer rejects (or turns into None): grpc would answer INTERNAL
+  ``Exception deserializing request!`` before any handler runs. The interceptor's deserializer hands such a
+  message on marked (:class:`~interceptors.grpc_common.UndecodableRequest`) and the traced handler answers
+  exactly that, without calling the application, so the call has its span (status INTERNAL, the
+  deserializer's exception as an ``exception`` event). In a request stream the application's handler sees
+  the abort raised from its request iterator (grpc alone would end the iterator as if the client had
+  finished, and answer INTERNAL all the same).
+- a call with a streamed request whose handler ends normally ends its span when grpc has finished the call,
+  not when the handler returns: only then does grpc know whether the end of the request stream was the
+  client's last message or its cancel (the span then ends CANCELLED). Such spans end on grpc's thread, so
+  they carry no ``zoomer.request.cpu_time_ns``.
+- a message over ``grpc.max_receive_message_length`` never reaches Python: grpc's core answers
+  RESOURCE_EXHAUSTED. A unary request's call is not seen at all (the handler never runs); in a request stream
+  the handler sees a cancel, and the span ends CANCELLED.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
-from interceptors.grpc_common import ServerCallTracer, ServerInterceptorCore, message_size
+from interceptors.grpc_common import (
+    UNDECODABLE_DETAILS,
+    ServerCallTracer,
+    ServerInterceptorCore,
+    UndecodableRequest,
+    message_size,
+)
 from zoomer_serve.recording import RequestSpan, internal_error
 
+try:  # grpc's own record of whether the client cancelled a call; the public API has no such question
+    from grpc._server import _CANCELLED as _GRPC_CLIENT_CANCELLED
+except ImportError:  # pragma: no cover - another grpc layout: request streams end as before (is_active())
+    _GRPC_CLIENT_CANCELLED = None
 
-def _counting(iterator: Iterator[Any], counts: list[int]) -> Iterator[Any]:
+
+def _client_cancelled(context: grpc.ServicerContext) -> bool | None:
+    """Whether grpc has seen the client cancel the call (or its deadline pass, or the server stop), read from
+    grpc's call state; None when this grpc keeps no such state where grpc 1.x does (``_Context._state.client``).
+    ``context.is_active()`` cannot tell: it is False too once the status is sent."""
+    client = getattr(getattr(context, "_state", None), "client", None)
+    if client is None or _GRPC_CLIENT_CANCELLED is None:
+        return None
+    return bool(client == _GRPC_CLIENT_CANCELLED)
+
+
+def _refuse(span: RequestSpan | None, request: UndecodableRequest, context: grpc.ServicerContext) -> NoReturn:
+    """End a call whose request message could not be deserialized as grpc's sync server does without the
+    interceptor (INTERNAL, grpc's details); the deserializer's exception becomes the span's ``exception``
+    event. Raises what ``context.abort`` raises."""
+    if span is not None and request.error is not None:
+        span.record_exception(request.error)
+    context.abort(grpc.StatusCode.INTERNAL, UNDECODABLE_DETAILS)
+    raise AssertionError("grpc abort() returned")  # it raises
+
+
+def _counting(iterator: Iterator[Any], counts: list[int], span: RequestSpan | None,
+              context: grpc.ServicerContext) -> Iterator[Any]:
+    """The request stream as the handler gets it: counts messages and bytes; a message that could not be
+    deserialized ends the call (:func:`_refuse`)."""
     for message in iterator:
         counts[0] += 1
+        if message.__class__ is UndecodableRequest:
+            _refuse(span, message, context)
         counts[1] += message_size(message)
         yield message
 
@@ -33,27 +86,55 @@ def _counting(iterator: Iterator[Any], counts: list[int]) -> Iterator[Any]:
 def _open_call(tracer: ServerCallTracer, request: Any, context: grpc.ServicerContext, streaming_request: bool,
                sized: bool) -> tuple[RequestSpan | None, Any, list[int]]:
     """Start the call's span; ``counts`` = [request messages, request bytes, response messages, response
-    bytes], with a streamed request wrapped so that its messages are counted as the handler reads them;
-    ``sized``: the request is ``(message, bytes received)``. Returns the request the handler gets."""
+    bytes, 1 once the handler has ended normally (set where :func:`_end_when_done` decides)], with a streamed
+    request wrapped so that its messages are counted as the handler reads them; ``sized``: the unary request
+    is ``(message, bytes received)``. Returns the request the handler gets."""
     span = tracer.start(context)
-    counts = [0, 0, 0, 0]
     if streaming_request:
-        request = _counting(request, counts)
+        counts = [0, 0, 0, 0, 0]
+        request = _counting(request, counts, span, context)
     elif sized:
+        counts = [1, 0, 0, 0, 0]
         request, counts[1] = request
-        counts[0] = 1
     else:
-        counts[0], counts[1] = 1, message_size(request)
+        counts = [1, message_size(request), 0, 0, 0]
     return span, request, counts
+
+
+def _end_when_done(tracer: ServerCallTracer, span: RequestSpan | None, context: grpc.ServicerContext,
+                   counts: list[int]) -> bool:
+    """Have grpc end the span once it has finished the call, unless it has ended by then: a call that grpc
+    ended under its handler (cancel, deadline, server stop) ends CANCELLED / DEADLINE_EXCEEDED. Returns True
+    when the callback can also decide for a handler that ended normally (``counts[4]`` = 1): whether grpc
+    then sent its status or the client had cancelled, which for a streamed request the handler cannot know
+    (a cancel ends its request iterator as the client's last message does)."""
+    if span is None:
+        return False
+    readable = _client_cancelled(context) is not None
+
+    def done() -> None:
+        call_over = not counts[4] or bool(_client_cancelled(context))
+        tracer.finish(span, context, None, counts, call_over=call_over)
+
+    try:
+        return bool(context.add_callback(done)) and readable
+    except Exception as exc:
+        internal_error("grpc_server.add_callback", exc)
+        return False
 
 
 def _wrap_unary_response(tracer: ServerCallTracer, behavior: Callable[..., Any], streaming_request: bool,
                          sized: bool) -> Callable[[Any, grpc.ServicerContext], Any]:
+    refuse = not streaming_request  # a unary request is checked here, a streamed one by _counting
+
     def call(request: Any, context: grpc.ServicerContext) -> Any:
         span, request, counts = _open_call(tracer, request, context, streaming_request, sized)
+        deferred = streaming_request and _end_when_done(tracer, span, context, counts)
         if span is not None:
             span.activate()
         try:
+            if refuse and request.__class__ is UndecodableRequest:
+                _refuse(span, request, context)
             response = behavior(request, context)
         except BaseException as exc:
             if span is not None:
@@ -64,7 +145,10 @@ def _wrap_unary_response(tracer: ServerCallTracer, behavior: Callable[..., Any],
             span.deactivate()
         if response is not None:
             counts[2], counts[3] = 1, message_size(response)
-        tracer.finish(span, context, None, counts)
+        if deferred:
+            counts[4] = 1  # grpc's callback ends the span once the status has gone (or the cancel is known)
+        else:
+            tracer.finish(span, context, None, counts)
         return response
 
     return call
@@ -72,27 +156,28 @@ def _wrap_unary_response(tracer: ServerCallTracer, behavior: Callable[..., Any],
 
 def _wrap_stream_response(tracer: ServerCallTracer, behavior: Callable[..., Any], streaming_request: bool,
                           sized: bool) -> Callable[[Any, grpc.ServicerContext], Iterator[Any]]:
+    refuse = not streaming_request
+
     def call(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         span, request, counts = _open_call(tracer, request, context, streaming_request, sized)
-        if span is not None:
-            try:
-                context.add_callback(lambda: tracer.finish(span, context, None, counts))
-            except Exception as exc:
-                internal_error("grpc_server.add_callback", exc)
-        return _traced_stream(tracer, span, behavior, request, context, counts)
+        deferred = _end_when_done(tracer, span, context, counts) and streaming_request
+        return _traced_stream(tracer, span, behavior, request, context, counts, deferred, refuse)
 
     return call
 
 
 def _traced_stream(tracer: ServerCallTracer, span: RequestSpan | None, behavior: Callable[..., Any], request: Any,
-                   context: grpc.ServicerContext, counts: list[int]) -> Iterator[Any]:
+                   context: grpc.ServicerContext, counts: list[int], deferred: bool, refuse: bool) -> Iterator[Any]:
     """Runs the handler's response iterator with the span current around each step; ends the span after
-    the last message, on an exception, or when grpc stops iterating (client cancel: GeneratorExit)."""
+    the last message (``deferred``: grpc's callback ends it once the status has gone or the cancel is known),
+    on an exception, or when grpc stops iterating (client cancel: GeneratorExit)."""
     error: BaseException | None = None
     try:
         if span is not None:
             span.activate()
         try:
+            if refuse and request.__class__ is UndecodableRequest:
+                _refuse(span, request, context)
             iterator = iter(behavior(request, context))
         finally:
             if span is not None:
@@ -114,7 +199,10 @@ def _traced_stream(tracer: ServerCallTracer, span: RequestSpan | None, behavior:
         error = exc
         raise
     finally:
-        tracer.finish(span, context, error, counts)
+        if deferred and error is None:
+            counts[4] = 1
+        else:
+            tracer.finish(span, context, error, counts)
 
 
 class ZoomerServerInterceptor(ServerInterceptorCore, grpc.ServerInterceptor):

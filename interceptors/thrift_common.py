@@ -29,7 +29,9 @@ Span shape (semantic conventions for RPC, v1.40.0 stable names, as for gRPC):
 - time: from the first byte of the message (metered connections; otherwise from when the message was
   decoded) to the reply written, or to the handler's return for oneway calls.
 
-Unknown methods get a span ``_OTHER`` with ``rpc.method`` = ``_OTHER`` and ``rpc.method_original``.
+Unknown methods (and, on a multiplexed processor, methods of unknown services) are answered with a
+``TApplicationException`` UNKNOWN_METHOD, the connection goes on, and get a span ``_OTHER`` with ``rpc.method``
+= ``_OTHER`` and ``rpc.method_original`` = the name as it arrived (``Service:method`` when multiplexed).
 Bytes that are not a Thrift message get no span: :func:`protocol_error_counts` (and the exported counter
 ``zoomer.rpc.server.protocol_errors``) count them by kind, the first of each kind is logged, and only that
 connection is closed. A client that disconnects between calls is no error.
@@ -91,9 +93,12 @@ class ThriftLimits:
     """Bounds on what one connection may make the server read.
 
     Attributes:
-        max_message_bytes: largest message accepted, in bytes: a frame header announcing more (framed
-            transports) or more bytes read for one unframed message closes the connection as a protocol
-            error before anything that large is allocated.
+        max_message_bytes: largest message accepted, in bytes, however it arrives: unframed, in one frame or
+            spread over several frames, first on its connection or not. A frame header announcing more
+            (framed transports) closes the connection as a protocol error before anything that large is
+            allocated; so does reading more than ``max_message_bytes + read_chunk_bytes`` bytes for one
+            message (thriftpy2's transports read ahead by up to one chunk, which may belong to the next
+            message, so that much is allowed for: a message is refused by the time that much is read).
         read_chunk_bytes: most bytes asked of the socket in one read, whatever the transport asks for (a
             declared length of gigabytes then costs only the bytes that really arrive).
 
@@ -240,7 +245,7 @@ class Connection:
     served by its own thread, or its own asyncio task, one call after the other)."""
 
     __slots__ = ("iprot", "oprot", "meter", "linked", "peer", "tracking", "phase", "span", "call", "exc",
-                 "outcome", "api", "seqid", "oneway", "invoke", "ainvoke", "base_attrs")
+                 "outcome", "api", "seqid", "oneway", "invoke", "ainvoke", "base_attrs", "wire_name")
 
     def __init__(self, iprot: Any, oprot: Any = None) -> None:
         self.iprot = iprot
@@ -260,6 +265,7 @@ class Connection:
         self.oneway = False
         self.invoke = self._invoke
         self.ainvoke = self._ainvoke
+        self.wire_name: str | None = None  # an unknown method's name as it arrived, when the processor kept it
 
     @classmethod
     def current(cls, iprot: Any, oprot: Any) -> Connection:
@@ -434,7 +440,8 @@ class ThriftTracer:
                     return api, seqid, self._handshake(conn, result), noop
                 if isinstance(result, TApplicationException):
                     conn.outcome = OUT_UNKNOWN_METHOD
-                    conn.span = self._start(conn, None, self._other_static(api), seqid, header)
+                    wire_name, conn.wire_name = conn.wire_name or api, None
+                    conn.span = self._start(conn, None, self._other_static(wire_name), seqid, header)
                     if conn.tracking >= 2:
                         conn.oprot.write_struct(_EMPTY_RESPONSE_HEADER)
                 return api, seqid, result, call
@@ -616,7 +623,8 @@ class Meter:
     """Sits between a connection's socket and thriftpy2's transports: counts the bytes of each call, notes
     when the first byte of a message arrived, asks the socket for at most ``read_chunk_bytes`` at a time, and
     closes the connection (a :class:`MessageTooLarge` / :class:`InvalidFrame` transport error) on a frame
-    header (framed transports) or an unframed message beyond ``max_message_bytes``. Socket errors become
+    header (framed transports) or a message, in any number of frames or none, beyond ``max_message_bytes``
+    (see :class:`ThriftLimits`). Socket errors become
     ``TTransportException`` so that thriftpy2's server loop closes the connection without a traceback.
 
     The subclasses define what thriftpy2's transports call on the socket below them (``read``, ``write``,
@@ -626,7 +634,7 @@ class Meter:
     server CPU per call in a busy server (benchmarks/RESULTS.md)."""
 
     __slots__ = ("inner", "limits", "framed", "idle", "msg_start_ns", "bytes_in", "bytes_out", "conn", "peer",
-                 "published", "_frame_left", "_header", "_owner", "__weakref__")
+                 "published", "_frame_left", "_header", "_owner", "_bound", "__weakref__")
 
     def __init__(self, inner: Any, limits: ThriftLimits, framed: bool, owner: MeteredTransportFactory,
                  peer: dict[str, Any]) -> None:
@@ -643,6 +651,7 @@ class Meter:
         self._frame_left = 0
         self._header = b""
         self._owner = owner
+        self._bound = limits.max_message_bytes + limits.read_chunk_bytes  # see ThriftLimits
 
     def end_message(self) -> None:
         """The processor finished a call: the next byte read starts the next message."""
@@ -656,14 +665,28 @@ class Meter:
             self.idle = False
             self.msg_start_ns = _time_ns()
             if not self.published:
-                self.published = True
-                _meter_var.set(self)
+                self._publish()
         self.bytes_in += len(data)
         if self.framed:
             self._scan_frames(data)
-        elif self.bytes_in > self.limits.max_message_bytes and self.conn is not None:
-            raise MessageTooLarge(TTransportException.UNKNOWN, f"zoomer-serve: unframed Thrift message over "
-                                  f"max_message_bytes={self.limits.max_message_bytes}")
+        # only while a traced processor serves the connection: it ends each message (end_message), without
+        # which bytes_in would grow over the connection's life
+        if self.bytes_in > self._bound and self.conn is not None:
+            raise MessageTooLarge(TTransportException.UNKNOWN, f"zoomer-serve: Thrift message over "
+                                  f"max_message_bytes={self.limits.max_message_bytes} ({self.bytes_in} bytes "
+                                  f"read for it{' in several frames' if self.framed else ''})")
+
+    def _publish(self) -> None:
+        """The connection's first read. It happens inside the traced processor's ``process``, on the thread or
+        task that serves the connection: link this meter to that connection's state now, so that the size
+        bound holds from the first message on. Also publish it (:func:`_link_meter` finds it there when the
+        processor had no connection state yet)."""
+        self.published = True
+        _meter_var.set(self)
+        conn = _conn_var.get()
+        if conn is not None and conn.meter is None and self.conn is None:
+            conn.meter = self
+            self.conn = conn
 
     def _scan_frames(self, data: bytes) -> None:
         """Follow the frame boundaries of the byte stream and check each 4-byte frame length."""

@@ -34,7 +34,14 @@ from typing import Any
 
 from thriftpy2.protocol import TBinaryProtocolFactory
 from thriftpy2.server import TThreadedServer
-from thriftpy2.thrift import TMultiplexedProcessor, TProcessor
+from thriftpy2.thrift import (
+    TApplicationException,
+    TException,
+    TMessageType,
+    TMultiplexedProcessor,
+    TProcessor,
+    TType,
+)
 from thriftpy2.transport import TBufferedTransportFactory, TServerSocket, TSSLServerSocket
 
 from interceptors.thrift_common import (
@@ -118,12 +125,48 @@ class TracedProcessor(_TracingMixin, TProcessor):
         return self._zoomer
 
 
-class TracedMultiplexedProcessor(_TracingMixin, TMultiplexedProcessor):
+class _MultiplexedProcessor(TMultiplexedProcessor):
+    """``TMultiplexedProcessor`` that answers a call to a method its service lacks (a client on a newer IDL) as
+    it answers one to an unknown service: a ``TApplicationException`` UNKNOWN_METHOD reply, the connection
+    going on. thriftpy2's own looks the method's argument type up, fails, and the server loop closes the
+    connection without a reply."""
+
+    def process_in(self, iprot: Any) -> tuple[str, int, Any, Any]:
+        name, mtype, seqid = iprot.read_message_begin()
+        if mtype not in (TMessageType.CALL, TMessageType.ONEWAY):
+            raise TException("TMultiplexed protocol only supports CALL & ONEWAY")
+        service_name, separator, api = name.partition(self.SEPARATOR)
+        if not separator:
+            raise TException("Service name not found in message. You should use TMultiplexedProtocol in client.")
+        processor = self.processors.get(service_name)
+        if processor is None or api not in processor._service.thrift_services:
+            iprot.skip(TType.STRUCT)
+            iprot.read_message_end()
+            conn = _conn_var.get()
+            if conn is not None and conn.iprot is iprot:
+                conn.wire_name = name
+            return api, seqid, TApplicationException(TApplicationException.UNKNOWN_METHOD), None
+        service = processor._service
+        args = getattr(service, api + "_args")()
+        args.read(iprot)
+        iprot.read_message_end()
+        result = getattr(service, api + "_result")()
+        names = [spec[1] for spec in args.thrift_spec.values()]  # the IDL's argument order
+        handler = processor._handler
+
+        def call() -> Any:
+            return getattr(handler, api)(*(args.__dict__[k] for k in names))
+
+        return api, seqid, result, call
+
+
+class TracedMultiplexedProcessor(_TracingMixin, _MultiplexedProcessor):
     """``TMultiplexedProcessor`` that records one SERVER span per call, named ``<registered name>/<method>``.
 
     Register services as with thriftpy2: ``register_processor("Ranker", TProcessor(Ranker, handler))`` (any
     processor carrying ``_service`` and ``_handler``, which is all ``TMultiplexedProcessor`` uses). One service
-    class registered under two names is named after the first.
+    class registered under two names is named after the first. A call to a method that the registered service
+    lacks is answered UNKNOWN_METHOD and the connection goes on (thriftpy2's own processor closes it).
     """
 
     def __init__(self, *, recorder: RequestRecorder | None = None, tracer: ThriftTracer | None = None,

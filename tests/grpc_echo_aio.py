@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 import grpc
@@ -118,23 +118,26 @@ def handler() -> grpc.GenericRpcHandler:
 class AioServerThread:
     """A ``grpc.aio`` server on its own event loop in a daemon thread.
 
-    ``setup(server)`` (a coroutine function, optional) registers services before the server starts.
+    ``setup(server)`` (a coroutine function, optional) registers services before the server starts; ``options``
+    are grpc server options (channel arguments).
     :meth:`run` runs a coroutine on the server's loop and returns its result (bounded by ``timeout_s``).
     ``stop()`` stops the server (``grace`` seconds, None = cancel now) and the loop; it returns when both did.
     """
 
     def __init__(self, interceptors: list[Any],
-                 setup: Callable[[grpc.aio.Server], Coroutine[Any, Any, Any]] | None = None) -> None:
+                 setup: Callable[[grpc.aio.Server], Coroutine[Any, Any, Any]] | None = None,
+                 options: Sequence[tuple[str, Any]] = ()) -> None:
         self.loop = asyncio.new_event_loop()
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self._thread = threading.Thread(target=self.loop.run_forever, name="aio-server", daemon=True)
         self._thread.start()
-        self.run(self._start(interceptors, setup))
+        self.run(self._start(interceptors, setup, options))
 
     async def _start(self, interceptors: list[Any],
-                     setup: Callable[[grpc.aio.Server], Coroutine[Any, Any, Any]] | None) -> None:
-        self.server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+                     setup: Callable[[grpc.aio.Server], Coroutine[Any, Any, Any]] | None,
+                     options: Sequence[tuple[str, Any]]) -> None:
+        self.server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0), *options])
         self.server.add_generic_rpc_handlers((handler(),))
         if setup is not None:
             await setup(self.server)

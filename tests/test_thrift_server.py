@@ -460,3 +460,212 @@ def test_bind_failure_and_bad_limits_are_named():
         ThriftLimits(max_message_bytes=0)
     with pytest.raises(ValueError, match="host and port"):
         make_server(T.Echo, Handler(), "", None, recorder=RequestRecorder(otel_context=False))
+
+
+# -- Thrift limits: one message's size is bounded however it arrives ---------------------------------------------
+LIMIT = 64 * 1024
+CHUNK = 4 * 1024
+SMALL_LIMITS = ThriftLimits(max_message_bytes=LIMIT, read_chunk_bytes=CHUNK)
+
+
+def _message(name: str, args, seqid: int = 0) -> bytes:
+    """One binary-protocol CALL, encoded independently of the server."""
+    buf = TMemoryBuffer()
+    proto = TBinaryProtocolFactory().get_protocol(buf)
+    proto.write_message_begin(name, TMessageType.CALL, seqid)
+    proto.write_struct(args)
+    proto.write_message_end()
+    return buf.getvalue()
+
+
+def _frames(message: bytes, frame_bytes: int) -> bytes:
+    """``message`` cut into frames of ``frame_bytes`` (the last one shorter), each with its 4-byte length."""
+    parts = [message[i:i + frame_bytes] for i in range(0, len(message), frame_bytes)]
+    return b"".join(struct.pack("!i", len(p)) + p for p in parts)
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        more = sock.recv(n - len(data))
+        if not more:
+            raise ConnectionError(f"closed after {len(data)} of {n} bytes")
+        data += more
+    return data
+
+
+def _framed_echo_reply(sock: socket.socket) -> str:
+    """Read one framed reply to ``echo`` from a raw socket and decode it."""
+    (size,) = struct.unpack("!i", _recv_exactly(sock, 4))
+    proto = TBinaryProtocolFactory().get_protocol(TMemoryBuffer(_recv_exactly(sock, size)))
+    proto.read_message_begin()
+    result = T.Echo.echo_result()
+    proto.read_struct(result)
+    return result.success
+
+
+def _send_until_closed(sock: socket.socket, data: bytes) -> int:
+    """Send ``data`` until the server closes the connection; the bytes sent by then (all when it never did)."""
+    sent = 0
+    try:
+        while sent < len(data):
+            sent += sock.send(data[sent:sent + 65536])
+    except OSError:  # reset or broken pipe: the server closed it
+        pass
+    return sent
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(64) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _wait_for_errors(before: dict[str, int], n: int = 1) -> dict[str, int]:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        after = protocol_error_counts()
+        grown = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+        if sum(grown.values()) >= n:
+            return grown
+        time.sleep(0.02)
+    return grown
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first_message", "after_a_call"])
+def test_thrift_limits_an_unframed_message_over_the_limit_closes_only_its_connection(
+        serve, telemetry, collector, first):
+    """Thrift limits: an unframed message over ``max_message_bytes`` sent by a real client closes its
+    connection, whether it is the connection's first message (it slipped past the limit before) or not; it is
+    counted as ``message_too_large``; other connections are served."""
+    server = serve(limits=SMALL_LIMITS)
+    other = _client(server.port)
+    assert other.plain(1) == 2
+    before = protocol_error_counts()
+    big = _client(server.port)
+    if not first:
+        assert big.echo("small") == "small"
+    with pytest.raises((TTransportException, ConnectionError)):  # closed: EOF, or reset while sending
+        big.echo("x" * (4 * LIMIT))
+    big.close()
+    assert _wait_for_errors(before) == {"message_too_large": 1}
+    assert other.plain(2) == 3
+    other.close()
+    server.stop()
+    names = [s["name"] for s in collector.spans("SERVER")]
+    assert sorted(names) == sorted(["Echo/plain", "Echo/plain"] + ([] if first else ["Echo/echo"]))
+    counters = [p for p in collector.metric_points("zoomer.rpc.server.protocol_errors")
+                if p["attributes"].get("error.type") == "message_too_large"]
+    assert counters and counters[-1]["value"] >= 1
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first_message", "after_a_call"])
+def test_thrift_limits_a_message_spread_over_many_small_frames_is_bounded(serve, telemetry, collector, first):
+    """Thrift limits: a framed message made of frames that are each under ``max_message_bytes`` (raw socket: a
+    thriftpy2 client writes one frame per message) but together far over it. The server closes the connection
+    once about the limit has arrived, long before the 32 MiB were sent, without holding them in memory; counted
+    as ``message_too_large``; the server goes on serving."""
+    server = serve(framed=True, limits=SMALL_LIMITS)
+    before = protocol_error_counts()
+    huge = _frames(_message("echo", T.Echo.echo_args(text="x" * (32 << 20))), LIMIT // 2)
+    tracemalloc.start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            if not first:
+                sock.sendall(_frames(_message("echo", T.Echo.echo_args(text="hi")), 3))
+                assert _framed_echo_reply(sock) == "hi"
+            sent = _send_until_closed(sock, huge)
+            assert sent < len(huge)
+            assert _closed_by_server(sock)
+        grown = _wait_for_errors(before)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert grown == {"message_too_large": 1}
+    assert peak < 8 * 1024 * 1024, f"{peak} bytes allocated"
+    good = _client(server.port, framed=True)
+    assert good.echo("after") == "after"
+    good.close()
+    server.stop()
+    names = [s["name"] for s in collector.spans("SERVER")]
+    assert names == ([] if first else ["Echo/echo"]) + ["Echo/echo"]
+
+
+def test_thrift_limits_leave_messages_within_the_limit_alone(serve, telemetry, collector):
+    """Fail open: messages just under ``max_message_bytes`` are served however they arrive: in one frame, cut
+    into many frames, and two of them sent back to back on one connection (the server reads ahead into the
+    second while it serves the first)."""
+    server = serve(framed=True, limits=SMALL_LIMITS)
+    text = "y" * (LIMIT - 200)
+    one = _message("echo", T.Echo.echo_args(text=text), seqid=1)
+    assert len(one) < LIMIT
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(_frames(one, LIMIT))
+        assert _framed_echo_reply(sock) == text
+        sock.sendall(_frames(one, 1000))
+        assert _framed_echo_reply(sock) == text
+        sock.sendall(_frames(one, LIMIT) + _frames(one, 777))
+        assert _framed_echo_reply(sock) == text
+        assert _framed_echo_reply(sock) == text
+    before = protocol_error_counts()
+    server.stop()
+    assert protocol_error_counts() == before
+    assert [s["attributes"]["rpc.response.status_code"] for s in collector.spans("SERVER")] == ["OK"] * 4
+
+
+def test_thrift_limits_unframed_pipelined_messages_within_the_limit_are_served(serve, telemetry, collector):
+    """Fail open, unframed: two messages just under the limit sent back to back in one write."""
+    server = serve(limits=SMALL_LIMITS)
+    text = "z" * (LIMIT - 200)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(_message("echo", T.Echo.echo_args(text=text)) * 2)
+        reply = _wire_bytes("echo", TMessageType.REPLY, T.Echo.echo_result(success=text))
+        data = _recv_exactly(sock, 2 * reply)
+    for i in range(2):
+        proto = TBinaryProtocolFactory().get_protocol(TMemoryBuffer(data[i * reply:(i + 1) * reply]))
+        proto.read_message_begin()
+        result = T.Echo.echo_result()
+        proto.read_struct(result)
+        assert result.success == text
+    server.stop()
+    assert len(collector.spans("SERVER")) == 2
+
+
+def test_multiplexed_client_on_a_newer_idl_gets_unknown_method_and_keeps_its_connection(telemetry, collector):
+    """Thrift limits: a multiplexed client built from a newer IDL (``EchoPlus``, one method more) calls that
+    method on a server that registered the older ``Echo``: the reply is a ``TApplicationException``
+    UNKNOWN_METHOD, the call has an ``_OTHER`` span, and the next call on the same connection works (thriftpy2's
+    own multiplexed processor closes the connection without a reply). Same for an unregistered service."""
+    processor = TracedMultiplexedProcessor(server_address="127.0.0.1")
+    processor.register_processor("alpha.Echo", TProcessor(T.Echo, Handler()))
+    sock = BoundServerSocket(host="127.0.0.1", port=0)
+    sock.listen()
+    server = TracedThreadedServer(processor, sock, itrans_factory=MeteredTransportFactory(
+        thriftpy2.transport.TBufferedTransportFactory()), daemon=True).start()
+    try:
+        newer = plain_client(T.EchoPlus, "127.0.0.1", server.port, timeout=TIMEOUT_MS,
+                             proto_factory=TMultiplexedProtocolFactory(TBinaryProtocolFactory(), "alpha.Echo"))
+        with pytest.raises(TApplicationException) as info:
+            newer.extra()
+        assert info.value.type == TApplicationException.UNKNOWN_METHOD
+        assert newer.plain(1) == 2  # same connection
+        with pytest.raises(TApplicationException) as again:
+            newer.extra()
+        assert again.value.type == TApplicationException.UNKNOWN_METHOD
+        assert newer.echo("still here") == "still here"
+        newer.close()
+        stranger = plain_client(T.Calc, "127.0.0.1", server.port, timeout=TIMEOUT_MS,
+                                proto_factory=TMultiplexedProtocolFactory(TBinaryProtocolFactory(), "beta.Calc"))
+        with pytest.raises(TApplicationException) as unknown_service:
+            stranger.add(1, 2)
+        assert unknown_service.value.type == TApplicationException.UNKNOWN_METHOD
+        stranger.close()
+    finally:
+        server.stop()
+    spans = collector.spans("SERVER")
+    assert [s["name"] for s in spans] == ["_OTHER", "alpha.Echo/plain", "_OTHER", "alpha.Echo/echo", "_OTHER"]
+    others = [s["attributes"] for s in spans if s["name"] == "_OTHER"]
+    assert [a["rpc.method_original"] for a in others] == ["alpha.Echo:extra", "alpha.Echo:extra", "beta.Calc:add"]
+    assert {a["rpc.response.status_code"] for a in others} == {"UNKNOWN_METHOD"}
+    assert all(s["status_code"] == "ERROR" for s in spans if s["name"] == "_OTHER")
