@@ -81,7 +81,7 @@ _MAX_ORIGINAL_METHOD_CHARS = 256
 _APP_EXC_NAMES = {value: name for name, value in vars(TApplicationException).items()
                   if name.isupper() and isinstance(value, int)}
 
-_time_ns = time.time_ns
+_mono_ns = time.monotonic_ns  # when a message began: the span's start, on the monotonic clock
 _conn_var: contextvars.ContextVar[Connection | None] = contextvars.ContextVar("zoomer_thrift_conn", default=None)
 _meter_var: contextvars.ContextVar[Meter | None] = contextvars.ContextVar("zoomer_thrift_meter", default=None)
 _upgrade_args_var: contextvars.ContextVar[Any] = contextvars.ContextVar("zoomer_thrift_upgrade", default=None)
@@ -496,8 +496,8 @@ class ThriftTracer:
                     parent = parse_traceparent(tp, meta.get("tracestate"))
                 baggage = meta.get("baggage")
         meter = conn.meter
-        start_ns = meter.msg_start_ns if meter is not None and meter.msg_start_ns else None
-        span = self.recorder.start(name, attributes=attrs, parent=parent, start_ns=start_ns)
+        start = meter.msg_start_mono_ns if meter is not None and meter.msg_start_mono_ns else None
+        span = self.recorder.start(name, attributes=attrs, parent=parent, start_mono_ns=start)
         if baggage and isinstance(baggage, str):
             span.otel_parent_context = baggage_context(baggage)
         return span
@@ -633,7 +633,7 @@ class Meter:
     attribute reads of every call (Python 3.11+ specializes only classes without it) and cost about 7 µs of
     server CPU per call in a busy server (benchmarks/RESULTS.md)."""
 
-    __slots__ = ("inner", "limits", "framed", "idle", "msg_start_ns", "bytes_in", "bytes_out", "conn", "peer",
+    __slots__ = ("inner", "limits", "framed", "idle", "msg_start_mono_ns", "bytes_in", "bytes_out", "conn", "peer",
                  "published", "_frame_left", "_header", "_owner", "_bound", "__weakref__")
 
     def __init__(self, inner: Any, limits: ThriftLimits, framed: bool, owner: MeteredTransportFactory,
@@ -642,7 +642,7 @@ class Meter:
         self.limits = limits
         self.framed = framed
         self.idle = True
-        self.msg_start_ns = 0
+        self.msg_start_mono_ns = 0
         self.bytes_in = 0
         self.bytes_out = 0
         self.conn: Connection | None = None
@@ -656,14 +656,14 @@ class Meter:
     def end_message(self) -> None:
         """The processor finished a call: the next byte read starts the next message."""
         self.idle = True
-        self.msg_start_ns = 0
+        self.msg_start_mono_ns = 0
         self.bytes_in = 0
         self.bytes_out = 0
 
     def _received(self, data: bytes) -> None:
         if self.idle:
             self.idle = False
-            self.msg_start_ns = _time_ns()
+            self.msg_start_mono_ns = _mono_ns()
             if not self.published:
                 self._publish()
         self.bytes_in += len(data)
