@@ -25,6 +25,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from _never_lost import note
 from google.protobuf.wrappers_pb2 import StringValue
 
 from interceptors import ZoomerAioServerInterceptor, ZoomerServerInterceptor
@@ -167,7 +168,10 @@ def test_c16_undecodable_and_oversized_requests_among_good_ones_are_counted_with
     # the server's view: a stream cut by the size limit is cancelled under its handler
     expected = {"Unary": {"OK": n, bad: n}, "Collect": {"OK": n, bad: n, "CANCELLED": n},
                 "Chat": {"OK": n, bad: n, "CANCELLED": n}}
-    assert {m: _server_codes(collector, m) for m in expected} == expected
+    stored = {m: _server_codes(collector, m) for m in expected}
+    note("C16", f"undecodable and oversized requests among good ones ({flavour} server)",
+         sum(sum(c.values()) for c in sent.values()), sum(sum(c.values()) for c in stored.values()))
+    assert stored == expected
     assert {m: _metric_codes(collector, m) for m in expected} == expected
     spans = [s for s in collector.spans("SERVER") if s["attributes"]["rpc.response.status_code"] == bad]
     assert len(spans) == 3 * n  # one per undecodable call
