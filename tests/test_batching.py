@@ -290,7 +290,28 @@ def test_sync_grpc_server_batches_under_load_and_every_request_is_linked_once(co
     finally:
         server.stop(None).wait(5)
     assert result.unexpected == 0 and result.total_calls == N_REQUESTS
-    _check_batched_store(collector.spans(), N_REQUESTS)
+    spans = collector.spans()
+    _check_batched_store(spans, N_REQUESTS)
+    _check_batch_metrics(collector, spans)
+
+
+def _latest(points: list[dict[str, Any]]) -> dict[str, Any]:
+    """The last cumulative point of the one attribute set in ``points``."""
+    assert len({str(sorted(p["attributes"].items())) for p in points}) == 1, points
+    return max(points, key=lambda p: p["time_ns"])
+
+
+def _check_batch_metrics(collector: Any, spans: list[dict[str, Any]]) -> None:
+    """The queue-wait and batch-size histograms count every batched request, under its method, and their sums
+    are the spans' figures."""
+    requests = [s for s in spans if s["kind"] == "SERVER" and s["name"] == PREDICT]
+    wait = _latest(collector.metric_points(bn.METRIC_QUEUE_WAIT))
+    size = _latest(collector.metric_points(bn.METRIC_SIZE))
+    for point, unit in ((wait, "s"), (size, "{request}")):
+        assert point["attributes"]["rpc.method"] == PREDICT and point["attributes"]["rpc.response.status_code"] == "OK"
+        assert point["count"] == len(requests) and point["unit"] == unit and point["metric_type"] == "histogram"
+    assert wait["sum"] == pytest.approx(sum(s["attributes"][bn.QUEUE_WAIT] for s in requests) / 1e9, rel=1e-6)
+    assert size["sum"] == sum(s["attributes"][bn.SIZE] for s in requests)
 
 
 def test_aio_grpc_server_batches_under_load(collector, telemetry, model) -> None:
