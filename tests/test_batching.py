@@ -84,12 +84,11 @@ def _batch_of_three(rule: str = "items") -> tuple[list[tuple[Any, ...]], list[An
         finally:
             spans[i].deactivate()
 
-    threads = [threading.Thread(target=join, args=(i, items)) for i, items in enumerate((10, 30, 60))]
-    for t in threads:
+    for i, items in enumerate((10, 30, 60)):  # one after the other: the first waits longest
+        t = threading.Thread(target=join, args=(i, items))
         t.start()
-        time.sleep(0.002)  # the first waits longest
-    for t in threads:
         t.join()
+        time.sleep(0.002)
     with batching.begin(tickets, CUT_DELAY):
         with phase("forward"):
             time.sleep(0.01)
