@@ -229,8 +229,8 @@ def detect_under_filled(data: StoreData, batches: list[BatchRow]) -> list[Findin
         max_size = max(b.max_size for b in group)
         per_delay = rate * delay / 1000 if delay is not None and not math.isnan(rate) else math.nan
         needed_ms = max_size / rate * 1000 if rate and not math.isnan(rate) else math.nan
-        arithmetic = (f" At {rate:.0f} requests/s a {delay:g} ms delay gathers about {per_delay:.1f} requests; "
-                      f"filling {max_size} would take about {needed_ms:.1f} ms." if not math.isnan(per_delay) else "")
+        arithmetic = (f" Requests arrived at {rate:.0f}/s: filling {max_size} takes about {needed_ms:.1f} ms of "
+                      f"arrivals, against a {delay:g} ms delay." if not math.isnan(per_delay) else "")
         out.append(Finding(
             id="batch.under-filled", title=f"Batches of {queue} are mostly under-filled",
             severity="medium" if cuts["mean_fill"] < UNDER_FILL / 2 else "low",

@@ -37,6 +37,10 @@ Member request span (the SERVER span of each request in the batch):
 | ``zoomer.batch.gpu.memory.peak`` | By | its share of the batch's GPU working memory: the batch's ``zoomer.gpu.memory.peak`` minus its ``zoomer.gpu.memory.allocated.start`` (when GPU telemetry runs) |
 | ``zoomer.batch.gpu.memory.device_allocs`` | {call} | its share of the batch's ``zoomer.gpu.memory.device_allocs`` |
 
+A streaming call whose messages are queued one by one joins one batch per message: it is linked from each of
+those batches, gets a ``queue`` child and phase copies per message, and its ``zoomer.batch.*`` attributes are
+those of its last message's batch.
+
 Besides, each member gets child spans: ``queue`` (``zoomer.phase`` = ``queue``, from its enqueue to the batch's
 start) and one per top-level phase of its batch, over the same time as the batch's phase (``zoomer.phase`` = its
 name, ``zoomer.batch.id``): a request waited through its batch's whole forward pass, so the latency picture

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zoomer_serve.batching import names as n
-from zoomer_serve.batching.shares import RULE_ITEMS, check_rule, fractions, split_int, weights
+from zoomer_serve.batching.shares import RULE_ITEMS, check_rule, split_int
 from zoomer_serve.config import ConfigError
 from zoomer_serve.recording import RequestRecorder, RequestSpan, current_request, internal_error
 from zoomer_serve.recording import records as r
@@ -49,6 +49,9 @@ from zoomer_serve.recording.recorder import _profiler_enabled
 
 _mono_ns = time.monotonic_ns
 _PHASE_KEY = "zoomer.phase"
+_ATTRS, _START, _END, _STATUS = r.R_ATTRS, r.R_START_NS, r.R_END_NS, r.R_STATUS
+_BATCH_ID, _SIZE, _INDEX, _ITEMS, _SHARE = n.BATCH_ID, n.SIZE, n.INDEX, n.ITEMS, n.SHARE
+_QUEUE_WAIT, _PHASE_NAMES, _PHASE_SHARE_NS, _QUEUE_PHASE = n.QUEUE_WAIT, n.PHASE_NAMES, n.PHASE_SHARE_NS, n.QUEUE_PHASE
 _MAX_REASON_CHARS = 32
 _GPU_PEAK = "zoomer.gpu.memory.peak"
 _GPU_ALLOCATED_START = "zoomer.gpu.memory.allocated.start"
@@ -153,32 +156,47 @@ class Batch:
         self.span: RequestSpan | None = None
         self._ended = False
         self._range: Any = None
-        traced = [m.span for m in members if m.span is not None]
-        self.weights = weights([m.items for m in members], owner.share_rule)
-        self.fractions = fractions(self.weights)
         size = len(members)
-        attrs = dict(owner._static)
-        attrs[n.MESSAGING_BATCH_COUNT] = size
-        attrs[n.SIZE] = size
-        attrs[n.ITEMS] = sum(m.items for m in members)
+        w: list[int] = []
+        items = traced = 0
+        sampled = False
+        first = start_mono
+        for m in members:  # one pass: weights, items, untraced, sampling, the oldest enqueue
+            items += m.items
+            w.append(m.items if m.items > 0 else 0)
+            if m.enqueued_mono_ns < first:
+                first = m.enqueued_mono_ns
+            if m.span is not None:
+                traced += 1
+                sampled = sampled or bool(m.span.trace_flags & 1)
+        if owner.share_rule != RULE_ITEMS or not any(w):
+            w = [1] * size
+        total = sum(w)
+        self.weights = w
+        self.fractions = [x / total for x in w] if total else []
+        attrs = owner._static.copy()
+        attrs[n.MESSAGING_BATCH_COUNT] = attrs[n.SIZE] = size
+        attrs[n.ITEMS] = items
         attrs[n.CUT_REASON] = reason
         if owner.max_size:
             attrs[n.FILL] = size / owner.max_size
-        if size:
-            attrs[n.QUEUE_WAIT_MAX] = max(0, start_mono - min(m.enqueued_mono_ns for m in members))
-        if len(traced) < size:
-            attrs[n.UNTRACED] = size - len(traced)
-        sampled = any(s.sampled for s in traced) if traced else None
+        attrs[n.QUEUE_WAIT_MAX] = start_mono - first
+        if traced < size:
+            attrs[n.UNTRACED] = size - traced
         span = owner.recorder.start(owner._span_name, r.KIND_INTERNAL, attrs, None, is_request=False,
-                                    start_mono_ns=start_mono, sampled=sampled)
+                                    start_mono_ns=start_mono, sampled=sampled if traced else None)
         self.span = span
-        for i, m in enumerate(members):
-            if m.span is not None:
-                span.add_link(m.span.trace_id, m.span.span_id, {n.INDEX: i, n.SHARE: self.fractions[i]})
+        links = [(m.span.trace_id, m.span.span_id, {n.INDEX: i, n.SHARE: f})
+                 for i, (m, f) in enumerate(zip(members, self.fractions)) if m.span is not None]
+        limit = owner.recorder.limits.link_count
+        if len(links) > limit:  # as add_link does past OTEL_SPAN_LINK_COUNT_LIMIT: dropped, counted
+            span.dropped_links = len(links) - limit
+            del links[limit:]
+        span.links = links or None
         with owner._lock:
             owner.stats.batches += 1
-            owner.stats.members += len(traced)
-            owner.stats.untraced += size - len(traced)
+            owner.stats.members += traced
+            owner.stats.untraced += size - traced
         span.activate()
         if _profiler_enabled():
             self._open_range()
@@ -227,38 +245,45 @@ class Batch:
             internal_error("batching.end", exc)
 
     def _share_out(self, span: RequestSpan, phases: list[tuple[Any, ...]]) -> None:
-        if not self.members:
+        members = self.members
+        if not members:
             return
         batch_id = f"{span.span_id:016x}"
-        w = self.weights
-        names = [str(p[r.R_ATTRS][_PHASE_KEY]) for p in phases]
-        phase_parts = [split_int(p[r.R_END_NS] - p[r.R_START_NS], w) for p in phases]
-        phase_attrs = [{_PHASE_KEY: name, n.BATCH_ID: batch_id} for name in names]
-        queue_attrs = {_PHASE_KEY: n.QUEUE_PHASE, n.BATCH_ID: batch_id}
+        w, fractions = self.weights, self.fractions
+        names = [str(p[_ATTRS][_PHASE_KEY]) for p in phases]
+        phase_parts = [split_int(p[_END] - p[_START], w) for p in phases]
+        copies = [(name, p[_START], p[_END], {_PHASE_KEY: name, _BATCH_ID: batch_id}, p[_STATUS])
+                  for name, p in zip(names, phases)]
+        queue_attrs = {_PHASE_KEY: _QUEUE_PHASE, _BATCH_ID: batch_id}
+        common = {_BATCH_ID: batch_id, _SIZE: len(members), _PHASE_NAMES: names}
         gpu = self._gpu_parts(span.attributes)
         batch_clock = span.start_ns - span.mono_ns
-        size, start = len(self.members), self.start_mono
+        start = self.start_mono
+        link_to = (span.trace_id, span.span_id)
         late = 0
-        for i, m in enumerate(self.members):
+        for i, m in enumerate(members):
             ms = m.span
             if ms is None:
                 continue
-            if not ms.is_open:
+            if not ms._open:
                 late += 1
                 continue
-            figures: dict[str, Any] = {
-                n.BATCH_ID: batch_id, n.SIZE: size, n.INDEX: i, n.ITEMS: m.items, n.SHARE: self.fractions[i],
-                n.QUEUE_WAIT: max(0, start - m.enqueued_mono_ns), n.PHASE_NAMES: names,
-                n.PHASE_SHARE_NS: [parts[i] for parts in phase_parts]}
+            enqueued = m.enqueued_mono_ns if m.enqueued_mono_ns < start else start
+            a = ms.attributes
+            a.update(common)
+            a[_INDEX] = i
+            a[_ITEMS] = m.items
+            a[_SHARE] = fractions[i]
+            a[_QUEUE_WAIT] = start - enqueued
+            a[_PHASE_SHARE_NS] = [parts[i] for parts in phase_parts]
             for key, parts in gpu:
-                figures[key] = parts[i]
-            ms.attributes.update(figures)
-            ms.add_child(n.QUEUE_PHASE, ms.time_at(min(m.enqueued_mono_ns, start)), ms.time_at(start), queue_attrs)
-            offset = (ms.start_ns - ms.mono_ns) - batch_clock
-            for p, attrs in zip(phases, phase_attrs):
-                ms.add_child(attrs[_PHASE_KEY], p[r.R_START_NS] + offset, p[r.R_END_NS] + offset, attrs,
-                             p[r.R_STATUS])
-            ms.add_link(span.trace_id, span.span_id)
+                a[key] = parts[i]
+            clock = ms.start_ns - ms.mono_ns
+            ms.add_child(_QUEUE_PHASE, clock + enqueued, clock + start, queue_attrs)
+            offset = clock - batch_clock
+            for name, p_start, p_end, attrs, status in copies:
+                ms.add_child(name, p_start + offset, p_end + offset, attrs, status)
+            ms.add_link(*link_to)
         if late:
             with self.owner._lock:
                 self.owner.stats.late += late

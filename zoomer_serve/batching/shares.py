@@ -51,6 +51,8 @@ def fractions(w: Sequence[int]) -> list[float]:
 def split_int(total: int, w: Sequence[int]) -> list[int]:
     """``total`` divided among ``w`` by the largest-remainder method: non-negative parts (for a non-negative
     total) that sum to ``total`` exactly. Raises ValueError for an empty ``w``."""
+    if len(w) == 1:
+        return [total]
     if not w:
         raise ValueError("cannot split among no members")
     wsum = sum(w)
