@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +56,22 @@ _MAX_REASON_CHARS = 32
 _GPU_PEAK = "zoomer.gpu.memory.peak"
 _GPU_ALLOCATED_START = "zoomer.gpu.memory.allocated.start"
 _GPU_DEVICE_ALLOCS = "zoomer.gpu.memory.device_allocs"
+
+
+BeforeBatch = Callable[[list[RequestSpan | None]], None]
+_before_batch: list[BeforeBatch] = []  # run on the batching thread before each batch starts
+
+
+def add_before_batch(hook: BeforeBatch) -> None:
+    """Have ``hook(member spans)`` called on the batching thread before every batch starts (the request-scoped
+    profiler waits there for the profiler to run when a member asked to be profiled). Idempotent."""
+    if hook not in _before_batch:
+        _before_batch.append(hook)
+
+
+def remove_before_batch(hook: BeforeBatch) -> None:
+    if hook in _before_batch:
+        _before_batch.remove(hook)
 
 
 class QueuedRequest:
@@ -137,6 +153,11 @@ class BatchRecorder:
         profiler range opens. End it with :meth:`Batch.end` (or a ``with`` block) on the same thread, before the
         results go to the requests. ``reason``: why it was cut (``full``, ``delay``, or the batcher's own short
         word). Never raises; an internal failure gives a batch that records nothing (counted)."""
+        for hook in _before_batch:
+            try:
+                hook([m.span for m in members])
+            except Exception as exc:
+                internal_error("batching.before_batch", exc)
         start = _mono_ns()
         try:
             return Batch(self, list(members), str(reason)[:_MAX_REASON_CHARS] or n.CUT_FULL, start)
@@ -186,8 +207,9 @@ class Batch:
         span = owner.recorder.start(owner._span_name, r.KIND_INTERNAL, attrs, None, is_request=False,
                                     start_mono_ns=start_mono, sampled=sampled if traced else None)
         self.span = span
-        links = [(m.span.trace_id, m.span.span_id, {n.INDEX: i, n.SHARE: f})
-                 for i, (m, f) in enumerate(zip(members, self.fractions)) if m.span is not None]
+        links: list[tuple[int, int, dict[str, Any] | None]] = [
+            (m.span.trace_id, m.span.span_id, {n.INDEX: i, n.SHARE: f})
+            for i, (m, f) in enumerate(zip(members, self.fractions)) if m.span is not None]
         limit = owner.recorder.limits.link_count
         if len(links) > limit:  # as add_link does past OTEL_SPAN_LINK_COUNT_LIMIT: dropped, counted
             span.dropped_links = len(links) - limit
