@@ -228,6 +228,38 @@ def test_gpu_memory_shares_add_up_to_the_batch_working_memory() -> None:
     assert sum(allocs) == ba[gn.MEM_DEVICE_ALLOCS] >= 1
 
 
+def test_the_batch_allocations_from_allocator_history_are_shared_among_its_members() -> None:
+    from zoomer_serve.telemetry import AllocationHistory
+
+    fake = FakeCudaMemory()
+    rec, got = _recorder()
+    history = AllocationHistory(fake, "python", 10_000, 3)
+    rec.add_observer(GpuMemoryObserver(fake, (0,), history=history))
+    history.enable()
+    batching = BatchRecorder("q", recorder=rec)
+    spans = [rec.start(f"svc/M{i}") for i in range(3)]
+    tickets = [batching.enqueue(items, span=s) for s, items in zip(spans, (1, 1, 2))]
+    with batching.begin(tickets), phase("forward"):
+        blocks = [fake.allocate(1001), fake.allocate(3 << 20), fake.allocate(7)]  # tagged with the batch
+        for b in blocks:
+            fake.free(b)
+    for s in spans:
+        s.end()
+    history.drain()
+    history.disable()
+    (batch,) = _by_name(got, "process q")
+    events = [rec for rec in got if rec[r.R_NAME] == gn.EVENTS_SPAN]
+    (own,) = [e for e in events if e[r.R_PARENT_ID] == batch[r.R_SPAN_ID]]
+    shares = [e for e in events if e[r.R_PARENT_ID] in {s.span_id for s in spans}]
+    assert len(shares) == 3 and own[r.R_ATTRS][gn.action_count("alloc")] == 3
+    for action in gn.ACTIONS:
+        for key in (gn.action_count(action), gn.action_bytes(action)):
+            assert sum(e[r.R_ATTRS][key] for e in shares) == own[r.R_ATTRS][key], key
+    big = [e for e in shares if e[r.R_ATTRS][bn.SHARE] == 0.5]
+    assert len(big) == 1 and big[0][r.R_ATTRS][gn.action_bytes("alloc")] == (1001 + (3 << 20) + 7) // 2
+    assert {e[r.R_ATTRS][bn.BATCH_ID] for e in shares} == {f"{batch[r.R_SPAN_ID]:016x}"}
+
+
 # -- the demo's dynamic batcher on real servers ------------------------------------------------------------
 N_REQUESTS = 96
 CLIENTS = 8

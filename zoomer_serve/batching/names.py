@@ -37,6 +37,12 @@ Member request span (the SERVER span of each request in the batch):
 | ``zoomer.batch.gpu.memory.peak`` | By | its share of the batch's GPU working memory: the batch's ``zoomer.gpu.memory.peak`` minus its ``zoomer.gpu.memory.allocated.start`` (when GPU telemetry runs) |
 | ``zoomer.batch.gpu.memory.device_allocs`` | {call} | its share of the batch's ``zoomer.gpu.memory.device_allocs`` |
 
+With allocation history on (``ZOOMER_GPU_MEMORY_HISTORY``), the batch's allocations are tagged with the batch
+span and come back as its ``zoomer.gpu.memory.events`` child when drained; each member then gets a child of the
+same name with its share of every count and byte figure, marked with ``zoomer.batch.id`` and
+``zoomer.batch.share`` (the members' parts add up to the batch's: sum either the batch's child or the members',
+not both).
+
 A streaming call whose messages are queued one by one joins one batch per message: it is linked from each of
 those batches, gets a ``queue`` child and phase copies per message, and its ``zoomer.batch.*`` attributes are
 those of its last message's batch.

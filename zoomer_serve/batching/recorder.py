@@ -34,8 +34,10 @@ figures), all on the batch thread. Nothing here raises into the batcher: interna
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +58,7 @@ _MAX_REASON_CHARS = 32
 _GPU_PEAK = "zoomer.gpu.memory.peak"
 _GPU_ALLOCATED_START = "zoomer.gpu.memory.allocated.start"
 _GPU_DEVICE_ALLOCS = "zoomer.gpu.memory.device_allocs"
+_EVENTS_SPAN = "zoomer.gpu.memory.events"
 
 
 BeforeBatch = Callable[[list[RequestSpan | None]], None]
@@ -72,6 +75,50 @@ def add_before_batch(hook: BeforeBatch) -> None:
 def remove_before_batch(hook: BeforeBatch) -> None:
     if hook in _before_batch:
         _before_batch.remove(hook)
+
+
+# Batches whose allocations the allocator history will send later (batch span id -> members, weights, batch id),
+# until the drain hands them to _share_allocations; bounded, oldest dropped first (counted).
+_MAX_ALLOCATIONS_WAITING = 4096
+_allocations_waiting: OrderedDict[int, tuple[list[RequestSpan | None], list[int], str]] = OrderedDict()
+_allocations_lock = threading.Lock()
+allocation_shares_dropped = 0
+"""Batches whose allocation shares were dropped because too many waited for the allocator history's drain."""
+
+
+def _share_allocations(span: RequestSpan, attrs: dict[str, Any], start_ns: int, end_ns: int) -> None:
+    """The allocator history sent a span's ``zoomer.gpu.memory.events`` child: when the span is a batch, give each
+    member a child of the same name with its share of every count and byte figure (``zoomer.batch.id``,
+    ``zoomer.batch.share`` say it is a share)."""
+    with _allocations_lock:
+        entry = _allocations_waiting.pop(span.span_id, None)
+    if entry is None:
+        return
+    spans, w, batch_id = entry
+    parts = {key: split_int(int(value), w) for key, value in attrs.items() if isinstance(value, int)}
+    total = sum(w)
+    for i, member in enumerate(spans):
+        if member is None:
+            continue
+        figures: dict[str, Any] = {key: values[i] for key, values in parts.items()}
+        figures[n.BATCH_ID] = batch_id
+        figures[n.SHARE] = w[i] / total if total else 0.0
+        member.add_child(_EVENTS_SPAN, start_ns, end_ns, figures)
+
+
+def _await_allocations(span: RequestSpan, members: list[QueuedRequest], w: list[int]) -> None:
+    """Keep the batch's members until the allocator history sends the batch's allocations (when it tags it)."""
+    global allocation_shares_dropped
+    history = sys.modules.get("zoomer_serve.telemetry.history")
+    if history is None or not span.thread_joins or not history.is_tagged(span):
+        return
+    if _share_allocations not in history.SENT_HOOKS:
+        history.SENT_HOOKS.append(_share_allocations)
+    with _allocations_lock:
+        _allocations_waiting[span.span_id] = ([m.span for m in members], w, f"{span.span_id:016x}")
+        while len(_allocations_waiting) > _MAX_ALLOCATIONS_WAITING:
+            _allocations_waiting.popitem(last=False)
+            allocation_shares_dropped += 1
 
 
 class QueuedRequest:
@@ -261,6 +308,8 @@ class Batch:
             span.deactivate()
             phases = [c for c in span.children or () if c[r.R_PARENT_ID] == span.span_id
                       and c[r.R_ATTRS].get(_PHASE_KEY) is not None]
+            if span.thread_joins and self.members:
+                _await_allocations(span, self.members, self.weights)
             span.end()
             self._share_out(span, phases)
         except Exception as exc:
