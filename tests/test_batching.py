@@ -388,3 +388,13 @@ def test_invalid_requests_fail_before_the_queue_and_valid_ones_still_batch(colle
     assert len(bad) + len(good) == 40 and bad
     assert all(bn.BATCH_ID not in s["attributes"] for s in bad)
     assert all(bn.BATCH_ID in s["attributes"] for s in good)
+
+
+def test_the_benchmark_recording_cost_part_runs_both_paths() -> None:
+    """Smoke test of benchmarks/batching.py (its figures are written down in benchmarks/BATCHING.md)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import batching as bench
+
+    row = bench.recording_cost(8, requests=64, repeats=2)
+    assert row["batch_size"] == 8 and row["unbatched_us"] > 0 and row["batched_us"] > 0
+    assert len(row["rounds_added_us"]) == 2 and row["added_us"] == row["batched_us"] - row["unbatched_us"]
