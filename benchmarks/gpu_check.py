@@ -30,16 +30,25 @@ error row and the next step still runs):
    ``asyncio.to_thread``: a session over ``AIO_PROFILE_REQUESTS`` calls, at least 95 % of kernel time
    attributed to the requests, every covered request with kernels (its phases open its range on the executor
    thread).
-7. ``store``: after a flush, the collector's store: requests, spans with memory attributes, allocation-event
+7. ``batching`` (:func:`check_batching`): the demo server with its dynamic batcher (``BATCH_MAX_SIZE`` requests,
+   ``BATCH_MAX_DELAY_MS``) on ``cuda`` under 8 clients, inside a CUDA profiling session of
+   ``BATCH_PROFILE_REQUESTS`` calls: every call covered, in exactly one batch (one marker each); the members' shares
+   of the kernel time inside batch ranges add up to 100 % of it (within 1 %); with the records of the batch spans
+   and their members taken from the recorder: per batch, the members' shares of GPU working memory
+   (``zoomer.batch.gpu.memory.peak``) and of ``cudaMalloc`` calls add up to the batch's figures exactly, and their
+   shares of the forward phase add up to its duration.
+8. ``store``: after a flush, the collector's store: requests, spans with memory attributes, allocation-event
    child spans attributed to a request (share), the OOM span (event, status, error.type) and OOM metric,
    NVML metrics seen.
-8. ``timeline`` (:func:`check_timeline`, case C19): ``zoomer-serve analyze``'s merged timeline of step 5's
+9. ``timeline`` (:func:`check_timeline`, case C19): ``zoomer-serve analyze``'s merged timeline of step 5's
    trace and the store, read back as Perfetto pairs slices: the trace's time base, every covered request's
    profiler range inside its span (within 1 ms); CUDA-only rows: every kernel starts after its launch call
    and lies within the profiled requests' time.
 
 ``--cpu`` runs what needs no GPU, on a machine without one: a CPU profiling session of the demo server
-(``cpu_profile``) and step 8 on its trace up to the CUDA-only rows, which it lists as not checked.
+(``cpu_profile``), step 7 on the CPU (the batches' ATen operators stand for their kernels: their shares must add
+up to 100 %; the GPU memory rows need CUDA) and step 9 on the first trace, each up to its CUDA-only rows, which it
+lists as not checked.
 
 Other engineers add steps to :data:`STEPS` (a function ``step(ctx) -> None`` that calls ``ctx.row``); a step
 that needs the running server (``ctx.target``) goes before ``check_store``, which stops it.
@@ -75,6 +84,10 @@ PROFILE_MIN_SHARE = 0.95
 AIO_PROFILE_REQUESTS = 20
 CPU_PROFILE_REQUESTS = 12
 TIMELINE_TOLERANCE_NS = 1_000_000
+BATCH_MAX_SIZE = 8
+BATCH_MAX_DELAY_MS = 5.0
+BATCH_PROFILE_REQUESTS = 48
+BATCH_CLIENTS = 8
 
 
 @dataclass
@@ -404,6 +417,122 @@ def check_timeline(ctx: Context) -> None:
                 f"{inside} of {len(kernels)}", inside == len(kernels) > 0)
 
 
+def check_batching(ctx: Context) -> None:
+    """Step 7: kernel time and GPU memory of batches shared among their members (see the module docstring)."""
+    from interceptors import ZoomerServerInterceptor
+    from zoomer_serve.batching import names as bn
+    from zoomer_serve.demo.load import drive_load
+    from zoomer_serve.demo.model import build_model
+    from zoomer_serve.demo.service import ServiceConfig, build_server
+    from zoomer_serve.profiling import ProfilerConfig, ProfilerController, SessionOptions, load_trace
+    from zoomer_serve.profiling.labels import parse_batch_label, parse_member_label
+    from zoomer_serve.profiling.summary import summarize_events
+    from zoomer_serve.recording import records as r
+
+    device = "cuda" if ctx.cuda else "cpu"
+    recorder = ctx.telemetry.recorder
+    taken: list[tuple[Any, ...]] = []
+    forward_sink = recorder.sink
+
+    def tap(record: tuple[Any, ...]) -> None:  # keep the batch spans and their members, hand everything on
+        if record[r.R_NAME] == bn.SPAN_NAME_PREFIX + "ranker" or bn.BATCH_ID in record[r.R_ATTRS]:
+            taken.append(record)
+        forward_sink(record)
+
+    server, port = build_server(build_model(device=device), interceptors=[ZoomerServerInterceptor(recorder)],
+                                max_workers=BATCH_CLIENTS + 2,
+                                config=ServiceConfig(batch_max_size=BATCH_MAX_SIZE, batch_max_delay_ms=BATCH_MAX_DELAY_MS))
+    target = f"127.0.0.1:{port}"
+    controller = ProfilerController(ProfilerConfig(profiles_dir=ctx.out / "profiles_batching"), ctx.telemetry).attach()
+    recorder.sink = tap
+    try:
+        drive_load(target, 5.0, clients=4, batch_size=64, max_requests=40, invalid_share=0.0, stream_share=0.0)
+        reply = controller.start(SessionOptions(max_requests=BATCH_PROFILE_REQUESTS, cuda=ctx.cuda))
+        ctx.row("batching", f"session on the batching demo server ({device}, batches of up to {BATCH_MAX_SIZE})",
+                reply.message, reply.session is not None)
+        load = drive_load(target, 60.0, clients=BATCH_CLIENTS, batch_size=64, max_requests=BATCH_PROFILE_REQUESTS,
+                          invalid_share=0.0, stream_share=0.0)
+        finished = controller.wait_idle(120)
+    finally:
+        controller.close(timeout_s=60)
+        server.stop(2.0).wait(10)
+        recorder.sink = forward_sink
+    info = controller.last
+    ok = bool(finished and info and info.outcome == "done" and info.requests == load.total_calls)
+    ctx.row("batching", "session done, one covered request per call",
+            f"{info.requests if info else 0} of {load.total_calls} calls", ok)
+    if info is None or info.trace_path is None:
+        return
+    events = load_trace(info.trace_path)["traceEvents"]
+    ranges = [e for e in events if e.get("cat") == "user_annotation" and parse_batch_label(str(e.get("name", "")))]
+    markers = [m for m in (parse_member_label(str(e.get("name", ""))) for e in events
+                           if e.get("cat") == "user_annotation") if m is not None]
+    sizes = sorted({len([m for m in markers if m[0] == parse_batch_label(b["name"])[1]]) for b in ranges})
+    ctx.row("batching", "batch ranges in the trace; members marked (batch sizes seen)",
+            f"{len(ranges)}; {len(markers)} ({', '.join(map(str, sizes))})",
+            len(ranges) > 0 and len(markers) == load.total_calls)
+    full = summarize_events(events)
+    own = summarize_events([e for e in events if not str(e.get("name", "")).startswith("zoomer.batch")])
+    what, field = ("kernel time", "kernel_time_us") if ctx.cuda else ("CPU operators (no CUDA)", "cpu_op_count")
+    # without the batch labels the batches' kernels are nobody's: the difference is what the batch ranges held
+    held = full.attributed.kernel_time_us - own.attributed.kernel_time_us if ctx.cuda \
+        else sum(1 for e in events if e.get("cat") == "cpu_op" and _inside_any(e, ranges))
+    shared = sum(getattr(p, field) for p in full.requests.values()) - sum(getattr(p, field)
+                                                                          for p in own.requests.values())
+    ratio = shared / held if held else 0.0
+    ctx.row("batching", f"members' shares of the {what} inside batch ranges (target 100 % +- 1 %)",
+            f"{shared:,.1f} of {held:,.1f} ({ratio:.1%})", held > 0 and abs(ratio - 1.0) <= 0.01)
+    _check_batch_records(ctx, taken)
+
+
+def _inside_any(ev: dict[str, Any], ranges: list[dict[str, Any]]) -> bool:
+    return any((ev.get("pid"), ev.get("tid")) == (b.get("pid"), b.get("tid")) and b["ts"] <= ev["ts"] <= b["ts"] + b["dur"]
+               for b in ranges)
+
+
+def _check_batch_records(ctx: Context, taken: list[tuple[Any, ...]]) -> None:
+    """The rows of step 7 on the recorded batch spans and members: phase time and GPU memory shares."""
+    from zoomer_serve.batching import names as bn
+    from zoomer_serve.recording import records as r
+    from zoomer_serve.telemetry import names as gn
+
+    batches = {f"{rec[r.R_SPAN_ID]:016x}": rec for rec in taken if rec[r.R_NAME].startswith(bn.SPAN_NAME_PREFIX)}
+    members: dict[str, list[dict[str, Any]]] = {}
+    for rec in taken:
+        if bn.BATCH_ID in rec[r.R_ATTRS] and rec[r.R_KIND] == r.KIND_SERVER:
+            members.setdefault(rec[r.R_ATTRS][bn.BATCH_ID], []).append(rec[r.R_ATTRS])
+    phase_bad = 0
+    for bid, group in members.items():
+        batch = batches.get(bid)
+        if batch is None:
+            continue
+        for j, child in enumerate([c for c in batch[r.R_CHILDREN] or () if c[r.R_ATTRS].get("zoomer.phase")]):
+            if sum(m[bn.PHASE_SHARE_NS][j] for m in group) != child[r.R_END_NS] - child[r.R_START_NS]:
+                phase_bad += 1
+    ctx.row("batching", "batches recorded; members' phase-time shares add up to each phase (exact)",
+            f"{len(batches)} batches, {sum(map(len, members.values()))} members; {phase_bad} phases off",
+            bool(batches) and phase_bad == 0)
+    if not ctx.cuda:
+        ctx.row("batching", "members' shares of GPU working memory and cudaMalloc calls", "needs CUDA: not checked")
+        return
+    checked = bad = 0
+    for bid, group in members.items():
+        batch = batches.get(bid)
+        if batch is None or gn.MEM_PEAK not in batch[r.R_ATTRS]:
+            continue
+        a = batch[r.R_ATTRS]
+        checked += 1
+        working = a[gn.MEM_PEAK] - a[gn.MEM_ALLOCATED_START]
+        if sum(m.get(bn.GPU_PEAK_SHARE, 0) for m in group) != max(0, working) or \
+                sum(m.get(bn.GPU_DEVICE_ALLOCS_SHARE, 0) for m in group) != a[gn.MEM_DEVICE_ALLOCS]:
+            bad += 1
+    peaks = sorted(batch[r.R_ATTRS][gn.MEM_PEAK] - batch[r.R_ATTRS][gn.MEM_ALLOCATED_START]
+                   for batch in batches.values() if gn.MEM_PEAK in batch[r.R_ATTRS])
+    ctx.row("batching", "members' shares of GPU working memory (peak - allocated at start) and cudaMalloc calls "
+            "add up to their batch's (exact)", f"{checked - bad} of {checked} batches; median working memory "
+            f"{peaks[len(peaks) // 2] if peaks else 0:,} B", checked > 0 and bad == 0)
+
+
 def check_cpu_profile(ctx: Context) -> None:
     """``--cpu``: a CPU profiling session of CPU_PROFILE_REQUESTS calls on the demo server (for step 8)."""
     from zoomer_serve.profiling import ProfilerConfig, ProfilerController
@@ -417,8 +546,8 @@ def check_cpu_profile(ctx: Context) -> None:
 
 
 STEPS: list[Callable[[Context], None]] = [check_load, check_oom, check_overhead, check_c06, check_profiler_kernels,
-                                          check_aio_kernels, check_store, check_timeline]
-CPU_STEPS: list[Callable[[Context], None]] = [check_cpu_profile, check_timeline]
+                                          check_aio_kernels, check_batching, check_store, check_timeline]
+CPU_STEPS: list[Callable[[Context], None]] = [check_cpu_profile, check_batching, check_timeline]
 
 
 # -- helpers -----------------------------------------------------------------------------------------------

@@ -48,6 +48,9 @@ REQUEST_BYTES = "zoomer.rpc.request.bytes"
 RESPONSE_MESSAGES = "zoomer.rpc.response.messages"
 RESPONSE_BYTES = "zoomer.rpc.response.bytes"
 STATUS_CODE = "rpc.response.status_code"
+# zoomer_serve.profiling.on_request.PROFILE_KEY and BAGGAGE_KEY (not imported on the request path)
+PROFILE_KEY = "zoomer-profile"
+PROFILE_BAGGAGE_KEY = "zoomer.profile"
 _MAX_PEERS = 4096
 _OK = grpc.StatusCode.OK
 _NO_PARENT: tuple[None, None] = (None, None)
@@ -132,6 +135,17 @@ def parent_from_metadata(metadata: Iterable[Any] | None) -> tuple[ParentContext 
     if traceparent is None:
         return None, baggage if isinstance(baggage, str) else None
     return parse_traceparent(traceparent, tracestate), baggage if isinstance(baggage, str) else None
+
+
+def _profile_ask(span: RequestSpan, metadata: Iterable[Any]) -> None:
+    """Hand a ``zoomer-profile`` metadata entry, if any, to the request-scoped profiler
+    (:mod:`zoomer_serve.profiling.on_request`, which checks the admin token)."""
+    for item in metadata:
+        if item[0] == PROFILE_KEY:
+            from zoomer_serve.profiling.on_request import asked
+
+            asked(span, item[1])
+            return
 
 
 def baggage_context(baggage: str | None) -> Any:
@@ -332,6 +346,12 @@ class ServerCallTracer:
             span = self.recorder.start(self.name, r.KIND_SERVER, base.copy(), parent)
             if baggage:
                 span.otel_parent_context = baggage_context(baggage)
+                if PROFILE_BAGGAGE_KEY in baggage:
+                    from zoomer_serve.profiling.on_request import asked_in_baggage
+
+                    asked_in_baggage(span)
+            if metadata:
+                _profile_ask(span, metadata)
             return span
         except Exception as exc:
             internal_error(self.place + ".start", exc)

@@ -56,6 +56,8 @@ from thriftpy2.thrift import TApplicationException
 from thriftpy2.transport import TTransportException
 
 from interceptors.grpc_common import (
+    PROFILE_BAGGAGE_KEY,
+    PROFILE_KEY,
     REQUEST_BYTES,
     REQUEST_MESSAGES,
     RESPONSE_BYTES,
@@ -500,6 +502,14 @@ class ThriftTracer:
         span = self.recorder.start(name, attributes=attrs, parent=parent, start_mono_ns=start)
         if baggage and isinstance(baggage, str):
             span.otel_parent_context = baggage_context(baggage)
+            if PROFILE_BAGGAGE_KEY in baggage:
+                from zoomer_serve.profiling.on_request import asked_in_baggage
+
+                asked_in_baggage(span)
+        if header is not None and header.meta and PROFILE_KEY in header.meta:
+            from zoomer_serve.profiling.on_request import asked
+
+            asked(span, header.meta[PROFILE_KEY])
         return span
 
     def completed(self, conn: Connection) -> None:

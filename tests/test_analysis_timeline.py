@@ -234,8 +234,9 @@ def test_lanes_nest_and_are_first_fit() -> None:
 
 
 def test_gpu_check_runs_the_timeline_rows_on_the_cpu(tmp_path: Path) -> None:
-    """benchmarks/gpu_check.py --cpu: a CPU profiling session of the demo server, then step 8 (C19) up to its
-    CUDA-only rows: every covered request's range inside its span, the kernel rows marked not checked."""
+    """benchmarks/gpu_check.py --cpu: a CPU profiling session of the demo server, then step 7 (batching) and step
+    9 (C19) up to their CUDA-only rows: the batches' operators shared out in full, every covered request's range
+    inside its span, the kernel and GPU memory rows marked not checked."""
     import subprocess
 
     root = Path(__file__).resolve().parents[1]
@@ -245,4 +246,6 @@ def test_gpu_check_runs_the_timeline_rows_on_the_cpu(tmp_path: Path) -> None:
     inside = [line for line in proc.stdout.splitlines() if "ranges inside their spans" in line]
     assert len(inside) == 1 and "12 of 12" in inside[0] and inside[0].rstrip().endswith("PASS")
     assert "needs CUDA: not checked" in proc.stdout and "FAIL" not in proc.stdout
+    shares = [line for line in proc.stdout.splitlines() if "shares of the CPU operators" in line]
+    assert len(shares) == 1 and "(100.0%)" in shares[0] and shares[0].rstrip().endswith("PASS")
     assert (tmp_path / "merged.pftrace").is_file()

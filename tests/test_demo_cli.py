@@ -29,6 +29,10 @@ def test_demo_runs_the_whole_flow_and_every_call_becomes_a_span(tmp_path):
                             "FROM spans WHERE kind = 'SERVER'").fetchall()
         duration_points = con.execute("SELECT count(*) FROM metric_points "
                                       "WHERE metric_name = 'rpc.server.call.duration'").fetchone()[0]
+        by_service = dict(con.execute(
+            "SELECT service_name, count(*) FILTER (WHERE json_extract_string(attributes, '$.\"zoomer.batch.id\"') "
+            "IS NOT NULL) FROM spans WHERE kind = 'SERVER' GROUP BY ALL").fetchall())
+        batch_spans = con.execute("SELECT count(*) FROM spans WHERE name = 'process ranker'").fetchone()[0]
     finally:
         con.close()
     assert server_spans > 20
@@ -36,6 +40,9 @@ def test_demo_runs_the_whole_flow_and_every_call_becomes_a_span(tmp_path):
     assert {p[0] for p in phases} >= {"preprocess", "forward", "postprocess"}
     assert "OK" in {c[0] for c in codes}
     assert duration_points > 0
+    # two phases: one forward pass per request, then the dynamic batcher (its valid requests ran in batches)
+    assert by_service["zoomer-demo-ranker"] == 0 and by_service["zoomer-demo-ranker-batched"] > 0
+    assert batch_spans > 0 and "Batching (requests that ran in batches)" in proc.stdout
 
 
 @pytest.mark.parametrize("server", ["sync", "aio"])
@@ -64,6 +71,7 @@ def test_serve_demo_drains_and_flushes_on_sigterm(collector, tmp_path, server):
 
 @pytest.mark.parametrize("argv", [
     ["demo", "--duration-s", "-1"], ["demo", "--clients", "0"], ["demo", "--max-requests", "-1"],
+    ["demo", "--batch-max-size", "-1"], ["serve-demo", "--batch-max-delay-ms", "-2"],
     ["serve-demo", "--port", "99999"], ["serve-demo", "--port", "-5"], ["serve-demo", "--grace-s", "-3"],
     ["profile", "start", "--target", "127.0.0.1:1", "--requests", "-3"],
 ])

@@ -77,6 +77,10 @@ DETECTOR_IDS = {
     "request.cpu-bound-phase": "a CPU phase (preprocess / postprocess) takes longer than the forward pass",
     "request.tail-latency": "p99 latency far above the median; the slowest requests and what they share",
     "request.slow-replica": "a replica (service.instance.id) much slower than the fleet median",
+    "batch.queue-wait": "batched requests spend most of their time waiting for a batch: the delay is too long",
+    "batch.under-filled": "batches mostly cut by the delay far below their maximum size",
+    "batch.share-outlier": "one request type, or a few large requests, take most of the batches' time",
+    "batch.small-for-gpu": "kernels of batches run at low occupancy / in small grids: batches too small for the GPU",
     "collective.straggler": "a rank that starts the collectives last and makes the other ranks wait",
     "collective.exposed-communication": "communication that computation does not hide on a rank",
 }

@@ -654,7 +654,15 @@ def detect_gpu_memory(data: StoreData) -> list[Finding]:
     return out
 
 
-STORE_DETECTORS = (detect_tail_latency, detect_slow_replicas, detect_cpu_bound_phases, detect_gpu_memory)
+def detect_batching(data: StoreData) -> list[Finding]:
+    """``batch.*`` findings (:mod:`zoomer_serve.analysis.batching`)."""
+    from zoomer_serve.analysis.batching import detect_batching as detect
+
+    return detect(data)
+
+
+STORE_DETECTORS = (detect_tail_latency, detect_slow_replicas, detect_cpu_bound_phases, detect_gpu_memory,
+                   detect_batching)
 
 
 def detect_store(data: StoreData) -> list[Finding]:

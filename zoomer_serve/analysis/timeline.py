@@ -27,7 +27,9 @@ import numpy as np
 from zoomer_serve.analysis.kineto import KinetoTrace
 from zoomer_serve.analysis.labels import parse_request_label
 from zoomer_serve.analysis.table import Table
+from zoomer_serve.batching.shares import split_float, split_int
 from zoomer_serve.intervals import merge_intervals, union_length
+from zoomer_serve.profiling.labels import parse_batch_label, parse_member_label
 
 KERNEL_WAIT_THRESHOLD_US = 30.0
 SHORT_KERNEL_US = 10.0
@@ -426,45 +428,112 @@ def annotation_gpu_time(trace: KinetoTrace, names: Sequence[str] | None = None,
 
 def request_gpu_time(trace: KinetoTrace) -> Table:
     """GPU time per request, from the request annotations zoomer-serve writes (see
-    :mod:`zoomer_serve.analysis.labels`).
+    :mod:`zoomer_serve.analysis.labels`), with each request's share of the batches it ran in.
 
     Columns: ``trace_id``, ``span_id`` (hex), ``start_us`` (its first range's start, relative to the trace
     origin), ``cpu_time_us`` (the time its ranges cover, overlaps once), ``gpu_time_us``, ``gpu_ops``
-    (launched inside its ranges), ``gpu_span_us`` (first GPU op start -> last GPU op end), ``pid``, ``tid``
-    (of its first range). One row per request, in trace order: a request whose work ran in executor threads
-    has a range on each thread, all summed here.
+    (launched inside its ranges, plus its share of its batches'), ``gpu_span_us`` (first GPU op start -> last GPU
+    op end), ``pid``, ``tid`` (of its first range), ``batch_gpu_time_us`` (the part of ``gpu_time_us`` that is its
+    share of batches). One row per request, in trace order: a request whose work ran in executor threads has a
+    range on each thread, all summed here. A batch range (``zoomer.batch/...``) gives what was launched inside it
+    to its members by the weights of its marker ranges (:mod:`zoomer_serve.profiling.batch_shares`: GPU time in
+    proportion, op counts split exactly); a member without a range of its own (it started before the profiler)
+    gets a row at its batch's range, with no CPU time.
     """
     a = trace.annotations
     index = _LaunchIndex(trace)
     parts: dict[tuple[str, str], list[tuple[float, float, float, int, float, float, int, int, float]]] = {}
+    batches: dict[str, list[tuple[float, float, float, int, float, float, int, int]]] = {}
+    marks: dict[str, list[tuple[tuple[str, str], int]]] = {}
     for i in np.flatnonzero(~a["on_gpu"]):
-        ids = parse_request_label(str(a["name"][i]))
-        if ids is None:
-            continue
+        name = str(a["name"][i])
+        ids = parse_request_label(name)
         start, dur = float(a["ts"][i]), float(a["dur"][i])
         pid, tid = int(a["pid"][i]), int(a["tid"][i])
+        if ids is None:
+            _batch_annotation(name, index, pid, tid, start, dur, batches, marks)
+            continue
         gpu, n, first, last = index.within(pid, tid, start, start + dur)
         parts.setdefault(ids, []).append((start, start + dur, gpu, n, first, last, pid, tid, dur))
+    _unnest_batches(parts, batches)
+    shares = _batch_shares(batches, marks)
     rows = []
-    for ids, ranges in parts.items():
-        head = min(ranges)
-        n = sum(p[3] for p in ranges)
-        first = min((p[4] for p in ranges if p[3]), default=0.0)
-        last = max((p[5] for p in ranges if p[3]), default=0.0)
-        covered = head[8] if len(ranges) == 1 else union_length(
-            np.array([p[0] for p in ranges]), np.array([p[1] for p in ranges]))
-        rows.append((ids[0], ids[1], head[0], covered, sum(p[2] for p in ranges), n,
-                     (last - first) if n else 0.0, head[6], head[7]))
+    for ids in list(parts) + [k for k in shares if k not in parts]:
+        ranges = parts.get(ids, [])
+        share = shares.get(ids)
+        pieces = [(p[2], p[3], p[4], p[5]) for p in ranges] + ([share[:4]] if share else [])
+        n = sum(p[1] for p in pieces)
+        first = min((p[2] for p in pieces if p[1]), default=0.0)
+        last = max((p[3] for p in pieces if p[1]), default=0.0)
+        if ranges:
+            head = min(ranges)
+            covered = head[8] if len(ranges) == 1 else union_length(
+                np.array([p[0] for p in ranges]), np.array([p[1] for p in ranges]))
+            where = (head[0], head[6], head[7])
+        else:
+            covered, where = 0.0, share[4:7]  # type: ignore[index]
+        rows.append((ids[0], ids[1], where[0], covered, sum(p[0] for p in pieces), n, (last - first) if n else 0.0,
+                     where[1], where[2], share[0] if share else 0.0))
     rows.sort(key=lambda row: row[2])
     return Table.from_rows(
         "request_gpu_time",
         ("trace_id", "span_id", "start_us", "cpu_time_us", "gpu_time_us", "gpu_ops", "gpu_span_us", "pid",
-         "tid"), rows,
-        units={"start_us": US, "cpu_time_us": US, "gpu_time_us": US, "gpu_span_us": US},
-        description="GPU time per request (zoomer.request annotations)",
+         "tid", "batch_gpu_time_us"), rows,
+        units={"start_us": US, "cpu_time_us": US, "gpu_time_us": US, "gpu_span_us": US, "batch_gpu_time_us": US},
+        description="GPU time per request (zoomer.request annotations, with shares of zoomer.batch annotations)",
         dtypes={"trace_id": object, "span_id": object, "start_us": np.float64, "cpu_time_us": np.float64,
                 "gpu_time_us": np.float64, "gpu_ops": np.int64, "gpu_span_us": np.float64, "pid": np.int64,
-                "tid": np.int64})
+                "tid": np.int64, "batch_gpu_time_us": np.float64})
+
+
+def _batch_annotation(name: str, index: _LaunchIndex, pid: int, tid: int, start: float, dur: float,
+                      batches: dict[str, list[tuple[float, float, float, int, float, float, int, int]]],
+                      marks: dict[str, list[tuple[tuple[str, str], int]]]) -> None:
+    """Collect a batch range (what was launched inside it) or a member marker (member ids and weight)."""
+    member = parse_member_label(name)
+    if member is not None:
+        marks.setdefault(f"{member[0]:016x}", []).append(((f"{member[1]:032x}", f"{member[2]:016x}"), member[3]))
+        return
+    ids = parse_batch_label(name)
+    if ids is not None:
+        gpu, n, first, last = index.within(pid, tid, start, start + dur)
+        batches.setdefault(f"{ids[1]:016x}", []).append((start, start + dur, gpu, n, first, last, pid, tid))
+
+
+def _unnest_batches(parts: dict[tuple[str, str], list[Any]], batches: dict[str, list[Any]]) -> None:
+    """A batch range inside a request range on the same thread (the batch ran on that request's thread): take
+    the batch's launches out of the request's own part, they are shared among the members."""
+    for ranges in batches.values():
+        for b in ranges:
+            for own in parts.values():
+                for j, p in enumerate(own):
+                    if (p[6], p[7]) == (b[6], b[7]) and p[0] <= b[0] and b[1] <= p[1]:
+                        own[j] = (p[0], p[1], p[2] - b[2], p[3] - b[3], p[4], p[5], p[6], p[7], p[8])
+
+
+def _batch_shares(batches: dict[str, list[Any]], marks: dict[str, list[tuple[tuple[str, str], int]]]
+                  ) -> dict[tuple[str, str], tuple[float, int, float, float, float, int, int]]:
+    """Per member: (GPU time, GPU ops, first op start, last op end, batch start, pid, tid) of its batch shares."""
+    out: dict[tuple[str, str], tuple[float, int, float, float, float, int, int]] = {}
+    for batch_id, ranges in batches.items():
+        members = marks.get(batch_id)
+        if not members:
+            continue
+        w = [weight for _, weight in members]
+        gpu = sum(b[2] for b in ranges)
+        ops = sum(b[3] for b in ranges)
+        with_ops = [b for b in ranges if b[3]]
+        first = min((b[4] for b in with_ops), default=0.0)
+        last = max((b[5] for b in with_ops), default=0.0)
+        head = min(ranges)
+        for (ids, _), g, k in zip(members, split_float(gpu, w), split_int(ops, w)):
+            prev = out.get(ids)
+            if prev is None:
+                out[ids] = (g, k, first, last, head[0], head[6], head[7])
+            else:
+                out[ids] = (prev[0] + g, prev[1] + k, min(prev[2], first) if k else prev[2],
+                            max(prev[3], last) if k else prev[3], prev[4], prev[5], prev[6])
+    return out
 
 
 def utilization_timeline(trace: KinetoTrace, bins: int = 200) -> dict[int, tuple[np.ndarray, np.ndarray]]:

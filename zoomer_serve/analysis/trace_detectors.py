@@ -512,9 +512,16 @@ def _occupancy_limit(a: dict[str, float], sms: int) -> str:
     return "small blocks / tail effects"
 
 
+def detect_small_batches(trace: KinetoTrace) -> list[Finding]:
+    """``batch.small-for-gpu`` (:mod:`zoomer_serve.analysis.batching`)."""
+    from zoomer_serve.analysis.batching import detect_small_batches as detect
+
+    return detect(trace)
+
+
 TRACE_DETECTORS: tuple[Callable[[KinetoTrace], list[Finding]], ...] = (
     detect_low_utilization, detect_launch_bound, detect_host_syncs, detect_pageable_copies,
-    detect_fp32_without_tensor_cores, detect_low_occupancy,
+    detect_fp32_without_tensor_cores, detect_low_occupancy, detect_small_batches,
 )
 
 

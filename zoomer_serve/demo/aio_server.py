@@ -1,8 +1,10 @@
 """The demo ``zoomer.demo.v1.Ranker`` service on an asyncio ``grpc.aio`` server.
 
 Same requests, responses, validation, phases and errors as the sync server in ``service`` (the scoring is
-``RankerServicer.score`` from there, unchanged). Where the model runs: in the event loop's default executor
-(``asyncio.to_thread``), not inline. Inline, every forward pass (about 1-3 ms on CPU, longer on big batches)
+``RankerServicer.score_async`` from there). Where the model runs: in the event loop's default executor
+(``asyncio.to_thread``), not inline; with a dynamic batcher (``ServiceConfig.batch_max_size``), the preprocess
+phase runs there, the request's task awaits its batch (run by the batcher's thread) and builds its response on
+the loop. Inline, every forward pass (about 1-3 ms on CPU, longer on big batches)
 would stop the loop: no other call could be accepted, read or streamed meanwhile, and the health service
 would stall. ``asyncio.to_thread`` copies the task's context into the worker thread, so the request span
 made current by ``ZoomerAioServerInterceptor`` is current there too: ``phase()`` spans (preprocess, forward,
@@ -51,7 +53,7 @@ class AioRankerServicer(ranker_pb2_grpc.RankerServicer):
     async def _score_or_abort(self, request: ranker_pb2.PredictRequest,
                               context: grpc.aio.ServicerContext) -> ranker_pb2.PredictResponse:
         try:
-            return await asyncio.to_thread(self.scorer.score, request)
+            return await self.scorer.score_async(request)
         except InvalidRequestError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
             raise  # not reached: abort raises
@@ -156,7 +158,8 @@ def serve_aio_forever(
 
 @contextmanager
 def aio_server_in_thread(model: DLRM | None = None, host: str = "127.0.0.1", port: int = 0, *,
-                         grace_s: float = 5.0, start_timeout_s: float = 30.0) -> Iterator[int]:
+                         grace_s: float = 5.0, start_timeout_s: float = 30.0,
+                         config: ServiceConfig | None = None) -> Iterator[int]:
     """:func:`serve_aio_forever` (with its default ``ZoomerAioServerInterceptor``) in a daemon thread; yields the
     bound port once the server accepts calls, and stops it when the block ends.
 
@@ -168,7 +171,8 @@ def aio_server_in_thread(model: DLRM | None = None, host: str = "127.0.0.1", por
     stop = threading.Event()
     ready: list[int] = []
     thread = threading.Thread(target=serve_aio_forever, args=(host, port, stop), daemon=True,
-                              kwargs={"model": model, "on_ready": ready.append, "grace_s": grace_s})
+                              kwargs={"model": model, "on_ready": ready.append, "grace_s": grace_s,
+                                      "config": config})
     thread.start()
     deadline = time.monotonic() + start_timeout_s
     while not ready and thread.is_alive() and time.monotonic() < deadline:

@@ -22,6 +22,14 @@ from zoomer_serve.profiling.serving import ServerProfiling, add_profiling_option
 SLOW_PREPROCESS_HELP = ("add N iterations of a deliberately slow pure-Python step (hash_ids_slowly) to every "
                         "request's preprocess phase (about 15 ms per 100000 on one core) to demonstrate a "
                         "CPU-bound request (default 0: off)")
+DEMO_SERVICE = "zoomer-demo-ranker"
+BATCHED_SERVICE_SUFFIX = "-batched"
+
+
+def _add_batching_options(parser: argparse.ArgumentParser, default_size: int, size_help: str) -> None:
+    parser.add_argument("--batch-max-size", type=non_negative_int, default=default_size, metavar="N", help=size_help)
+    parser.add_argument("--batch-max-delay-ms", type=non_negative_float, default=2.0, metavar="D",
+                        help="longest wait, from the oldest queued request, for a batch to fill (default 2 ms)")
 
 
 def register(subparsers: Any) -> None:
@@ -40,6 +48,8 @@ def register(subparsers: Any) -> None:
                        help="torch intra-op threads (default 1: the gRPC worker threads already run in parallel)")
     serve.add_argument("--slow-preprocess", type=non_negative_int, default=0, metavar="N",
                        help=SLOW_PREPROCESS_HELP)
+    _add_batching_options(serve, 0, "run forward passes through a dynamic batcher of at most N requests, recorded "
+                          "with zoomer_serve.batching (default 0: one forward pass per request)")
     add_profiling_options(serve)
     serve.set_defaults(func=run_serve_demo)
 
@@ -56,6 +66,9 @@ def register(subparsers: Any) -> None:
     demo.add_argument("--transport", choices=("grpc", "thrift"), default="grpc",
                       help="gRPC or Thrift between the load and the server (default grpc)")
     demo.add_argument("--slow-preprocess", type=non_negative_int, default=0, metavar="N", help=SLOW_PREPROCESS_HELP)
+    _add_batching_options(demo, 8, "the load runs in two phases of half the time each, against two servers: one "
+                          "forward pass per request, then a dynamic batcher of at most N requests (service "
+                          f"{DEMO_SERVICE}{BATCHED_SERVICE_SUFFIX}); 0: one phase, no batching (default 8)")
     demo.set_defaults(func=run_demo)
 
 
@@ -71,9 +84,10 @@ def run_serve_demo(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(max(1, args.torch_threads))
     try:
-        config = ServiceConfig(slow_preprocess_iterations=args.slow_preprocess)
+        config = ServiceConfig(slow_preprocess_iterations=args.slow_preprocess, batch_max_size=args.batch_max_size,
+                               batch_max_delay_ms=args.batch_max_delay_ms)
     except ValueError as exc:
-        print(f"zoomer-serve serve-demo: --slow-preprocess: {exc}", file=sys.stderr)
+        print(f"zoomer-serve serve-demo: {exc}", file=sys.stderr)
         return 2
     stop = _stop_on_signals()
     zoomer_serve.get_telemetry()  # configure from OTEL_* / ZOOMER_* before the first request
@@ -90,7 +104,7 @@ def run_serve_demo(args: argparse.Namespace) -> int:
 
     def ready(port: int) -> None:
         print(json.dumps({"event": "ready", "host": args.host, "port": port, "device": str(device),
-                          "admin_port": admin_port or port}), flush=True)
+                          "admin_port": admin_port or port, "batch_max_size": args.batch_max_size}), flush=True)
 
     try:
         if args.transport == "thrift":
@@ -146,6 +160,17 @@ def _default_store() -> Path:
     return Path("zoomer-data") / time.strftime("demo-%Y%m%d-%H%M%S.duckdb")
 
 
+def _phases(args: argparse.Namespace) -> list[tuple[str, int, float, int | None]]:
+    """The demo's load phases: ``(service name, batch max size, seconds, most calls)``: one forward pass per
+    request, then (unless ``--batch-max-size 0``) the dynamic batcher, each with half the time and calls."""
+    phases = [(DEMO_SERVICE, 0)]
+    if args.batch_max_size:
+        phases.append((DEMO_SERVICE + BATCHED_SERVICE_SUFFIX, args.batch_max_size))
+    share = len(phases)
+    calls = None if args.max_requests is None else max(1, -(-args.max_requests // share))
+    return [(name, size, args.duration_s / share, calls) for name, size in phases]
+
+
 def run_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -156,6 +181,8 @@ def run_demo(args: argparse.Namespace) -> int:
     store.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     procs: list[subprocess.Popen[bytes]] = []
+    results: list[Any] = []
+    server_rc = 0
     try:
         console.print(f"[bold]zoomer-serve demo[/]: store [cyan]{store}[/]")
         collector, col = start_zoomer_command(
@@ -163,18 +190,25 @@ def run_demo(args: argparse.Namespace) -> int:
         procs.append(collector)
         console.print(f"  embedded OTLP collector on 127.0.0.1:{col['grpc_port']} (gRPC), "
                       f":{col['http_port']} (HTTP)")
-        server_env = dict(env, OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{col['grpc_port']}",
-                          OTEL_EXPORTER_OTLP_PROTOCOL="grpc", OTEL_SERVICE_NAME="zoomer-demo-ranker",
-                          OTEL_BSP_SCHEDULE_DELAY="500", OTEL_METRIC_EXPORT_INTERVAL="5000")
-        server, srv = start_zoomer_command(
-            ["serve-demo", "--port", "0", "--server", args.server, "--transport", args.transport,
-             "--slow-preprocess", str(args.slow_preprocess)], server_env, "demo model server")
-        procs.append(server)
-        target = f"127.0.0.1:{srv['port']}"
-        console.print(f"  demo Ranker (DLRM on {srv['device']}) with the zoomer interceptor on {target}")
-        result = _drive(console, target, args)
-        console.print("  stopping the server (drain, flush telemetry) and the collector (flush store)")
-        server_rc = stop_process(server, 30)
+        for service, batch_size, seconds, calls in _phases(args):
+            server_env = dict(env, OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{col['grpc_port']}",
+                              OTEL_EXPORTER_OTLP_PROTOCOL="grpc", OTEL_SERVICE_NAME=service,
+                              OTEL_BSP_SCHEDULE_DELAY="500", OTEL_METRIC_EXPORT_INTERVAL="5000")
+            server, srv = start_zoomer_command(
+                ["serve-demo", "--port", "0", "--server", args.server, "--transport", args.transport,
+                 "--slow-preprocess", str(args.slow_preprocess), "--batch-max-size", str(batch_size),
+                 "--batch-max-delay-ms", str(args.batch_max_delay_ms)], server_env, "demo model server")
+            procs.append(server)
+            target = f"127.0.0.1:{srv['port']}"
+            how = (f"a dynamic batcher of at most {batch_size} requests, {args.batch_max_delay_ms:g} ms"
+                   if batch_size else "one forward pass per request")
+            console.print(f"  demo Ranker {service} (DLRM on {srv['device']}, {how}) with the zoomer interceptor "
+                          f"on {target}")
+            results.append(_drive(console, target, args, seconds, calls))
+            console.print("  stopping the server (drain, flush telemetry)")
+            server_rc = max(server_rc, stop_process(server, 30))
+            procs.remove(server)
+        console.print("  stopping the collector (flush store)")
         collector_rc = stop_process(collector, 30)
         procs.clear()
     except RuntimeError as exc:  # a child did not start; it said why on stderr
@@ -183,10 +217,24 @@ def run_demo(args: argparse.Namespace) -> int:
     finally:
         for proc in procs:
             proc.kill()
-    return _finish(console, store, result, server_rc, collector_rc)
+    return _finish(console, store, _merged(results), server_rc, collector_rc)
 
 
-def _drive(console: Any, target: str, args: argparse.Namespace) -> Any:
+def _merged(results: list[Any]) -> Any:
+    """One LoadResult of the phases' (counts and unexpected calls added; latencies of the last phase)."""
+    from collections import Counter
+
+    from zoomer_serve.demo.load import LoadResult
+
+    counts: Counter[tuple[str, str]] = Counter()
+    for res in results:
+        counts.update(res.counts)
+    return LoadResult(duration_s=sum(res.duration_s for res in results), counts=dict(counts),
+                      latency_ms=results[-1].latency_ms, unexpected=sum(res.unexpected for res in results),
+                      stream_messages=sum(res.stream_messages for res in results))
+
+
+def _drive(console: Any, target: str, args: argparse.Namespace, seconds: float, calls: int | None) -> Any:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     drive_load: Callable[..., Any]
@@ -199,14 +247,13 @@ def _drive(console: Any, target: str, args: argparse.Namespace) -> Any:
 
     with Progress(TextColumn("  load"), BarColumn(), TextColumn("{task.fields[calls]} calls, "
                   "{task.fields[ok]} ok"), TimeElapsedColumn(), console=console, transient=False) as bar:
-        task = bar.add_task("load", total=args.duration_s, calls=0, ok=0)
+        task = bar.add_task("load", total=seconds, calls=0, ok=0)
 
         def progress(p: Any) -> None:
-            bar.update(task, completed=min(p.elapsed_s, args.duration_s), calls=p.calls, ok=p.ok)
+            bar.update(task, completed=min(p.elapsed_s, seconds), calls=p.calls, ok=p.ok)
 
-        result = drive_load(target, args.duration_s, clients=args.clients, max_requests=args.max_requests,
-                            progress=progress)
-        bar.update(task, completed=args.duration_s, calls=result.total_calls)
+        result = drive_load(target, seconds, clients=args.clients, max_requests=calls, progress=progress)
+        bar.update(task, completed=seconds, calls=result.total_calls)
     return result
 
 

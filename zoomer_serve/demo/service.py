@@ -7,7 +7,9 @@ middleware can attribute time within a request:
   ``ServiceConfig.slow_preprocess_iterations`` is set, ``hash_ids_slowly``: a deliberately slow
   pure-Python step that makes requests CPU-bound, for demonstrating CPU profiles);
 * ``forward``: the model call under ``torch.inference_mode()``, including copying the scores
-  back to the CPU (so on CUDA the phase covers the kernels, not just their launch);
+  back to the CPU (so on CUDA the phase covers the kernels, not just their launch); with
+  ``ServiceConfig.batch_max_size`` set, requests wait in a dynamic batcher (``batcher``) and the
+  forward phase is their batch's (recorded with ``zoomer_serve.batching``);
 * ``postprocess``: build the ``PredictResponse``.
 
 Invalid requests end the call with ``INVALID_ARGUMENT`` and a message naming the candidate,
@@ -19,6 +21,7 @@ the feature and the offending value; see ``InvalidRequestError``.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -53,15 +56,27 @@ class ServiceConfig:
         slow_preprocess_iterations: when > 0, every scored request also runs ``hash_ids_slowly``
             with this many iterations in its preprocess phase (about 0.15 µs each on one core:
             100000 adds about 15 ms of pure-Python CPU per request). 0 (the default) skips it.
+        batch_max_size: when > 0, requests run through a dynamic batcher (``demo.batcher``) of at most
+            this many requests per forward pass; 0 (the default) runs one forward pass per request.
+        batch_max_delay_ms: the batcher's longest wait, from the oldest queued request, for a batch to
+            fill (ms).
     """
 
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     max_ids_per_feature: int = DEFAULT_MAX_IDS_PER_FEATURE
     model_version: str = "dlrm-demo-v1"
     slow_preprocess_iterations: int = 0
+    batch_max_size: int = 0
+    batch_max_delay_ms: float = 2.0
 
     def __post_init__(self) -> None:
-        """Raise ValueError on a limit below 1 or a negative ``slow_preprocess_iterations``."""
+        """Raise ValueError on a limit below 1, a negative ``slow_preprocess_iterations``,
+        ``batch_max_size`` or ``batch_max_delay_ms``."""
+        if self.batch_max_size < 0 or not self.batch_max_delay_ms >= 0:
+            raise ValueError(
+                f"batch_max_size and batch_max_delay_ms must be >= 0, got {self.batch_max_size}, "
+                f"{self.batch_max_delay_ms}"
+            )
         if self.max_batch_size < 1 or self.max_ids_per_feature < 1:
             raise ValueError(
                 f"limits must be >= 1, got max_batch_size={self.max_batch_size}, "
@@ -220,7 +235,8 @@ class RankerCore:
     Args:
         model: the model, in eval mode; shared by all worker threads (read-only).
         device: where inputs are placed; None means the device of the model's parameters.
-        config: serving limits; None means ``ServiceConfig()``.
+        config: serving limits; None means ``ServiceConfig()``. With ``batch_max_size`` > 0 the
+            forward passes go through a ``DynamicBatcher`` (``batcher``; stop it with :meth:`close`).
     """
 
     def __init__(
@@ -232,23 +248,55 @@ class RankerCore:
         self.model = model
         self.device = torch.device(device) if device is not None else _model_device(model)
         self.config = config or ServiceConfig()
+        self.batcher: Any = None
+        if self.config.batch_max_size:
+            from .batcher import DynamicBatcher
 
-    def score(self, request: Any, respond: Callable[[list[float]], R]) -> R:
-        """Score one ``PredictRequest`` (protobuf or same-shaped, see ``request_to_batch``) and
-        return ``respond(scores)``, the transport's response built in the postprocess phase from
-        the click probabilities (floats in (0, 1), one per candidate, in request order).
+            self.batcher = DynamicBatcher(model, self.config.batch_max_size, self.config.batch_max_delay_ms)
 
-        Raises:
-            InvalidRequestError: the request cannot be scored (the message says why).
-        """
+    def prepare(self, request: Any) -> Batch:
+        """The preprocess phase: validate ``request`` and build its tensors on the model's device.
+        Raises InvalidRequestError."""
         with phase("preprocess"):
             batch = request_to_batch(request, self.model.config, self.config).to(self.device)
             if self.config.slow_preprocess_iterations:
                 hash_ids_slowly(request, self.config.slow_preprocess_iterations)
-        with phase("forward"), torch.inference_mode():
-            scores = self.model(batch.dense, batch.ids, batch.offsets).float().cpu()
+            return batch
+
+    def score(self, request: Any, respond: Callable[[list[float]], R]) -> R:
+        """Score one ``PredictRequest`` (protobuf or same-shaped, see ``request_to_batch``) and
+        return ``respond(scores)``, the transport's response built in the postprocess phase from
+        the click probabilities (floats in (0, 1), one per candidate, in request order). With a
+        batcher, the forward phase is the batch's (this thread waits for it).
+
+        Raises:
+            InvalidRequestError: the request cannot be scored (the message says why).
+        """
+        batch = self.prepare(request)
+        if self.batcher is not None:
+            scores = self.batcher.run(batch)
+        else:
+            with phase("forward"), torch.inference_mode():
+                scores = self.model(batch.dense, batch.ids, batch.offsets).float().cpu().tolist()
         with phase("postprocess"):
-            return respond(scores.tolist())
+            return respond(scores)
+
+    async def score_async(self, request: Any, respond: Callable[[list[float]], R]) -> R:
+        """:meth:`score` for a coroutine on an event loop: the preprocess phase runs in the default executor
+        (``asyncio.to_thread``, which carries the request's context), the request awaits its batch without
+        holding a thread (without a batcher the forward pass runs in the executor as well), the postprocess
+        phase runs here. Raises InvalidRequestError."""
+        if self.batcher is None:
+            return await asyncio.to_thread(self.score, request, respond)
+        batch = await asyncio.to_thread(self.prepare, request)
+        scores = await self.batcher.run_async(batch)
+        with phase("postprocess"):
+            return respond(scores)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the batcher (if any) once what it holds has run."""
+        if self.batcher is not None:
+            self.batcher.close(timeout_s)
 
 
 class RankerServicer(ranker_pb2_grpc.RankerServicer):
@@ -269,14 +317,18 @@ class RankerServicer(ranker_pb2_grpc.RankerServicer):
         self.core = RankerCore(model, device, config)
         self.model, self.device, self.config = self.core.model, self.core.device, self.core.config
 
+    def _responder(self, request: ranker_pb2.PredictRequest) -> Callable[[list[float]], ranker_pb2.PredictResponse]:
+        return lambda scores: ranker_pb2.PredictResponse(
+            request_id=request.request_id, scores=scores, model_version=self.config.model_version
+        )
+
     def score(self, request: ranker_pb2.PredictRequest) -> ranker_pb2.PredictResponse:
         """Score one request, transport-independent; raises InvalidRequestError."""
-        return self.core.score(
-            request,
-            lambda scores: ranker_pb2.PredictResponse(
-                request_id=request.request_id, scores=scores, model_version=self.config.model_version
-            ),
-        )
+        return self.core.score(request, self._responder(request))
+
+    async def score_async(self, request: ranker_pb2.PredictRequest) -> ranker_pb2.PredictResponse:
+        """:meth:`score` on an event loop (``RankerCore.score_async``); raises InvalidRequestError."""
+        return await self.core.score_async(request, self._responder(request))
 
     def _score_or_abort(
         self, request: ranker_pb2.PredictRequest, context: grpc.ServicerContext

@@ -63,13 +63,20 @@ class RankerHandler:
 
 class AsyncRankerHandler:
     """asyncio handler of ``Ranker``: runs the sync handler in a worker thread (``asyncio.to_thread`` copies
-    the context, so the request span and its phases follow)."""
+    the context, so the request span and its phases follow); with a dynamic batcher, awaits the request's
+    batch instead of holding a thread (``RankerCore.score_async``)."""
 
     def __init__(self, core: RankerCore) -> None:
         self._sync = RankerHandler(core)
+        self._core = core
 
     async def Predict(self, request: Any) -> Any:
-        return await asyncio.to_thread(self._sync.Predict, request)
+        if self._core.batcher is None:
+            return await asyncio.to_thread(self._sync.Predict, request)
+        try:
+            return await self._core.score_async(request, functools.partial(self._sync._respond, request.request_id))
+        except InvalidRequestError as err:
+            raise self._sync._thrift.InvalidRequest(message=str(err)) from None
 
 
 def build_thrift_server(model: DLRM | None = None, host: str = "127.0.0.1", port: int = 0, aio: bool = False,

@@ -7,6 +7,9 @@ Instruments (semantic conventions for RPC, stable names), cumulative temporality
   ``rpc.response.status_code``, ``error.type`` (when an error), ``server.address``, ``server.port``.
 - ``rpc.server.request.size`` / ``rpc.server.response.size`` (and ``rpc.client.*``): histogram, unit
   ``By``, the uncompressed protobuf (or Thrift) payload bytes of all messages of one call.
+- ``zoomer.batch.queue_wait.duration`` (histogram, unit ``s``) and ``zoomer.batch.size`` (histogram, unit
+  ``{request}``): for a request that ran in a batch (:mod:`zoomer_serve.batching`), its queue wait and the size of
+  its batch, with the attributes of the call-duration histogram.
 - ``otel.sdk.exporter.span.exported``: counter, unit ``{span}``, spans whose export finished: without
   ``error.type`` those the collector accepted; with ``error.type`` = ``rejected`` (a partial success),
   ``too_large`` (too large for any export request), ``export_failed`` or ``queue_full`` those it lost.
@@ -35,11 +38,14 @@ from typing import Any
 from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
+from zoomer_serve.batching import names as batch_names
 from zoomer_serve.export.otlp_wire import FIELD_FRAMING_BYTES, encode_key_value, length_delimited
 from zoomer_serve.recording import records as r
 
 DURATION_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 SIZE_BUCKETS_BYTES = (0, 100, 1000, 10_000, 100_000, 1_000_000, 10_000_000, 100_000_000)
+QUEUE_WAIT_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 METRIC_ATTRIBUTE_KEYS = ("rpc.system.name", "rpc.method", "rpc.response.status_code", "error.type",
                          "server.address", "server.port")
 REQUEST_BYTES = "zoomer.rpc.request.bytes"
@@ -102,6 +108,12 @@ class RpcMetrics:
         resp_bytes = attrs.get(RESPONSE_BYTES)
         if resp_bytes is not None:
             self._point(names[2], key, SIZE_BUCKETS_BYTES).record(resp_bytes)
+        wait_ns = attrs.get(_QUEUE_WAIT)
+        if wait_ns is not None:
+            self._point(_METRIC_QUEUE_WAIT, key, QUEUE_WAIT_BUCKETS_S).record(wait_ns / 1e9)
+            size = attrs.get(_BATCH_SIZE)
+            if size is not None:
+                self._point(_METRIC_BATCH_SIZE, key, BATCH_SIZE_BUCKETS).record(size)
 
     def _point(self, name: str, key: tuple[Any, ...], bounds: tuple[float, ...]) -> HistogramPoint:
         point = self._points.get((name, key))
@@ -222,6 +234,9 @@ _CUMULATIVE_FIELD = b"\x10" + bytes((_CUMULATIVE,))  # aggregation_temporality (
 
 @functools.lru_cache(maxsize=64)
 def _histogram_head(name: str) -> MetricHead:
+    spec = _BATCH_HISTOGRAMS.get(name)
+    if spec is not None:
+        return MetricHead(_metric_prefix(name, *spec), 0x4A, _CUMULATIVE_FIELD)
     unit = "s" if name.endswith(".duration") else "By"
     return MetricHead(_metric_prefix(name, _DESCRIPTIONS[name.split(".", 2)[2]], unit), 0x4A, _CUMULATIVE_FIELD)
 
@@ -242,6 +257,15 @@ _DESCRIPTIONS = {
     "call.duration": "Duration of RPC calls",
     "request.size": "Uncompressed payload bytes of the request messages of a call",
     "response.size": "Uncompressed payload bytes of the response messages of a call",
+}
+_QUEUE_WAIT = batch_names.QUEUE_WAIT
+_BATCH_SIZE = batch_names.SIZE
+_METRIC_QUEUE_WAIT = batch_names.METRIC_QUEUE_WAIT
+_METRIC_BATCH_SIZE = batch_names.METRIC_SIZE
+# the batching histograms: name -> (description, unit)
+_BATCH_HISTOGRAMS = {
+    _METRIC_QUEUE_WAIT: ("Time a request waited in a batching queue, from its enqueue to its batch's start", "s"),
+    _METRIC_BATCH_SIZE: ("Requests in the batch a request ran in", "{request}"),
 }
 SPAN_EXPORTED = "otel.sdk.exporter.span.exported"
 METRIC_POINT_EXPORTED = "otel.sdk.exporter.metric_data_point.exported"

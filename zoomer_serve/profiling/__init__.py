@@ -10,7 +10,9 @@ Public API:
   that carries a request's trace and span ids.
 - :func:`summarize_events`, :func:`load_trace`: per-request kernel summary of a Chrome trace.
 - :mod:`zoomer_serve.profiling.admin` (the ``ProfilerControl`` gRPC service) and
-  :mod:`zoomer_serve.profiling.client` (its client) are imported on demand.
+  :mod:`zoomer_serve.profiling.client` (its client) are imported on demand, as is
+  :mod:`zoomer_serve.profiling.on_request` (profiling one request on the client's ask, or the next one over a
+  latency threshold).
 """
 
 from zoomer_serve.profiling.config import (

@@ -210,14 +210,15 @@ class ProfilerController:
             with self._lock:
                 return self._reply(Result.STARTED, f"session {session.session_id} running", session)
 
-    def stop(self, wait_s: float = 0.0) -> ControlReply:
-        """Ask the active session to end. Result ``stopping`` (or ``stopped`` when it finished within
-        ``wait_s`` seconds), ``already_stopping`` when it is already ending, ``not_running`` without one."""
+    def stop(self, wait_s: float = 0.0, reason: str = "stop_call") -> ControlReply:
+        """Ask the active session to end (``reason`` becomes its ``stop_reason``). Result ``stopping`` (or
+        ``stopped`` when it finished within ``wait_s`` seconds), ``already_stopping`` when it is already ending,
+        ``not_running`` without one."""
         with self._api_lock, self._lock:
             session = self._session
             if session is None:
                 return self._reply(Result.NOT_RUNNING, "not running: no active profiling session", None)
-            if not session.request_stop("stop_call"):
+            if not session.request_stop(reason):
                 return self._reply(Result.ALREADY_STOPPING, f"already stopping: session {session.session_id} "
                                    f"({session.state.value}, {session.stop_reason})", session)
         if wait_s > 0 and session.done.wait(wait_s):
@@ -225,6 +226,20 @@ class ProfilerController:
                 return self._reply(Result.STOPPED, self._finished_message(session), session)
         with self._lock:
             return self._reply(Result.STOPPING, f"stopping: session {session.session_id}", session)
+
+    def cover(self, span: RequestSpan, open_range: bool = True) -> bool:
+        """Cover ``span``, a request that started before the running session, as if it had started inside it:
+        with ``open_range`` its range opens on this thread (call it on the thread that runs the request's work;
+        its phases elsewhere open the range there too), without, it is counted as covered when it ends and its
+        work is attributed through its batch's range (:mod:`zoomer_serve.batching`). False when no session is
+        running or it is full."""
+        session = self._admitting
+        if session is None:
+            return False
+        if not open_range:
+            return session.adopt(span)
+        session.enter(span)
+        return span in session.open
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the active session (if any) to finish; True when idle."""

@@ -7,6 +7,12 @@ side finds a request's kernels through it. The range opens on the thread that st
 whose work runs on other threads has ranges of the same name there too, opened by its phases
 (:class:`zoomer_serve.recording.recorder.phase`), and all of them are its. :data:`REQUEST_LABEL_PREFIX` is
 the one definition of the format.
+
+A batch of requests (:mod:`zoomer_serve.batching`) runs inside a range of its own, ``zoomer.batch/<trace_id>/
+<span_id>`` (the batch span's ids, :func:`batch_label`), on the thread that runs it; right after it opens, one
+empty marker range per member names the member and its weight under the share rule (:func:`member_label`).
+The batch's work belongs to its members, divided by those weights
+(:mod:`zoomer_serve.profiling.batch_shares`).
 """
 
 from __future__ import annotations
@@ -30,3 +36,42 @@ def parse_request_label(name: str) -> tuple[int, int] | None:
     if match is None:
         return None
     return int(match.group(1), 16), int(match.group(2), 16)
+
+
+BATCH_LABEL_PREFIX = "zoomer.batch/"
+MEMBER_LABEL_PREFIX = "zoomer.batch.member/"
+_BATCH = re.compile(r"zoomer\.batch/([0-9a-f]{32})/([0-9a-f]{16})")
+_MEMBER = re.compile(r"zoomer\.batch\.member/([0-9a-f]{16})/([0-9a-f]{32})/([0-9a-f]{16})/([0-9]{1,18})")
+
+
+def batch_label(trace_id: int, span_id: int) -> str:
+    """The range name of a batch (:mod:`zoomer_serve.batching`) while a profiling session runs:
+    ``zoomer.batch/<batch span's trace_id hex32>/<span_id hex16>``. The batch's operators and kernels fall inside
+    it on the batch thread; they belong to its members, divided by the share rule."""
+    return f"{BATCH_LABEL_PREFIX}{trace_id:032x}/{span_id:016x}"
+
+
+def member_label(batch_span_id: int, trace_id: int, span_id: int, weight: int) -> str:
+    """The marker of one member of a batch: an empty range opened and closed right after the batch's range opens,
+    on the same thread, named ``zoomer.batch.member/<batch span_id hex16>/<member trace_id hex32>/<member span_id
+    hex16>/<weight>`` (``weight``: the member's weight under the batch's share rule, a non-negative integer)."""
+    return f"{MEMBER_LABEL_PREFIX}{batch_span_id:016x}/{trace_id:032x}/{span_id:016x}/{max(0, int(weight))}"
+
+
+def parse_batch_label(name: str) -> tuple[int, int] | None:
+    """``(trace_id, span_id)`` of the batch span from a :func:`batch_label`; None for any other name."""
+    if not name.startswith(BATCH_LABEL_PREFIX):
+        return None
+    match = _BATCH.fullmatch(name)
+    return (int(match.group(1), 16), int(match.group(2), 16)) if match is not None else None
+
+
+def parse_member_label(name: str) -> tuple[int, int, int, int] | None:
+    """``(batch span_id, member trace_id, member span_id, weight)`` from a :func:`member_label`; None for any
+    other name."""
+    if not name.startswith(MEMBER_LABEL_PREFIX):
+        return None
+    match = _MEMBER.fullmatch(name)
+    if match is None:
+        return None
+    return int(match.group(1), 16), int(match.group(2), 16), int(match.group(3), 16), int(match.group(4))

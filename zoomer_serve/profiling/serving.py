@@ -21,7 +21,9 @@ def add_profiling_options(parser: argparse.ArgumentParser) -> None:
     """Add the profiling options of a serving command to ``parser``."""
     group = parser.add_argument_group(
         "kernel profiling", "The ProfilerControl admin service is closed by default: it needs ZOOMER_ADMIN_TOKEN "
-        "from callers, or --admin-open-loopback for local callers. Automatic triggers are off unless enabled.")
+        "from callers, or --admin-open-loopback for local callers. So is profiling one request (metadata or Thrift "
+        "header zoomer-profile: <token>, or baggage zoomer.profile from loopback callers when opened). Automatic "
+        "triggers are off unless enabled.")
     group.add_argument("--profiles-dir", type=Path, default=None,
                        help="where traces go (default $ZOOMER_PROFILES_DIR or ./zoomer-data/profiles)")
     group.add_argument("--admin-open-loopback", action="store_true",
@@ -37,6 +39,13 @@ def add_profiling_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--slo-cooldown-s", type=float, default=300.0, help="quiet time after an SLO session (300 s)")
     group.add_argument("--trigger-requests", type=int, default=100,
                        help="requests covered by an automatic session (100)")
+    group.add_argument("--profile-over-ms", type=float, default=None,
+                       help="capture the next request slower than this many ms: a session stays armed until one is "
+                       "(off by default)")
+    group.add_argument("--profile-over-window-ms", type=int, default=10_000,
+                       help="length of one armed session of --profile-over-ms (10000 ms)")
+    group.add_argument("--profile-over-attempts", type=int, default=6,
+                       help="armed sessions before --profile-over-ms gives up (6)")
 
 
 @dataclass
@@ -46,6 +55,7 @@ class ServerProfiling:
     controller: Any
     admin: AdminConfig
     admin_server: Any = None
+    request_profiler: Any = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, telemetry: Any = None) -> ServerProfiling:
@@ -67,7 +77,12 @@ class ServerProfiling:
                 cooldown_ms=int(args.slo_cooldown_s * 1000), session=session)
         controller = ProfilerController(ProfilerConfig.from_env(**overrides), telemetry).attach()
         admin = AdminConfig.from_env(open_loopback=True if args.admin_open_loopback else None)
-        return cls(controller, admin)
+        from zoomer_serve.profiling.on_request import RequestProfiler, RequestProfilingConfig
+
+        on_request = RequestProfilingConfig(threshold_ms=args.profile_over_ms,
+                                            threshold_window_ms=args.profile_over_window_ms,
+                                            threshold_attempts=args.profile_over_attempts)
+        return cls(controller, admin, request_profiler=RequestProfiler(controller, admin, on_request).attach())
 
     def mount(self, server: Any) -> None:
         """Register the admin service on a sync ``grpc.Server`` (an ``extra_servicers`` entry)."""
@@ -84,6 +99,8 @@ class ServerProfiling:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the triggers, finish an active session (its trace is written), stop the admin server."""
+        if self.request_profiler is not None:
+            self.request_profiler.close()
         self.controller.close(timeout_s)
         if self.admin_server is not None:
             self.admin_server.stop(None)

@@ -165,7 +165,7 @@ class Session:
         self.kernel_time_us = 0.0
         self.attributed_share: float | None = None
         self.covered: list[CoveredRequest] = []
-        self.open: dict[RequestSpan, tuple[Any, int, RequestRange]] = {}
+        self.open: dict[RequestSpan, tuple[Any, int, RequestRange | None]] = {}
         self.incomplete = 0
         self.wrapper_ns = 0  # thread CPU time spent in enter/leave on the request path (the overhead figure)
         self.running = threading.Event()  # set once running, or once the start failed
@@ -208,6 +208,18 @@ class Session:
                 return
         join.exit(rf)  # the session closed meanwhile
 
+    def adopt(self, span: RequestSpan) -> bool:
+        """Count a request that started before the session ran as covered when it ends, without a range of its
+        own (its batch's range and member markers attribute its work: :mod:`zoomer_serve.batching`). Admitted
+        like :meth:`enter` (within ``max_requests``); False when not admitted."""
+        if not self.covers(span) or next(self._admitted) >= self.max_requests:
+            return False
+        with self._lock:
+            if self._closed or span in self.open:
+                return False
+            self.open[span] = (None, 0, None)
+            return True
+
     def leave(self, span: RequestSpan) -> None:
         """Close the request's range, count it as covered, advance the Kineto step; ask for the stop once
         ``max_requests`` covered requests have ended. A request counts only when its range closed while the
@@ -222,8 +234,9 @@ class Session:
         t0 = time.thread_time_ns()
         end_ns = time.time_ns()
         rf, enter_ns, join = entry
-        span.remove_thread_join(join)
-        join.exit(rf)
+        if join is not None:  # None: adopted, no range of its own
+            span.remove_thread_join(join)
+            join.exit(rf)
         from torch.autograd.profiler import KinetoStepTracker
 
         with self._lock:
@@ -267,8 +280,9 @@ class Session:
             self.open.clear()
             self.incomplete += len(left) + self._leaving
         for span, (rf, _, join) in left:
-            span.remove_thread_join(join)
-            join.exit(rf)
+            if join is not None:
+                span.remove_thread_join(join)
+                join.exit(rf)
 
     def drop_uncovered(self, in_trace: Any) -> None:
         """Keep as covered only the requests whose finished range is in the trace (``in_trace`` holds

@@ -20,6 +20,10 @@ request of the ``cpu_op`` whose ``External id`` the activity carries (Kineto lin
 launching operator that way).
 Kernels launched outside any request range (warm-up, other threads) stay unattributed; the share of kernel
 time attributed is reported.
+
+Batches (:mod:`zoomer_serve.batching`): a batch range (:func:`~zoomer_serve.profiling.labels.batch_label`) takes
+what runs inside it like a request range does, and its figures then go to its members, divided by the weights
+its marker ranges name (:mod:`zoomer_serve.profiling.batch_shares`); ``TraceSummary.batches`` counts them.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from typing import Any, cast
 import numpy as np
 
 from zoomer_serve.intervals import union_length
-from zoomer_serve.profiling.labels import parse_request_label
+from zoomer_serve.profiling.batch_shares import BatchMarks, share_batches
+from zoomer_serve.profiling.labels import parse_batch_label, parse_member_label, parse_request_label
 
 RUNTIME_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
 GPU_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
@@ -92,6 +97,15 @@ class GpuTotals:
             self.memset_time_us += dur
             self.memset_bytes += int(args.get("bytes", 0))
 
+    def add_kernel_share(self, name: str, count: int, time_us: float) -> None:
+        """Add ``count`` launches and ``time_us`` of kernel ``name`` to the per-name table (a batch's share;
+        the totals are added by the caller)."""
+        stat = self.kernels.get(name)
+        if stat is None:
+            stat = self.kernels[name] = KernelStat(name)
+        stat.count += count
+        stat.time_us += time_us
+
     def top_kernels(self, n: int) -> list[KernelStat]:
         """The ``n`` kernel names with the most total GPU time, most first."""
         return sorted(self.kernels.values(), key=lambda k: (-k.time_us, k.name))[:n]
@@ -114,13 +128,15 @@ class RequestProfile(GpuTotals):
 class TraceSummary:
     """What :func:`summarize_events` found. ``requests`` by key; ``totals``: all GPU activity of the trace;
     ``attributed``: the part of it that belongs to some request; ``event_count``: complete events
-    (``ph`` X) in the trace; ``unfinished_requests``: request ranges still open at the end."""
+    (``ph`` X) in the trace; ``unfinished_requests``: request ranges still open at the end; ``batches``: batch
+    ranges whose figures went to their members."""
 
     requests: dict[Hashable, RequestProfile]
     totals: GpuTotals
     attributed: GpuTotals
     event_count: int
     unfinished_requests: int = 0
+    batches: int = 0
 
     @property
     def attributed_share(self) -> float | None:
@@ -163,12 +179,15 @@ def summarize_events(events: Iterable[Mapping[str, Any]], key_of: KeyOf = parse_
     ranges: dict[tuple[Any, Any], _Ranges] = {}
     requests: dict[Hashable, RequestProfile] = {}
     spans: dict[Hashable, list[tuple[float, float]]] = {}  # each request's ranges (start, end), µs
+    batches: dict[int, RequestProfile] = {}  # batch span id -> what ran inside its ranges
+    marks: dict[int, BatchMarks] = {}
     unfinished = 0
     for ev in events:
         if ev.get("cat") != "user_annotation":
             continue
         key = key_of(ev.get("name", ""))
         if key is None:
+            _batch_range(ev, batches, marks, ranges)
             continue
         if (ev.get("args") or {}).get("finished") is False:
             unfinished += 1
@@ -224,7 +243,27 @@ def summarize_events(events: Iterable[Mapping[str, Any]], key_of: KeyOf = parse_
         if owner is not None:
             owner.add_gpu(ev)
             attributed.add_gpu(ev)
-    return TraceSummary(requests, totals, attributed, len(events), unfinished)
+    shared = share_batches(batches, marks, requests, lambda key, start: RequestProfile(key=key, start_us=start))
+    return TraceSummary(requests, totals, attributed, len(events), unfinished, shared)
+
+
+def _batch_range(ev: Mapping[str, Any], batches: dict[int, RequestProfile], marks: dict[int, BatchMarks],
+                 ranges: dict[tuple[Any, Any], _Ranges]) -> None:
+    """Register a finished batch range (as a range that takes what runs inside it) or a member marker."""
+    name = ev.get("name", "")
+    member = parse_member_label(name)
+    if member is not None:
+        marks.setdefault(member[0], BatchMarks()).members.append(member[1:])
+        return
+    ids = parse_batch_label(name)
+    if ids is None or (ev.get("args") or {}).get("finished") is False:
+        return
+    start, dur = float(ev["ts"]), float(ev.get("dur", 0.0))
+    profile = batches.get(ids[1])
+    if profile is None:
+        profile = batches[ids[1]] = RequestProfile(key=ids, start_us=start)
+    profile.duration_us += dur
+    ranges.setdefault((ev.get("pid"), ev.get("tid")), _Ranges()).items.append((start, start + dur, profile))
 
 
 def summary_to_json(summary: TraceSummary, top_n: int) -> dict[str, Any]:
@@ -243,7 +282,8 @@ def summary_to_json(summary: TraceSummary, top_n: int) -> dict[str, Any]:
                      duration_us=profile.duration_us, cpu_op_count=profile.cpu_op_count)
         requests.append(entry)
     return {"requests": requests, "totals": totals(summary.totals), "attributed": totals(summary.attributed),
-            "event_count": summary.event_count, "unfinished_requests": summary.unfinished_requests}
+            "event_count": summary.event_count, "unfinished_requests": summary.unfinished_requests,
+            "batches": summary.batches}
 
 
 def summary_from_json(data: Mapping[str, Any]) -> TraceSummary:
@@ -262,7 +302,7 @@ def summary_from_json(data: Mapping[str, Any]) -> TraceSummary:
                                  cpu_op_count=entry["cpu_op_count"])
         requests[key] = fill(profile, entry)  # type: ignore[assignment]
     return TraceSummary(requests, fill(GpuTotals(), data["totals"]), fill(GpuTotals(), data["attributed"]),
-                        data["event_count"], data["unfinished_requests"])
+                        data["event_count"], data["unfinished_requests"], int(data.get("batches", 0)))
 
 
 def load_trace(path: str | Path) -> dict[str, Any]:

@@ -307,16 +307,19 @@ class RequestRecorder:
 
     def start(self, name: str, kind: int = r.KIND_SERVER, attributes: dict[str, Any] | None = None,
               parent: ParentContext | None = None, start_ns: int | None = None,
-              is_request: bool = True, start_mono_ns: int | None = None) -> RequestSpan:
+              is_request: bool = True, start_mono_ns: int | None = None,
+              sampled: bool | None = None) -> RequestSpan:
         """Start a span named ``name`` (for RPCs, the fully qualified method ``pkg.Service/Method``).
 
         ``parent``: the caller's context from :func:`~zoomer_serve.recording.propagation.parse_traceparent`,
         or None to start a new trace. The start is now unless given: ``start_mono_ns`` (a ``time.monotonic_ns()``
         reading, preferred: the span's duration stays monotonic) or ``start_ns`` (Unix epoch ns). ``is_request``:
-        count it in the ``rpc.*.call.duration`` metrics.
+        count it in the ``rpc.*.call.duration`` metrics. ``sampled``: None lets the sampler decide; True or False
+        decides instead (a batch span follows its member requests).
         """
         trace_id = parent.trace_id if parent is not None else 0
-        sampled = self.sampler.should_sample(trace_id, parent) if parent is not None else None
+        if sampled is None and parent is not None:
+            sampled = self.sampler.should_sample(trace_id, parent)
         wall, mono = _time_ns(), _mono_ns()
         if start_mono_ns:
             wall -= mono - start_mono_ns

@@ -13,8 +13,9 @@ from typing import Any
 
 import duckdb
 
+from zoomer_serve.batching import names as bn
 from zoomer_serve.collector.store import StoreError, open_readonly
-from zoomer_serve.report.model import MethodStats, PhaseStats, Report, SlowTrace
+from zoomer_serve.report.model import BatchingStats, MethodStats, PhaseStats, Report, SlowTrace
 
 NS_PER_MS = 1_000_000.0
 NS_PER_S = 1_000_000_000.0
@@ -67,6 +68,20 @@ FROM req r JOIN phase p ON p.trace_id = r.trace_id AND p.parent_span_id = r.span
 GROUP BY ALL
 """
 
+_BATCHING_SQL = _REQUESTS_CTE + f"""
+, batched AS (
+    SELECT r.service_name, r.method, r.duration_ns,
+           TRY_CAST(u.attributes->>'$."{bn.QUEUE_WAIT}"' AS BIGINT) AS wait_ns,
+           TRY_CAST(u.attributes->>'$."{bn.SIZE}"' AS BIGINT) AS size,
+           u.attributes->>'$."{bn.BATCH_ID}"' AS batch_id
+    FROM req r JOIN uspans u ON u.trace_id = r.trace_id AND u.span_id = r.span_id
+    WHERE u.attributes->>'$."{bn.BATCH_ID}"' IS NOT NULL
+)
+SELECT service_name, method, count(*), count(DISTINCT batch_id), avg(size),
+       quantile_cont(wait_ns, [0.5, 0.99]), avg(wait_ns), sum(wait_ns), sum(duration_ns)
+FROM batched GROUP BY ALL
+"""
+
 _SLOWEST_SQL = _REQUESTS_CTE + """
 SELECT trace_id, service_name, method, duration_ns, status FROM req
 QUALIFY row_number() OVER (PARTITION BY trace_id ORDER BY duration_ns DESC, span_id) = 1
@@ -100,7 +115,19 @@ def _phases(con: duckdb.DuckDBPyConnection,
     return out
 
 
-def _method_stats(row: tuple[Any, ...], statuses: dict[str, int], phases: list[PhaseStats]) -> MethodStats:
+def _batching(con: duckdb.DuckDBPyConnection) -> dict[tuple[str, str], BatchingStats]:
+    out = {}
+    for service, method, n, batches, size, q, mean_ns, wait_ns, total_ns in con.execute(_BATCHING_SQL).fetchall():
+        out[(service, method)] = BatchingStats(
+            requests=int(n), batches=int(batches), mean_batch_size=float(size or 0.0),
+            queue_wait_p50_ms=float(q[0] or 0.0) / NS_PER_MS, queue_wait_p99_ms=float(q[1] or 0.0) / NS_PER_MS,
+            queue_wait_mean_ms=float(mean_ns or 0.0) / NS_PER_MS,
+            queue_wait_share=float(wait_ns or 0) / float(total_ns) if total_ns else 0.0)
+    return out
+
+
+def _method_stats(row: tuple[Any, ...], statuses: dict[str, int], phases: list[PhaseStats],
+                  batching: BatchingStats | None = None) -> MethodStats:
     service, method, n, first_ns, last_ns, errors, q, max_ns, mean_ns, _, server_errors = row
     window_s = (last_ns - first_ns) / NS_PER_S
     return MethodStats(
@@ -119,6 +146,7 @@ def _method_stats(row: tuple[Any, ...], statuses: dict[str, int], phases: list[P
         mean_ms=float(mean_ns) / NS_PER_MS,
         phases=phases,
         unattributed_share=1.0 - sum(p.share for p in phases) if phases else None,
+        batching=batching,
     )
 
 
@@ -142,13 +170,15 @@ def build_report(store_path: str | os.PathLike[str], slowest: int = 10) -> Repor
             statuses[(service, method)][status] = int(count)
         request_ns = {(r[0], r[1]): float(r[9]) for r in rows}
         phases = _phases(con, request_ns)
+        batching = _batching(con)
         slow = [SlowTrace(t, s, m, d / NS_PER_MS, st)
                 for t, s, m, d, st in con.execute(_SLOWEST_SQL, [slowest]).fetchall()]
     except duckdb.Error as exc:  # a DuckDB file, but not a zoomer-serve store (other columns)
         raise ReportError(f"{path} is not a zoomer-serve store: {str(exc).splitlines()[0]}") from None
     finally:
         con.close()
-    methods = [_method_stats(r, statuses[(r[0], r[1])], phases.get((r[0], r[1]), [])) for r in rows]
+    methods = [_method_stats(r, statuses[(r[0], r[1])], phases.get((r[0], r[1]), []), batching.get((r[0], r[1])))
+               for r in rows]
     return Report(
         store_path=str(path),
         total_requests=sum(m.count for m in methods),

@@ -27,6 +27,27 @@ class PhaseStats:
 
 
 @dataclass(frozen=True)
+class BatchingStats:
+    """The requests of one method that ran in batches (``zoomer.batch.*`` span attributes).
+
+    Attributes:
+        requests: batched requests.
+        batches: distinct batches they ran in.
+        mean_batch_size: mean ``zoomer.batch.size`` over the requests (requests per batch, as a request sees it).
+        queue_wait_p50_ms / queue_wait_p99_ms / queue_wait_mean_ms: ``zoomer.batch.queue_wait_ns``, ms.
+        queue_wait_share: summed queue wait / summed duration of these requests (0..1).
+    """
+
+    requests: int
+    batches: int
+    mean_batch_size: float
+    queue_wait_p50_ms: float
+    queue_wait_p99_ms: float
+    queue_wait_mean_ms: float
+    queue_wait_share: float
+
+
+@dataclass(frozen=True)
 class MethodStats:
     """Requests (SERVER spans) of one service and method.
 
@@ -46,6 +67,7 @@ class MethodStats:
         max_ms / mean_ms: ms.
         phases: phase breakdown, largest share first.
         unattributed_share: 1 - sum of phase shares (time not covered by any phase); None without phases.
+        batching: queue wait and batch size of the requests that ran in batches; None when none did.
     """
 
     service_name: str
@@ -63,6 +85,7 @@ class MethodStats:
     mean_ms: float
     phases: list[PhaseStats] = field(default_factory=list)
     unattributed_share: float | None = None
+    batching: BatchingStats | None = None
 
 
 @dataclass(frozen=True)

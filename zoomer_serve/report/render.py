@@ -80,6 +80,23 @@ def phases_table(report: Report) -> Table | None:
     return table
 
 
+def batching_table(report: Report) -> Table | None:
+    """Queue wait and batch size of the requests that ran in batches; None when none did."""
+    if not any(m.batching for m in report.methods):
+        return None
+    table = _table("Batching (requests that ran in batches), queue wait in ms",
+                   [("service", LEFT), ("method", LEFT), ("batched", RIGHT), ("batches", RIGHT),
+                    ("mean size", RIGHT), ("wait p50", RIGHT), ("wait p99", RIGHT), ("wait share", RIGHT)],
+                   fold=("service", "method"))
+    for m in report.methods:
+        b = m.batching
+        if b is None:
+            continue
+        table.add_row(Text(m.service_name), Text(m.method), str(b.requests), str(b.batches), f"{b.mean_batch_size:.1f}",
+                      _ms(b.queue_wait_p50_ms), _ms(b.queue_wait_p99_ms), _pct(b.queue_wait_share))
+    return table
+
+
 def slowest_table(report: Report) -> Table | None:
     """The slowest traces; None when none are listed."""
     if not report.slowest:
@@ -102,6 +119,7 @@ def render_report(report: Report, console: Console) -> None:
                            (str(report.total_errors), "bold"), f" errors over {window_s:.1f} s  ",
                            f"({report.store_path})")
     console.print(header)
-    for table in (methods_table(report), statuses_table(report), phases_table(report), slowest_table(report)):
+    for table in (methods_table(report), statuses_table(report), phases_table(report), batching_table(report),
+                  slowest_table(report)):
         if table is not None:
             console.print(table)

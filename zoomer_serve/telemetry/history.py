@@ -46,6 +46,18 @@ _MAX_TAGGED = 100_000
 _ACTIONS = frozenset(n.ACTIONS)
 
 
+SentHook = Callable[[RequestSpan, dict[str, Any], int, int], None]
+SENT_HOOKS: list[SentHook] = []
+"""Called on the drain thread after a span's ``zoomer.gpu.memory.events`` child was sent, with the span, the
+child's attributes (counts and bytes per action) and its start and end (Unix ns): how a batch
+(:mod:`zoomer_serve.batching`) shares its allocations among its members. Exceptions are counted like the send's."""
+
+
+def is_tagged(span: RequestSpan) -> bool:
+    """Whether allocation history tags ``span`` (its allocations will come back as a child span when drained)."""
+    return any(isinstance(join, _Tag) for join in span.thread_joins)
+
+
 class SnapshotError(RuntimeError):
     """A memory snapshot could not be written: the snapshot failed, was empty, or took longer than the
     budget (:class:`SnapshotTimeout`)."""
@@ -318,6 +330,8 @@ class AllocationHistory:
         try:
             tag.span.add_child(n.EVENTS_SPAN, start_ns, end_ns, attrs, events=events)
             self.stats.child_spans += 1
+            for hook in SENT_HOOKS:
+                hook(tag.span, attrs, start_ns, end_ns)
         except Exception as exc:
             internal_error("gpu.history.send", exc)
 
