@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +47,7 @@ def _configure(endpoint: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[S3]:
-    """moto's S3 server on 127.0.0.1 (port 0) with bucket ``zoomer-test``; stopped at the end of the module."""
+    """moto's S3 server on 127.0.0.1 (port 0) with a new bucket; stopped at the end of the module."""
     missing = s3_missing()
     if missing:
         pytest.skip(missing)
@@ -64,9 +65,10 @@ def s3() -> Iterator[S3]:
     os.environ.update(_configure(endpoint))
     s3fs.S3FileSystem.clear_instance_cache()
     fs = s3fs.S3FileSystem(skip_instance_cache=True)
-    fs.mkdir("zoomer-test")
+    bucket = f"zoomer-test-{uuid.uuid4().hex[:8]}"  # moto keeps its buckets per process, across servers
+    fs.mkdir(bucket)
     try:
-        yield S3(endpoint, "zoomer-test", fs)
+        yield S3(endpoint, bucket, fs)
     finally:
         fsspec.config.conf.pop("s3", None)
         for k, v in saved.items():

@@ -8,11 +8,10 @@ import hashlib
 import json
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
-from _object_storage import S3, s3  # noqa: F401  (fixture)
 from _profiling_support import serve_with_profiling
 
 from zoomer_serve.artifacts import ArtifactsConfig, publish, session_artifacts, uploader_for
@@ -27,6 +26,11 @@ from zoomer_serve.demo.model import DLRM, build_model
 from zoomer_serve.profiling import SessionOptions
 
 LOAD = {"clients": 2, "batch_size": 8}
+
+if TYPE_CHECKING:
+    from _object_storage import S3
+
+pytest_plugins = ("_object_storage",)  # the s3 fixture
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +141,8 @@ def test_uploads_are_retried_and_the_queue_is_bounded(s3: S3, tmp_path: Path) ->
         release.wait(30)
 
     up = ArtifactUploader(max_pending=2, retries=3, backoff_s=0.25, sleep=sleep)
-    companion = SessionArtifacts("s3://zoomer-late/prefix", up, {"service.name": "svc", "service.instance.id": "i-1"})
+    late = f"{s3.bucket}-late"
+    companion = SessionArtifacts(f"s3://{late}/prefix", up, {"service.name": "svc", "service.instance.id": "i-1"})
     jobs = []
     for n in range(4):
         f = tmp_path / f"s{n}.pt.trace.json.gz"
@@ -153,13 +158,13 @@ def test_uploads_are_retried_and_the_queue_is_bounded(s3: S3, tmp_path: Path) ->
     assert up.submit(jobs[1]) and up.submit(jobs[2])
     assert not up.submit(jobs[3])
     assert up.stats().jobs_dropped == 1 and up.stats().pending == 3
-    s3.fs.mkdir("zoomer-late")
+    s3.fs.mkdir(late)
     release.set()
     assert up.flush(60)
     stats = up.stats()
     assert (stats.files_uploaded, stats.files_failed, stats.jobs_queued, stats.jobs_dropped) == (3, 0, 3, 1)
     assert stats.retries >= 1
-    found = sorted(m.file for m in list_manifests("s3://zoomer-late/prefix") if isinstance(m, Manifest))
+    found = sorted(m.file for m in list_manifests(f"s3://{late}/prefix") if isinstance(m, Manifest))
     assert found == ["s0.pt.trace.json.gz", "s1.pt.trace.json.gz", "s2.pt.trace.json.gz"]
     up.close()
 
