@@ -98,6 +98,8 @@ def run_fleet_job(options: FleetOptions, progress: Progress | None = None) -> Fl
         EngineError: the engine cannot run (Ray missing or unreachable).
         OSError: the results cannot be written.
     """
+    t0 = time.monotonic()
+    marks: dict[str, float] = {}
     source = normalize(options.url)
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
     out = normalize(options.out) if options.out else join(source, "fleet", run_id)
@@ -106,7 +108,10 @@ def run_fleet_job(options: FleetOptions, progress: Progress | None = None) -> Fl
     agg = FleetAggregator()
     writer = ResultsWriter(join(out, "results"))
     counts = {"manifests": len(urls), "traces_analyzed": 0, "traces_failed": 0, "traces_skipped": 0}
+    marks["list_s"] = time.monotonic() - t0
     for done, outcome in enumerate(_outcomes(options, [(u, options.since_ns) for u in urls]), 1):
+        if done == 1:
+            marks["first_result_s"] = time.monotonic() - t0
         url = outcome.task[0]
         if outcome.error:
             counts["traces_failed"] += 1
@@ -122,7 +127,9 @@ def run_fleet_job(options: FleetOptions, progress: Progress | None = None) -> Fl
         if progress is not None:
             progress(done, len(urls))
     report.outputs["traces"] = writer.close()
+    marks["tasks_s"] = time.monotonic() - t0
     report.heatmaps = _span_figures(source, agg, options.since_ns)
+    marks["spans_s"] = time.monotonic() - t0
     replicas = sorted(agg.replicas.values(), key=lambda r: (r.service, r.gpu_model, r.instance))
     report.outliers = outliers(replicas)
     report.findings = sort_findings(detect_outlier_replicas(replicas, report.outliers, source)
@@ -133,7 +140,10 @@ def run_fleet_job(options: FleetOptions, progress: Progress | None = None) -> Fl
                   span_requests=sum(r.span_requests for r in replicas),
                   peer_groups_too_small=sum(1 for g in peer_groups(replicas).values() if len(g) < MIN_PEERS))
     report.counts = counts
+    marks["detect_s"] = time.monotonic() - t0
+    report.timings = marks
     _write_outputs(report, out, replicas, source, options)
+    report.timings["total_s"] = time.monotonic() - t0
     return report
 
 

@@ -29,6 +29,10 @@ class FleetReport:
             (paths relative to the report) or ``error``.
         outputs: where the job wrote its results (``traces``, ``replicas`` Parquet parts, ``report_json``,
             ``report_html``).
+        timings: seconds since the job started at which each step ended: ``list_s`` (manifests listed),
+            ``first_result_s`` (the first task back: engine start-up included), ``tasks_s`` (every task back),
+            ``spans_s`` (span data read), ``detect_s`` (findings), ``total_s`` (outputs written; not in the
+            written report.json, which is written before).
     """
 
     source: str
@@ -43,6 +47,7 @@ class FleetReport:
     failed: list[dict[str, Any]] = field(default_factory=list)
     drilldown: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     outputs: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def outlier_instances(self) -> list[str]:
@@ -58,4 +63,4 @@ class FleetReport:
             "source": self.source, "run_id": self.run_id, "engine": self.engine, "since_ns": self.since_ns,
             "counts": self.counts, "outliers": self.outliers, "findings": [f.to_dict() for f in self.findings],
             "replicas": self.replicas, "heatmaps": {k: h.to_dict() for k, h in self.heatmaps.items()},
-            "failed": self.failed, "drilldown": self.drilldown, "outputs": self.outputs})
+            "failed": self.failed, "drilldown": self.drilldown, "outputs": self.outputs, "timings": self.timings})
