@@ -25,7 +25,8 @@ from zoomer_serve.fleet.cli import parse_since
 from zoomer_serve.fleet.detect import detect_kernel_mix, outliers
 from zoomer_serve.fleet.engines import run_local
 from zoomer_serve.fleet.job import FleetOptions, run_fleet_job
-from zoomer_serve.fleet.stats import robust
+from zoomer_serve.fleet.spans import LATENCY_BUCKETS_PER_DOUBLING
+from zoomer_serve.fleet.stats import binomial_tail, robust
 from zoomer_serve.fleet.synthetic import FleetSpec, FleetTruth, build_fleet, instance_name
 
 if TYPE_CHECKING:
@@ -141,6 +142,42 @@ def test_a_tight_fleet_has_no_outlier_and_a_small_group_is_not_judged() -> None:
     (o,) = outliers(rng_replicas)
     assert (o["instance"], o["metric"], o["method"], o["peers"]) == ("r6", "p99_ms", "m", 26)
     assert detect_kernel_mix(rng_replicas, "x") == []
+
+
+def _latency_replica(i: int, durations_ms: list[float]) -> ReplicaFigures:
+    import math
+
+    r = ReplicaFigures("svc", f"r{i:02d}", gpu_model="A")
+    d = sorted(durations_ms)
+    buckets: dict[int, int] = {}
+    for x in d:
+        b = math.floor(math.log2(x * 1e6) * LATENCY_BUCKETS_PER_DOUBLING)
+        buckets[b] = buckets.get(b, 0) + 1
+    p99 = d[min(len(d) - 1, int(round(0.99 * (len(d) - 1))))]
+    r.methods["m"] = {"count": len(d), "p50_ms": d[len(d) // 2], "p99_ms": p99, "errors": 0,
+                      "latency_buckets": buckets}
+    return r
+
+
+def test_a_high_p99_from_one_slow_request_is_sampling_noise_not_an_outlier() -> None:
+    """100 requests each: one replica's p99 is high because of one slow request (most of its requests are as
+    fast as everyone's); another's because its whole tail is slow. Only the second is named."""
+    base = [10.0 + 0.05 * k for k in range(100)]  # 10 to 15 ms; p99 14.95
+    replicas = [_latency_replica(i, [x * (1 + 0.002 * i) for x in base]) for i in range(20)]
+    replicas.append(_latency_replica(20, base[:98] + [40.0, 41.0]))  # two unlucky requests: p99 40 ms
+    replicas.append(_latency_replica(21, base[:80] + [30.0 + k for k in range(20)]))  # a fifth of them slow
+    found = outliers(replicas)
+    assert [(o["instance"], o["metric"]) for o in found] == [("r21", "p99_ms")]
+    assert found[0]["requests_above_peer_p99"] == 20 and found[0]["tail_p_value"] < 1e-10
+
+
+def test_binomial_tail() -> None:
+    assert binomial_tail(0, 100, 0.01) == 1.0 and binomial_tail(101, 100, 0.01) == 0.0
+    assert binomial_tail(1, 100, 0.01) == pytest.approx(1 - 0.99**100)
+    assert binomial_tail(3, 100, 0.01) == pytest.approx(1 - 0.99**100 - 100 * 0.01 * 0.99**99
+                                                      - 4950 * 0.01**2 * 0.99**98)
+    assert binomial_tail(60, 100, 0.01) == 0.0  # far past the mean
+    assert 0 < binomial_tail(130, 10_000, 0.01) < 0.01
 
 
 def test_robust_statistics() -> None:

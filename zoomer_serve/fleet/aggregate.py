@@ -34,7 +34,8 @@ class ReplicaFigures:
     Trace side: ``traces``, ``requests`` (covered by the traces), ``kernel_time_us``, ``busy_us``,
     ``window_us``, ``kernels`` (name -> ``[count, time_us]``), ``sessions`` (``[session_id, trace url]``,
     at most 20), ``resource`` (the first manifest's resource attributes).
-    Span side: ``methods`` (method -> ``{"count", "p50_ms", "p99_ms", "errors"}``), ``span_requests``,
+    Span side: ``methods`` (method -> ``{"count", "p50_ms", "p99_ms", "errors", "latency_buckets"}``, the
+    buckets as :data:`~zoomer_serve.fleet.spans.LATENCY_BUCKETS_PER_DOUBLING` says), ``span_requests``,
     ``alloc_retries`` (sum of ``zoomer.gpu.memory.alloc_retries``), ``host_cpu`` (mean
     ``process.cpu.utilization``), ``gpu_utilization`` (mean ``hw.gpu.utilization``).
     """
@@ -51,7 +52,7 @@ class ReplicaFigures:
     kernels: dict[str, list[float]] = field(default_factory=dict)
     sessions: list[list[str]] = field(default_factory=list)
     resource: dict[str, Any] = field(default_factory=dict)
-    methods: dict[str, dict[str, float]] = field(default_factory=dict)
+    methods: dict[str, dict[str, Any]] = field(default_factory=dict)
     span_requests: int = 0
     span_errors: int = 0
     alloc_retries: float = 0.0

@@ -10,7 +10,10 @@ a replica stands out on a metric when both hold:
 - it differs from the peers' median by at least the metric's ``min_relative`` share of the median and its
   ``min_absolute`` amount: a tight fleet does not turn noise into findings.
 
-At least :data:`MIN_PEERS` replicas with the figure are needed for a comparison.
+At least :data:`MIN_PEERS` replicas with the figure are needed for a comparison. A p99 taken from a few hundred
+requests rests on a handful of them, so a high p99 counts only when more of the replica's requests lie above
+the peers' median p99 than chance would put there (a binomial test at :data:`TAIL_ALPHA`, Bonferroni over the
+replicas compared): one unlucky request does not make an outlier.
 
 Findings (ids as :data:`FLEET_DETECTOR_IDS`): ``fleet.outlier-replica`` (one per replica, every metric it
 stands out on, with the resource attributes where it differs from its peers), ``fleet.kernel-spread`` (one
@@ -31,9 +34,12 @@ import numpy as np
 
 from zoomer_serve.analysis.findings import Finding
 from zoomer_serve.fleet.aggregate import ReplicaFigures
-from zoomer_serve.fleet.stats import Z_THRESHOLD, robust
+from zoomer_serve.fleet.spans import LATENCY_BUCKETS_PER_DOUBLING
+from zoomer_serve.fleet.stats import Z_THRESHOLD, binomial_tail, robust
 
 MIN_PEERS = 5
+TAIL_ALPHA = 0.01
+"""Significance of a high p99 against its sampling noise, for all the replicas of a comparison together."""
 MIX_MIN_DISTANCE = 0.1
 """A kernel mix this far (total variation distance, 0..1) from the peers' median mix, at least, to count."""
 MIX_KERNEL_SHARE = 0.01
@@ -118,17 +124,40 @@ def outliers(replicas: list[ReplicaFigures]) -> list[dict[str, Any]]:
                     bad = z >= Z_THRESHOLD if metric.direction == "high" else abs(z) >= Z_THRESHOLD
                     if not bad or abs(diff) < max(metric.min_absolute, metric.min_relative * abs(stats.median)):
                         continue
-                    found.append({
+                    entry = {
                         "service": service, "gpu_model": gpu, "instance": r.instance, "metric": metric.name,
                         "label": metric.label, "unit": metric.unit, "method": method, "value": v,
                         "peer_median": stats.median, "peer_mad": stats.mad, "z": z,
                         "ratio": v / stats.median if stats.median else math.inf, "peers": stats.n,
-                        "direction": "high" if diff > 0 else "low"})
+                        "direction": "high" if diff > 0 else "low"}
+                    if metric.name == "p99_ms" and not _tail_is_real(r.methods[method], stats.median, len(rows),
+                                                                      entry):
+                        continue
+                    found.append(entry)
     found.sort(key=lambda o: (-min(abs(o["z"]), 1e12), -abs(math.log(o["ratio"])) if o["ratio"] not in (0, math.inf)
                               else -1e12, o["instance"], o["metric"]))
     for rank, o in enumerate(found, 1):
         o["rank"] = rank
     return found
+
+
+def _tail_is_real(method: dict[str, Any], peer_p99_ms: float, peers: int, entry: dict[str, Any]) -> bool:
+    """Whether a replica's high p99 is more than the sampling noise of a p99 taken from few requests: of its
+    requests, more lie above the peers' median p99 than 1 % (what the peers' own p99 means) would put there
+    by chance, at :data:`TAIL_ALPHA` over the ``peers`` compared (Bonferroni). Counts come from the latency
+    buckets (a request in the threshold's own bucket is not counted); without buckets the check passes. Puts
+    ``requests_above_peer_p99`` and ``tail_p_value`` in ``entry``."""
+    buckets = method.get("latency_buckets")
+    if not buckets:
+        return True
+    per = LATENCY_BUCKETS_PER_DOUBLING
+    edge = math.floor(math.log2(max(peer_p99_ms * 1e6, 1.0)) * per)
+    above = sum(n for b, n in buckets.items() if b > edge)
+    total = sum(buckets.values())
+    p = binomial_tail(above, total, 0.01)
+    entry["requests_above_peer_p99"] = above
+    entry["tail_p_value"] = p
+    return p < TAIL_ALPHA / max(peers, 1)
 
 
 def resource_differences(replica: ReplicaFigures, peers: list[ReplicaFigures]) -> list[dict[str, Any]]:

@@ -18,6 +18,9 @@ from zoomer_serve.analysis import labels as L
 from zoomer_serve.fleet.aggregate import FleetAggregator
 
 HEATMAP_BUCKETS = 48
+LATENCY_BUCKETS_PER_DOUBLING = 8
+"""Per replica and method, request counts per latency bucket ``floor(8 log2(duration_ns))`` (9 % wide): how
+many requests lie above a threshold, for :mod:`~zoomer_serve.fleet.detect`'s sample-size check."""
 PROCESS_CPU_UTILIZATION = "process.cpu.utilization"
 
 
@@ -82,6 +85,12 @@ def read_spans(con: duckdb.DuckDBPyConnection, agg: FleetAggregator, since_ns: i
                 pass
         r.gpu_model = r.gpu_model or str(r.resource.get("zoomer.gpu.model") or "")
         r.host = r.host or str(r.resource.get("host.name") or "")
+    for service, instance, method, bucket, n in con.execute(cte + f"""
+        SELECT service, instance, method, CAST(floor(log2(greatest(duration_ns, 1)) * {LATENCY_BUCKETS_PER_DOUBLING})
+               AS INTEGER) AS bucket, count(*)
+        FROM req GROUP BY ALL""", [since_ns]).fetchall():
+        buckets = agg.replica(service, instance).methods[method].setdefault("latency_buckets", {})
+        buckets[int(bucket)] = int(n)
     metrics = f"""
         SELECT coalesce(service_name, 'unknown_service') AS service, coalesce(service_instance_id, '') AS instance,
                metric_name, avg(value) FROM metric_points

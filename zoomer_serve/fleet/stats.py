@@ -54,3 +54,22 @@ def robust(values: np.ndarray | list[float]) -> Robust:
         meanad = float(dev.mean())
         scale = meanad / MEANAD_SCALE if meanad > 0 else 0.0
     return Robust(med, mad, scale, int(len(v)))
+
+
+def binomial_tail(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p): how likely ``k`` or more of ``n`` requests lie above a quantile that
+    ``p`` of requests exceed, by chance. Exact (a sum of log-space terms) near the mean; 0.0 when ``k`` is more
+    than 12 standard deviations above it (far below any threshold used here)."""
+    if k <= 0:
+        return 1.0
+    if k > n:
+        return 0.0
+    mean, sd = n * p, math.sqrt(n * p * (1 - p))
+    if k > mean + 12 * sd + 12:
+        return 0.0
+    log_p, log_q = math.log(p), math.log1p(-p)
+    below = 0.0
+    for i in range(k):  # P(X < k), k is at most a few standard deviations past the mean here
+        below += math.exp(math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p
+                          + (n - i) * log_q)
+    return max(0.0, 1.0 - below)
