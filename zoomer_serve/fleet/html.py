@@ -179,7 +179,8 @@ def render_fleet_html(report: FleetReport, title: str = "zoomer-serve fleet repo
                                "The latency heat map needs span data (collectors writing Parquet under this URL)."),
              plot_replica_time(report.heatmaps.get("gpu_utilization"), first,
                                "The GPU utilization heat map needs NVML metrics (hw.gpu.utilization) in the span data."),
-             plot_kernel_replica(report.heatmaps.get("kernel_time"), first),
+             plot_kernel_replica(report.heatmaps.get("kernel_time"), first + [
+                 f.evidence["instance"] for f in report.findings if f.id == "fleet.kernel-mix"]),
              "<h2>Findings</h2>"]
     parts.extend(_finding_html(f) for f in report.findings)
     if not report.findings:
