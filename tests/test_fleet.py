@@ -272,3 +272,18 @@ def test_the_ray_engine_on_a_local_cluster(tmp_path: Path) -> None:
     local = run_fleet_job(FleetOptions(str(tmp_path / "fleet"), engine="local", drill_down=0))
     assert [(o["instance"], o["metric"]) for o in local.outliers] == [(o["instance"], o["metric"])
                                                                       for o in report.outliers]
+
+
+def test_the_benchmark_runs_end_to_end() -> None:
+    """benchmarks/fleet.py on a fleet of 12 (no timing asserted): the documented figures, the injected replicas
+    named."""
+    _need_base_trace()
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fleet.py"), "--sizes", "12", "--ray-sizes", "",
+                           "--json"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads(done.stdout)["rows"]
+    (job,) = row["jobs"]
+    assert row["replicas"] == 12 and row["span_rows"] == 12 * (100 + 2 * 30) and row["parquet_bytes"] > 0
+    assert job["engine"] == "local" and job["traces"] == 12 and job["failed"] == 1
+    assert job["missed"] == [] and job["also_named"] == [] and job["named"] == row["injected"]
+    assert job["tasks_per_s"] > 0 and job["peak_rss_mb"] > 0 and job["startup_s"] > 0
