@@ -486,7 +486,7 @@ def test_volumes_hold_the_store_and_the_profile_traces(services: dict[str, Any])
     store = zoomer_args(services[ZOOMER_COLLECTOR_SERVICE]).store
     assert mounts(ZOOMER_COLLECTOR_SERVICE)[str(store.parent)] == "zoomer-data"
     report = zoomer_args(services["report"])
-    assert report.store == store and mounts("report")[str(store.parent)] == "zoomer-data"
+    assert Path(report.store) == store and mounts("report")[str(store.parent)] == "zoomer-data"
     for name in ("model-server", "locust"):
         profile_dir = services[name]["environment"]["ZOOMER_PROFILES_DIR"]
         assert mounts(name)[profile_dir] == "profile-traces", name

@@ -166,8 +166,9 @@ def test_py_spy_profiles_the_session_and_analyze_names_the_cpu_bound_function(
     assert check_profile_files(attrs, info.session_id, folder)
     hot = slow_function_row(attrs)
     assert attrs[n.CPU_TOP_FUNCTION][0] == SLOW_FUNCTION, attrs[n.CPU_TOP_FUNCTION]
-    assert sorted(p.name for p in folder.iterdir()) == sorted(
-        f"{info.session_id}{suffix}" for suffix in (".cpu.collapsed.txt", ".cpu.speedscope.json", ".pt.trace.json.gz"))
+    assert sorted(p.name for p in folder.iterdir() if p.is_file()) == sorted(
+        f"{info.session_id}{suffix}" for suffix in (".cpu.collapsed.txt", ".cpu.speedscope.json", ".pt.trace.json.gz",
+                                                    ".summary.json"))
 
     findings = [f for f in analyze_store(collector.store_path) if f.id == "request.cpu-bound-phase"]
     assert len(findings) == 1
@@ -231,7 +232,8 @@ def test_py_spy_that_cannot_attach_leaves_the_session_with_its_kernel_trace_and_
     assert attrs[n.CPU_SAMPLER] == "none"
     assert attrs[n.CPU_UNAVAILABLE] == "Error: Permission Denied: Try running again with elevated permissions"
     assert n.CPU_PATH not in attrs and n.CPU_TOP_FUNCTION not in attrs
-    assert [p.name for p in folder.iterdir()] == [Path(info.trace_path).name]
+    assert sorted(p.name for p in folder.iterdir() if p.is_file()) == [Path(info.trace_path).name,
+                                                                         f"{info.session_id}.summary.json"]
 
 
 def test_summary_counts_own_and_total_samples_and_leaves_idle_profiles_out(tmp_path: Path) -> None:

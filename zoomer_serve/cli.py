@@ -13,6 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     from zoomer_serve.analysis import cli as analysis_cli
     from zoomer_serve.collector import cli as collector_cli
     from zoomer_serve.demo import cli as demo_cli
+    from zoomer_serve.fleet import cli as fleet_cli
     from zoomer_serve.loadtest import cli as loadtest_cli
     from zoomer_serve.profiling import cli as profiling_cli
     from zoomer_serve.report import cli as report_cli
@@ -22,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"zoomer-serve {__version__}")
     parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (demo_cli, collector_cli, report_cli, analysis_cli, profiling_cli, loadtest_cli):
+    for module in (demo_cli, collector_cli, report_cli, analysis_cli, profiling_cli, loadtest_cli, fleet_cli):
         module.register(sub)
     return parser
 

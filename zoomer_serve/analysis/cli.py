@@ -42,8 +42,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("traces", nargs="*", type=Path, metavar="TRACE",
                    help="Kineto / Chrome trace JSON files, or folders of them (the ranks of a job: collectives, "
                    "communication overlap and stragglers across them)")
-    p.add_argument("--store", type=Path, default=None,
-                   help="DuckDB store (default when no trace is given: $ZOOMER_STORE or ./zoomer-data/zoomer.duckdb)")
+    p.add_argument("--store", default=None,
+                   help="DuckDB store, or a Parquet dataset the collector wrote (folder or URL such as "
+                   "s3://bucket/prefix) (default when no trace is given: $ZOOMER_STORE or ./zoomer-data/zoomer.duckdb)")
     p.add_argument("--json", action="store_true",
                    help="print findings and every row of every table as JSON instead of the summary")
     p.add_argument("--html", type=Path, default=None, metavar="FILE", help="write a self-contained HTML report")

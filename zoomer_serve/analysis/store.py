@@ -27,7 +27,9 @@ import numpy as np
 from zoomer_serve.analysis import labels as L
 from zoomer_serve.analysis.findings import Finding
 from zoomer_serve.analysis.table import Table
-from zoomer_serve.collector.store import StoreError, open_readonly
+from zoomer_serve.artifacts.storage import StorageError, is_url
+from zoomer_serve.collector.parquet import open_source
+from zoomer_serve.collector.store import StoreError
 
 NS_PER_MS = 1e6
 
@@ -151,7 +153,7 @@ class StoreData:
     """What the request-level analysis reads from a store.
 
     Attributes:
-        path: the store file.
+        path: the store file, or the Parquet dataset's folder (a URL stays a string).
         requests: one row per request span: ``trace_id``, ``span_id``, ``method``, ``service``,
             ``instance`` (``service.instance.id``, "" when absent), ``start_ns``, ``duration_ms``,
             ``status``, ``is_error``, ``oom`` (failed with CUDA out-of-memory), ``attributes`` (JSON text).
@@ -164,7 +166,7 @@ class StoreData:
         cpu_profiles: one :class:`CpuProfile` per ``zoomer.profile`` span that carries a CPU profile's top-N.
     """
 
-    path: Path
+    path: Path | str
     requests: Table
     phases: Table
     memory: Table
@@ -189,16 +191,19 @@ class StoreData:
 
 
 def load_store(store_path: str | os.PathLike[str]) -> StoreData:
-    """Read requests, phases, GPU memory samples and GPU metrics from a zoomer-serve store.
+    """Read requests, phases, GPU memory samples and GPU metrics from a zoomer-serve store: a DuckDB file, or a
+    Parquet dataset the collector wrote (folder or URL, :mod:`zoomer_serve.collector.parquet`).
 
     Raises:
         FileNotFoundError: no such file.
         StoreAnalysisError: it cannot be opened read-only (a collector still writes it, not DuckDB) or has
             no ``spans`` table.
     """
-    path = Path(store_path)
+    path: Path | str = os.fspath(store_path) if is_url(store_path) else Path(store_path)
     try:
-        con = open_readonly(path)
+        con = open_source(path)
+    except StorageError as exc:
+        raise StoreAnalysisError(str(exc)) from None
     except StoreError as exc:
         raise StoreAnalysisError(f"{exc} (is a collector still running on it?)") from exc
     try:

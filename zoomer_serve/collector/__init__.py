@@ -5,7 +5,9 @@ An export is answered only once its rows are committed (:mod:`~zoomer_serve.coll
 so acknowledged data survives ``kill -9``. The HTTP receiver bounds slow, idle and hostile clients
 (:mod:`~zoomer_serve.collector.http_receiver`); both receivers can require a bearer token and speak TLS, and
 a non-loopback bind needs one of them or an explicit ``--insecure-open``
-(:mod:`~zoomer_serve.collector.security`). CLI flags and ``ZOOMER_COLLECTOR_*`` variables:
+(:mod:`~zoomer_serve.collector.security`). With Parquet output the store file stages rows that rotate out to
+Parquet files under a URL (:mod:`~zoomer_serve.collector.rotation`), a dataset the report reads as it reads a
+store (:mod:`~zoomer_serve.collector.parquet`). CLI flags and ``ZOOMER_COLLECTOR_*`` variables:
 :mod:`~zoomer_serve.collector.cli`."""
 
 from zoomer_serve.collector.collector import CollectorConfig, EmbeddedCollector

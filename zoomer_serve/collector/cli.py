@@ -18,6 +18,8 @@ variable                     meaning
                              in ``ps``); see :mod:`zoomer_serve.collector.security`
 ``ZOOMER_COLLECTOR_TLS_CERT`` / ``..._TLS_KEY``  ``--tls-cert`` / ``--tls-key``
 ``ZOOMER_COLLECTOR_INSECURE_OPEN``  ``--insecure-open``
+``ZOOMER_COLLECTOR_PARQUET_URL``  ``--parquet-url``: rotate the tables out to Parquet files there
+``ZOOMER_COLLECTOR_PARQUET_ROTATE_S``  ``--parquet-rotate-s``
 ``ZOOMER_COLLECTOR_MAX_CONNECTIONS``, ``..._HEADER_TIMEOUT_S``, ``..._BODY_TIMEOUT_S``,
 ``..._IDLE_TIMEOUT_S``       the OTLP/HTTP receiver's bounds (:class:`~zoomer_serve.collector.http_receiver.HttpLimits`)
 ============================ ======================================================================
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -40,6 +43,7 @@ from zoomer_serve.collector.collector import (
     EmbeddedCollector,
 )
 from zoomer_serve.collector.http_receiver import HttpLimits
+from zoomer_serve.collector.rotation import ParquetConfig
 from zoomer_serve.collector.security import ReceiverSecurity
 from zoomer_serve.collector.store import StoreError, default_store_path
 from zoomer_serve.config import ConfigError
@@ -72,6 +76,14 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     sec.add_argument("--insecure-open", action="store_true", default=None,
                      help="listen on a non-loopback address with neither token nor TLS: anyone who can connect "
                           "can write (ZOOMER_COLLECTOR_INSECURE_OPEN=true)")
+    pq = p.add_argument_group("Parquet output (many collectors side by side, object storage)")
+    pq.add_argument("--parquet-url", default=None, metavar="URL",
+                    help="also write the tables as rotating Parquet files under URL or folder (s3://bucket/prefix, "
+                         "...), hive-partitioned by service and hour; the --store file then only stages rows until "
+                         "they are out (ZOOMER_COLLECTOR_PARQUET_URL)")
+    pq.add_argument("--parquet-rotate-s", type=float, default=None, metavar="S",
+                    help=f"seconds between rotations (default {ParquetConfig.rotate_s:g}; "
+                         "ZOOMER_COLLECTOR_PARQUET_ROTATE_S)")
     lim = p.add_argument_group("OTLP/HTTP receiver bounds")
     lim.add_argument("--max-connections", type=int, default=None,
                      help="open connections at most; past it new ones are closed at once "
@@ -132,7 +144,33 @@ def build_collector(args: argparse.Namespace) -> EmbeddedCollector:
                                  body_timeout_s=args.body_timeout_s, idle_timeout_s=args.idle_timeout_s)
     store = args.store if args.store is not None else default_store_path()
     return EmbeddedCollector(store, host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
-                             max_message_bytes=args.max_message_bytes, http_limits=limits, security=security)
+                             max_message_bytes=args.max_message_bytes, http_limits=limits, security=security,
+                             parquet=parquet_config(args))
+
+
+def parquet_config(args: argparse.Namespace, env: Any = None) -> ParquetConfig | None:
+    """The Parquet output ``--parquet-url`` / ``ZOOMER_COLLECTOR_PARQUET_URL`` asks for (None: off).
+
+    Raises:
+        ConfigError: a bad ``ZOOMER_COLLECTOR_PARQUET_ROTATE_S`` or rotation period (named).
+    """
+    env = os.environ if env is None else env
+    url = getattr(args, "parquet_url", None) or (env.get("ZOOMER_COLLECTOR_PARQUET_URL") or "").strip()
+    if not url:
+        return None
+    rotate = getattr(args, "parquet_rotate_s", None)
+    name = "--parquet-rotate-s"
+    if rotate is None and (env.get("ZOOMER_COLLECTOR_PARQUET_ROTATE_S") or "").strip():
+        name = "ZOOMER_COLLECTOR_PARQUET_ROTATE_S"
+        try:
+            rotate = float(env["ZOOMER_COLLECTOR_PARQUET_ROTATE_S"])
+        except ValueError:
+            raise ConfigError(f"{name} must be a number of seconds, got "
+                              f"{env['ZOOMER_COLLECTOR_PARQUET_ROTATE_S']!r}") from None
+    try:
+        return ParquetConfig(url) if rotate is None else ParquetConfig(url, rotate_s=rotate)
+    except ValueError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
 
 
 def run(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
@@ -157,7 +195,8 @@ def run(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
         security = collector.config.security
         _emit({"event": "ready", "grpc_port": collector.grpc_port, "http_port": collector.http_port,
                "store": str(collector.store_path.resolve()), "auth": security.methods,
-               "open": security.is_open(collector.config.host)})
+               "open": security.is_open(collector.config.host),
+               "parquet": collector.config.parquet.url if collector.config.parquet is not None else None})
         while not stop.wait(0.5):
             pass
         stats = collector.stop()

@@ -13,6 +13,7 @@ from typing import Any
 from zoomer_serve.collector.grpc_receiver import GrpcReceiver
 from zoomer_serve.collector.http_receiver import HttpLimits, HttpReceiver
 from zoomer_serve.collector.ingest import Ingestor
+from zoomer_serve.collector.rotation import ParquetConfig, ParquetRotator
 from zoomer_serve.collector.security import ReceiverSecurity
 from zoomer_serve.collector.store import Store, StoreConfig, default_store_path
 
@@ -39,6 +40,8 @@ class CollectorConfig:
         http_limits: deadlines, connection and memory bounds of the OTLP/HTTP receiver.
         security: bearer token and TLS of both receivers; a non-loopback ``host`` needs one of them or
             ``security.insecure_open`` (:mod:`zoomer_serve.collector.security`).
+        parquet: when set, the store file is a staging area whose rows rotate out to Parquet files under
+            ``parquet.url`` (:mod:`zoomer_serve.collector.rotation`).
     """
 
     store_path: Path
@@ -50,6 +53,7 @@ class CollectorConfig:
     grpc_workers: int = 8
     http_limits: HttpLimits = HttpLimits()
     security: ReceiverSecurity = ReceiverSecurity()
+    parquet: ParquetConfig | None = None
 
 
 class EmbeddedCollector:
@@ -83,6 +87,7 @@ class EmbeddedCollector:
         grpc_workers: int = 8,
         http_limits: HttpLimits | None = None,
         security: ReceiverSecurity | None = None,
+        parquet: ParquetConfig | None = None,
     ) -> None:
         if max_message_bytes <= 0:
             raise ValueError(f"max_message_bytes must be > 0, got {max_message_bytes}")
@@ -99,6 +104,7 @@ class EmbeddedCollector:
             grpc_workers=grpc_workers,
             http_limits=http_limits or HttpLimits(),
             security=security or ReceiverSecurity(),
+            parquet=parquet,
         )
         self.config.security.check_bind(host)
         self._lock = threading.Lock()
@@ -106,6 +112,7 @@ class EmbeddedCollector:
         self._ingestor: Ingestor | None = None
         self._grpc: GrpcReceiver | None = None
         self._http: HttpReceiver | None = None
+        self._rotator: ParquetRotator | None = None
         self._final_stats: dict[str, Any] | None = None
         self.grpc_port: int | None = None
         self.http_port: int | None = None
@@ -134,6 +141,8 @@ class EmbeddedCollector:
             ingestor = Ingestor(store)
             self._store, self._ingestor, self._final_stats = store, ingestor, None
             try:
+                if cfg.parquet is not None:
+                    self._rotator = ParquetRotator(store, cfg.parquet).start()
                 if cfg.grpc_port is not None:
                     self._grpc = GrpcReceiver(ingestor, cfg.host, cfg.grpc_port, cfg.max_message_bytes,
                                               cfg.grpc_workers, cfg.security)
@@ -162,8 +171,11 @@ class EmbeddedCollector:
             t.start()
         for t in stoppers:
             t.join(timeout_s + 2.0)
+        rotator, self._rotator = self._rotator, None
+        if rotator is not None:
+            rotator.stop()  # everything acknowledged goes out to Parquet (or stays staged on failure)
         self._store.close()
-        self._final_stats = self._stats_of(self._store, self._ingestor, self._http)
+        self._final_stats = self._stats_of(self._store, self._ingestor, self._http, rotator)
         self._store = None
         self._grpc = self._http = None
         log.info("collector stopped: %s", self._final_stats)
@@ -181,13 +193,16 @@ class EmbeddedCollector:
         ``http_idle_closed``, ``http_headers_timeouts``, ``http_body_timeouts`` and its gauges
         ``http_connections_open`` / ``http_connections_peak``; the store's ``store_accepted``,
         ``store_written``, ``store_failed``, ``store_dropped``, ``store_queued`` (rows), ``store_batches``
-        (insert statements) and ``store_commit_timeouts``."""
+        (insert statements) and ``store_commit_timeouts``; with Parquet output the rotation's ``parquet_rotations``,
+        ``parquet_failed``, ``parquet_rows``, ``parquet_files``, ``parquet_bytes``, ``parquet_retries``,
+        ``parquet_last_error``."""
         if self._store is None:
             return dict(self._final_stats or {})
-        return self._stats_of(self._store, self._ingestor, self._http)
+        return self._stats_of(self._store, self._ingestor, self._http, self._rotator)
 
     @staticmethod
-    def _stats_of(store: Store, ingestor: Ingestor | None, http: HttpReceiver | None) -> dict[str, Any]:
+    def _stats_of(store: Store, ingestor: Ingestor | None, http: HttpReceiver | None,
+                  rotator: ParquetRotator | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {
             "grpc_requests": 0, "http_requests": 0, "spans_received": 0, "metric_points_received": 0,
             "log_records_received": 0, "rejected_invalid": 0, "rejected_too_large": 0,
@@ -201,6 +216,8 @@ class EmbeddedCollector:
         if http is not None:
             out.update(http.stats())
         out.update({f"store_{k}": v for k, v in asdict(store.stats()).items()})
+        if rotator is not None:
+            out.update({f"parquet_{k}": v for k, v in asdict(rotator.stats()).items()})
         return out
 
     def __enter__(self) -> EmbeddedCollector:

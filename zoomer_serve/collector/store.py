@@ -395,6 +395,11 @@ class Store:
             self._cond.notify_all()  # the writer, and flush() callers share this condition
         return pending
 
+    def cursor(self) -> duckdb.DuckDBPyConnection:
+        """A new connection to the same database for another thread (the caller closes it): its own
+        transactions, isolated from the writer's (the Parquet rotation, :mod:`~zoomer_serve.collector.rotation`)."""
+        return self._con.cursor()
+
     def stats(self) -> StoreStats:
         """A consistent snapshot of the counters."""
         with self._cond:

@@ -108,6 +108,11 @@ class ProfilerController:
         self.on_session_end: list[Callable[[SessionInfo], None]] = []
         host = getattr(telemetry, "host", None)
         self.companions: list[SessionCompanion] = list(host.session_companions()) if host is not None else []
+        from zoomer_serve.artifacts import session_artifacts
+
+        artifacts = session_artifacts(self.config.profiles_dir, dict(getattr(telemetry, "resource", None) or {}))
+        if artifacts is not None:  # last: it uploads the files the others wrote
+            self.companions.append(artifacts)
 
     # -- observer (request path) -------------------------------------------------------------------------
     def on_start(self, span: RequestSpan) -> None:
@@ -339,7 +344,8 @@ class ProfilerController:
 
     def _write(self, session: Session, capture: Capture) -> TraceSummary:
         """Export the trace, then summarize and compress it in a child process (see
-        :mod:`zoomer_serve.profiling.postprocess`); sets the session's trace fields.
+        :mod:`zoomer_serve.profiling.postprocess`); sets the session's trace fields. The per-request summary
+        stays beside the trace as ``<session_id>.summary.json`` (an artifact, :mod:`zoomer_serve.artifacts`).
 
         Raises CaptureError / OSError / ValueError; leaves no partial file behind."""
         folder = self.config.profiles_dir
@@ -352,6 +358,7 @@ class ProfilerController:
             capture.export_json(raw)
             summary = self._postprocess(raw, packed, digest)
             os.replace(packed, final)
+            os.replace(digest, folder / f"{session.session_id}.summary.json")  # kept: an artifact of its own
         finally:
             for leftover in (raw, packed, digest):
                 leftover.unlink(missing_ok=True)

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 import duckdb
 
+from zoomer_serve.artifacts.storage import StorageError
 from zoomer_serve.batching import names as bn
-from zoomer_serve.collector.store import StoreError, open_readonly
+from zoomer_serve.collector.parquet import open_source
+from zoomer_serve.collector.store import StoreError
 from zoomer_serve.report.model import BatchingStats, MethodStats, PhaseStats, Report, SlowTrace
 
 NS_PER_MS = 1_000_000.0
@@ -90,9 +91,11 @@ LIMIT ?
 """
 
 
-def _open(store_path: Path) -> duckdb.DuckDBPyConnection:
+def _open(store_path: str) -> duckdb.DuckDBPyConnection:
     try:
-        con = open_readonly(store_path)
+        con = open_source(store_path)
+    except StorageError as exc:
+        raise ReportError(str(exc)) from None
     except StoreError as exc:
         raise ReportError(f"{exc} (is a collector still running on it?)") from exc
     tables = {row[0] for row in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
@@ -151,7 +154,8 @@ def _method_stats(row: tuple[Any, ...], statuses: dict[str, int], phases: list[P
 
 
 def build_report(store_path: str | os.PathLike[str], slowest: int = 10) -> Report:
-    """Read the store at ``store_path`` and compute the report; ``slowest`` = how many slow traces to list.
+    """Read the store at ``store_path`` (a DuckDB file, or a Parquet dataset: folder or URL, see
+    :mod:`zoomer_serve.collector.parquet`) and compute the report; ``slowest`` = how many slow traces to list.
 
     Raises:
         FileNotFoundError: the store file does not exist.
@@ -161,7 +165,7 @@ def build_report(store_path: str | os.PathLike[str], slowest: int = 10) -> Repor
     """
     if slowest < 0:
         raise ValueError(f"slowest must be >= 0, got {slowest}")
-    path = Path(store_path)
+    path = os.fspath(store_path)
     con = _open(path)
     try:
         rows = con.execute(_METHODS_SQL).fetchall()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -28,8 +27,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         description="Read the collector's DuckDB store (stop the collector first: DuckDB allows one writer "
         "or many readers) and summarize the SERVER spans per service and method.",
     )
-    p.add_argument("--store", type=Path, default=None,
-                   help="DuckDB file (default: $ZOOMER_STORE or ./zoomer-data/zoomer.duckdb)")
+    p.add_argument("--store", default=None,
+                   help="DuckDB file, or a Parquet dataset the collector wrote (--parquet-url: a folder or URL such "
+                   "as s3://bucket/prefix) (default: $ZOOMER_STORE or ./zoomer-data/zoomer.duckdb)")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of tables")
     p.add_argument("--slowest", type=non_negative_int, default=10, help="how many slowest traces to list (default 10)")
     p.set_defaults(func=run)
@@ -41,8 +41,8 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
     store = args.store if args.store is not None else default_store_path()
     try:
         report = build_report(store, slowest=args.slowest)
-    except FileNotFoundError:
-        print(f"zoomer-serve report: store not found: {store} "
+    except FileNotFoundError as exc:
+        print(f"zoomer-serve report: {exc} "
               "(run `zoomer-serve collector --store PATH` first, or pass --store / set ZOOMER_STORE)",
               file=sys.stderr)
         return 2

@@ -1,0 +1,94 @@
+"""Storage URLs through fsspec: one function turns a URL or a local folder into a filesystem and a path.
+
+A URL is anything fsspec resolves: ``s3://bucket/prefix`` (needs ``s3fs``: ``pip install 'zoomer-serve[s3]'``),
+``gs://bucket/prefix`` (``gcsfs``), ``az://`` (``adlfs``), ``file:///abs/path``, ``memory://`` (tests), or a
+plain path (a local folder, made absolute). Credentials, endpoints and other options come from fsspec's own
+configuration, not from zoomer-serve: the provider's usual variables (``AWS_ACCESS_KEY_ID``, ...), or
+``FSSPEC_<PROTOCOL>_<OPTION>`` variables, e.g. ``FSSPEC_S3_ENDPOINT_URL=http://minio:9000`` for an
+S3-compatible store.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+from zoomer_serve.config import ConfigError
+
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+class StorageError(RuntimeError):
+    """A storage URL cannot be used: its fsspec backend is not installed, or it is malformed."""
+
+
+def is_url(location: str | os.PathLike[str]) -> bool:
+    """True for ``scheme://...`` (``file://`` included), False for a plain path."""
+    return bool(_SCHEME.match(os.fspath(location)))
+
+
+def normalize(location: str | os.PathLike[str]) -> str:
+    """A URL as given (trailing ``/`` removed), or a plain path made absolute (``~`` expanded)."""
+    text = os.fspath(location).strip()
+    if not text:
+        raise ConfigError("a storage location is empty")
+    if is_url(text):
+        return text.rstrip("/") if not text.endswith("://") else text
+    return str(Path(text).expanduser().resolve())
+
+
+def filesystem(location: str | os.PathLike[str]) -> tuple[Any, str]:
+    """``(fs, path)`` for ``location`` (see the module docstring): the fsspec filesystem and the path within it.
+
+    Raises:
+        StorageError: the URL's protocol is unknown to fsspec or its package is missing (the message names the
+            package to install).
+    """
+    import fsspec.core
+
+    url = normalize(location)
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+    except ImportError as exc:
+        raise StorageError(f"cannot open {url}: {exc} (for s3:// install 'zoomer-serve[s3]')") from None
+    except ValueError as exc:
+        raise StorageError(f"cannot open {url}: {exc}") from None
+    return fs, path
+
+
+def join(base: str, *parts: str) -> str:
+    """``base`` and ``parts`` joined with ``/`` (URLs and local paths alike)."""
+    out = base.rstrip("/")
+    for part in parts:
+        out += "/" + part.strip("/")
+    return out
+
+
+def partition(key: str, value: str) -> str:
+    """A hive partition folder name ``key=value``, the value percent-encoded as DuckDB writes it (``/`` is
+    ``%2F``, a space ``%20``): any value makes one folder name."""
+    return f"{key}={urllib.parse.quote(str(value), safe='')}"
+
+
+def unpartition(segment: str) -> tuple[str, str] | None:
+    """``(key, value)`` of a ``key=value`` folder name, decoded; None for any other name."""
+    key, sep, value = segment.partition("=")
+    if not sep or not key:
+        return None
+    return key, urllib.parse.unquote(value)
+
+
+def is_local(fs: Any) -> bool:
+    """True when ``fs`` is the local filesystem."""
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol in ("file", "local")
+
+
+def url_of(fs: Any, path: str) -> str:
+    """The URL of ``path`` on ``fs`` (a plain path for the local filesystem)."""
+    if is_local(fs):
+        return path
+    return fs.unstrip_protocol(path)
