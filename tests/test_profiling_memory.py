@@ -6,6 +6,7 @@ after the fifth round. A thread per session grew it by about 40 MB per round (se
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -148,3 +149,16 @@ def test_a_forked_child_gets_its_own_session_thread() -> None:
     ran.clear()
     worker.submit(ran.set)
     assert ran.wait(10) and worker.close(10) and worker.thread is None
+
+
+def test_the_memory_benchmark_runs_every_variant_side_by_side() -> None:
+    """``benchmarks/profiling_memory.py`` in two short rounds: one JSON object with each variant's RSS per round
+    (what RESULTS.md's table is made of)."""
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "profiling_memory.py"
+    done = subprocess.run([sys.executable, str(bench), "--rounds", "2", "--requests", "4", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert (result["rounds"], result["requests_per_round"]) == (2, 4)
+    assert list(result["rss_mb"]) == ["thread_per_session", "thread_per_session_arena_max_1", "one_thread"]
+    assert all(len(v) == 2 and all(100 < mb < 10_000 for mb in v) for v in result["rss_mb"].values())
