@@ -268,12 +268,12 @@ class ProfilerController:
                 session.state = State.WRITING
             session.wait_drained(self.config.drain_timeout_ms / 1000)
             session.end_ns = time.time_ns()
+            _stop_companions(runs)  # before the profiler's own stop (seconds of CPU under load) is sampled too
             try:
                 capture.stop()
             finally:
                 self._closing = None
                 session.close()
-                _stop_companions(runs)
             summary = self._write(session, capture)
             session.drop_uncovered(summary.requests)
             session.outcome = "done"
@@ -300,7 +300,7 @@ class ProfilerController:
 
     @staticmethod
     def _finish_companions(session: Session, runs: list[CompanionRun]) -> None:
-        _stop_companions(runs)  # again, for a session that failed before its profiler stopped (idempotent)
+        _stop_companions(runs)  # again, for a session that failed before they were stopped (idempotent)
         for run in runs:
             try:
                 session.extra_attributes.update(run.finish())
