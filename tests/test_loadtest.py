@@ -88,9 +88,11 @@ def test_request_events_match_server_spans_and_one_profile_starts_after_the_warm
         result = run_locust("ranker", {
             "host": served.target, "thrift_host": thrift_ranker, "users": 6, "run_s": 4.0,
             "options": {"target": served.target, "warmup_s": warmup_s, "profile_requests": 20,
-                        "profiles_dir": str(profiles), "stop_wait_s": 60}}, tmp_path, locust_env(collector))
+                        "profiles_dir": str(profiles), "stop_wait_s": 60}}, tmp_path, locust_env(collector),
+            timeout_s=300)
         status = served.controller.status()
     events = result["events"]
+    assert result["client_spans"]["dropped"] == 0, result["client_spans"]  # the CLIENT spans counted below
     keys = {f"grpc {PREDICT}", f"grpc {PREDICT_STREAM}", f"thrift {PREDICT}"}
     assert set(events) == keys and all(e["count"] > 0 for e in events.values())
     assert events[f"grpc {PREDICT}"]["failures"] > 0 and events[f"thrift {PREDICT}"]["failures"] > 0
