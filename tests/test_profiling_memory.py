@@ -45,6 +45,9 @@ def rss_mb(pid: int) -> float:
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads RSS from /proc (Linux)")
+# about 25 s alone; each round starts child processes (trace and CPU-profile post-processing, py-spy), and 300 s
+# ran out at load 22
+@pytest.mark.timeout(900)
 def test_thirty_profiling_rounds_do_not_grow_the_server_rss(collector: Any, tmp_path: Path) -> None:
     profiles = tmp_path / "profiles"
     env = {k: v for k, v in os.environ.items() if k != "ZOOMER_ADMIN_TOKEN"}
@@ -151,6 +154,7 @@ def test_a_forked_child_gets_its_own_session_thread() -> None:
     assert ran.wait(10) and worker.close(10) and worker.thread is None
 
 
+@pytest.mark.timeout(900)  # three model servers start side by side: about 30 s alone, 100 s at load 13
 def test_the_memory_benchmark_runs_every_variant_side_by_side() -> None:
     """``benchmarks/profiling_memory.py`` in two short rounds: one JSON object with each variant's RSS per round
     (what RESULTS.md's table is made of)."""
