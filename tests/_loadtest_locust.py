@@ -9,8 +9,9 @@ Scenarios:
 - ``ranker``: a local runner with ``RankerGrpcUser`` against ``host`` and ``RankerThriftUser`` against
   ``thrift_host``, plus one user per transport that sends only invalid requests (an empty batch); the
   plugin with the given options. It stops ``run_s`` after spawning, or later, once every kind of call has
-  happened (each method called, each refusing user refused; at most 60 s more): on a loaded machine one
-  greenlet of this CPU-bound process can go seconds without a turn.
+  happened (each method called, each refusing user refused) and the profiling session has ended (at most
+  60 s more): on a loaded machine one greenlet of this CPU-bound process can go seconds without a turn, and
+  the warm-up and the session's requests take longer.
 - ``interrupt``: ``users`` users calling ``/test.Slow/Call`` against ``host`` with ``stop_timeout`` (default None,
   locust's: users are killed mid-call) and a wait of ``wait_s``, stopped ``run_s`` after ``min_started`` calls
   have started (whatever the machine's speed).
@@ -100,7 +101,7 @@ def run_ranker(cfg: dict[str, Any]) -> dict[str, Any]:
     runner.start(cfg["users"], spawn_rate=cfg["users"])
     gevent.sleep(cfg["run_s"])
     deadline = time.monotonic() + 60
-    while not every_kind_of_call(log) and time.monotonic() < deadline:
+    while not (every_kind_of_call(log) and plugin.trigger.record.state in ENDED) and time.monotonic() < deadline:
         gevent.sleep(0.1)
     stopped_at = time.time()
     runner.stop()
@@ -113,6 +114,7 @@ def run_ranker(cfg: dict[str, Any]) -> dict[str, Any]:
 RANKER_CALLS = ("grpc zoomer.demo.v1.Ranker/Predict", "grpc zoomer.demo.v1.Ranker/PredictStream",
                 "thrift zoomer.demo.v1.Ranker/Predict")
 REFUSED_CALLS = ("grpc zoomer.demo.v1.Ranker/Predict", "thrift zoomer.demo.v1.Ranker/Predict")
+ENDED = ("finished", "failed", "refused")  # the trigger's profiling session is over (or never came)
 
 
 def every_kind_of_call(log: EventLog) -> bool:
