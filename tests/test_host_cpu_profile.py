@@ -244,8 +244,10 @@ def test_without_py_spy_the_in_process_sampler_profiles_and_the_reason_is_said_o
     profiler = CpuProfiler(HostConfig(cpu_profile_pyspy=str(tmp_path / "no-such-py-spy"), cpu_profile_rate_hz=100))
     caplog.set_level(logging.WARNING, logger="zoomer_serve.host")
     with cpu_bound_server(telemetry, model, folder, companions=[profiler]) as (target, controller):
-        first = profile_session(controller, target)
-        second = profile_session(controller, target, requests=30)
+        # sessions long enough for the sampler's window, which ends with the covered requests (c6f6059): it no
+        # longer runs on through the kernel profiler's stop while the load goes on
+        first = profile_session(controller, target, requests=200)
+        second = profile_session(controller, target, requests=100)
     rows = collector.spans()
     said = [rec for rec in caplog.records if "py-spy cannot sample" in rec.getMessage()]
     assert len(said) == 1 and "no-such-py-spy" in said[0].getMessage()
