@@ -8,7 +8,10 @@ Scenarios:
 
 - ``ranker``: a local runner with ``RankerGrpcUser`` against ``host`` and ``RankerThriftUser`` against
   ``thrift_host``, plus one user per transport that sends only invalid requests (an empty batch); the
-  plugin with the given options.
+  plugin with the given options. It stops ``run_s`` after spawning, or later, once every kind of call has
+  happened (each method called, each refusing user refused) and the profiling session has ended (at most
+  60 s more): on a loaded machine one greenlet of this CPU-bound process can go seconds without a turn, and
+  the warm-up and the session's requests take longer.
 - ``interrupt``: ``users`` users calling ``/test.Slow/Call`` against ``host`` with ``stop_timeout`` (default None,
   locust's: users are killed mid-call) and a wait of ``wait_s``, stopped ``run_s`` after ``min_started`` calls
   have started (whatever the machine's speed).
@@ -97,12 +100,28 @@ def run_ranker(cfg: dict[str, Any]) -> dict[str, Any]:
     plugin = install(env, LoadTestOptions(**cfg["options"]))
     runner.start(cfg["users"], spawn_rate=cfg["users"])
     gevent.sleep(cfg["run_s"])
+    deadline = time.monotonic() + 60
+    while not (every_kind_of_call(log) and plugin.trigger.record.state in ENDED) and time.monotonic() < deadline:
+        gevent.sleep(0.1)
     stopped_at = time.time()
     runner.stop()
     summary = plugin.finish()
     runner.quit()
     return {"events": log.by_name, "spawned_at": log.spawned_at, "stopped_at": stopped_at,
             "trigger": plugin.trigger.record.to_dict(), "summary": summary.to_dict() if summary else None}
+
+
+RANKER_CALLS = ("grpc zoomer.demo.v1.Ranker/Predict", "grpc zoomer.demo.v1.Ranker/PredictStream",
+                "thrift zoomer.demo.v1.Ranker/Predict")
+REFUSED_CALLS = ("grpc zoomer.demo.v1.Ranker/Predict", "thrift zoomer.demo.v1.Ranker/Predict")
+ENDED = ("finished", "failed", "refused")  # the trigger's profiling session is over (or never came)
+
+
+def every_kind_of_call(log: EventLog) -> bool:
+    """Each Ranker method has been called and each refusing user has been refused."""
+    seen = log.by_name
+    return all(k in seen and seen[k]["count"] > 0 for k in RANKER_CALLS) and \
+        all(k in seen and seen[k]["failures"] > 0 for k in REFUSED_CALLS)
 
 
 class SlowUser(GrpcUser):
@@ -179,7 +198,8 @@ def main() -> None:
     result = {"ranker": run_ranker, "c11": run_c11, "interrupt": run_interrupt}[scenario](cfg)
     from zoomer_serve.runtime import shutdown
 
-    shutdown()  # the users' CLIENT spans reach the collector before the process ends
+    stats = shutdown(timeout_s=60)  # the users' CLIENT spans reach the collector before the process ends
+    result["client_spans"] = {"exported": stats.exported, "dropped": stats.dropped} if stats else None
     out.write_text(json.dumps(result, default=str))
 
 

@@ -315,21 +315,39 @@ def test_the_schema_rejects_what_compose_rejects(compose: dict[str, Any]) -> Non
     assert any("10s" in m for m in messages), messages
 
 
-def compose_cli() -> list[str] | None:
-    if shutil.which("docker-compose"):
-        return ["docker-compose"]
-    if shutil.which("docker"):
-        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30)
-        if probe.returncode == 0:
-            return ["docker", "compose"]
-    return None
+COMPOSE_VERSION = re.compile(r"version v?(\d+)\.(\d+)\.(\d+)")
+
+
+def compose_cli() -> tuple[list[str] | None, str]:
+    """The Compose v2 command (the ``docker compose`` plugin, else a standalone ``docker-compose`` of version 2
+    or later) and its version line, or None and why there is none. Compose v1 (``docker-compose`` 1.x, end of
+    life since 2023) is not used: it has no ``config --format json`` and predates parts of the Compose
+    Specification these files use."""
+    found = []
+    for cli in (["docker", "compose"], ["docker-compose"]):
+        if shutil.which(cli[0]) is None:
+            continue
+        try:
+            probe = subprocess.run([*cli, "version"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            found.append(f"`{' '.join(cli)} version` failed: {exc}")
+            continue
+        output = (probe.stdout + probe.stderr).strip()
+        line = output.splitlines()[0] if output else ""
+        version = COMPOSE_VERSION.search(line) if probe.returncode == 0 else None
+        if version is None:
+            found.append(f"`{' '.join(cli)} version` gave no Compose version (exit {probe.returncode}: {line[:100]!r})")
+        elif int(version.group(1)) < 2:
+            found.append(f"{' '.join(cli)} is Compose v1 ({line[:100]!r}); these checks need Compose v2")
+        else:
+            return cli, line
+    return None, "; ".join(found) or "neither docker (with the compose plugin) nor docker-compose is on PATH"
 
 
 def test_compose_cli_accepts_the_stack_with_every_profile_and_the_gpu_override() -> None:
-    cli = compose_cli()
+    cli, why = compose_cli()
     if cli is None:
-        pytest.skip("no compose CLI here (neither docker-compose nor the docker compose plugin); the JSON "
-                    "schema test validates the files")
+        pytest.skip(f"no Compose v2 CLI here ({why}); the JSON schema test validates the files")
     for files in ([COMPOSE], [COMPOSE, GPU_OVERRIDE]):
         args = [a for f in files for a in ("-f", str(f))]
         done = subprocess.run([*cli, *args, "--profile", "load", "--profile", "tools", "config", "--format",
@@ -339,6 +357,51 @@ def test_compose_cli_accepts_the_stack_with_every_profile_and_the_gpu_override()
         assert {"model-server", "locust", "report", ZOOMER_COLLECTOR_SERVICE} <= set(merged["services"])
         gpu = merged["services"]["model-server"].get("deploy", {}).get("resources", {}).get("reservations", {})
         assert bool(gpu.get("devices")) == (GPU_OVERRIDE in files)
+
+
+def _tools_on_path(folder: Path, monkeypatch: pytest.MonkeyPatch, **scripts: str) -> None:
+    """PATH holds only ``folder`` with the given shell scripts (named by the keyword, ``_`` for ``-``)."""
+    folder.mkdir()
+    for name, body in scripts.items():
+        tool = folder / name.replace("_", "-")
+        tool.write_text(f"#!/bin/sh\n{body}\n", encoding="utf-8")
+        tool.chmod(0o755)
+    monkeypatch.setenv("PATH", str(folder))
+
+
+NO_COMPOSE_PLUGIN = 'if [ "$1" = compose ]; then echo "docker: unknown command: docker compose" >&2; exit 1; fi'
+
+
+def test_compose_v1_on_path_is_not_used_and_the_cli_check_skips_naming_it(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """``docker-compose`` 1.29.2 (Compose v1, which has no ``config --format json``) on PATH and a docker without
+    the compose plugin: the compose check skips and says why; v1 is asked for its version only."""
+    calls = tmp_path / "calls.txt"
+    _tools_on_path(tmp_path / "bin", monkeypatch, docker=NO_COMPOSE_PLUGIN, docker_compose=(
+        f'echo "$*" >> {calls}\n'
+        'if [ "$1" = version ]; then echo "docker-compose version 1.29.2, build 5becea4c"; exit 0; fi\n'
+        'echo "Usage: config [options]" >&2; exit 1'))
+    cli, why = compose_cli()
+    assert cli is None
+    assert "docker-compose is Compose v1 ('docker-compose version 1.29.2, build 5becea4c')" in why, why
+    assert "`docker compose version` gave no Compose version (exit 1" in why, why
+    with pytest.raises(pytest.skip.Exception, match="no Compose v2 CLI here .*1.29.2"):
+        test_compose_cli_accepts_the_stack_with_every_profile_and_the_gpu_override()
+    assert calls.read_text(encoding="utf-8").splitlines() == ["version", "version"]
+
+
+@pytest.mark.parametrize(("scripts", "expected"), [
+    ({"docker": '[ "$1 $2" = "compose version" ] && echo "Docker Compose version v2.29.7"'}, ["docker", "compose"]),
+    ({"docker": NO_COMPOSE_PLUGIN, "docker_compose": 'echo "Docker Compose version v2.20.2"'}, ["docker-compose"]),
+    ({"docker_compose": 'echo "Docker Compose version 2.40.3"'}, ["docker-compose"]),
+    ({}, None),
+], ids=["plugin", "standalone-v2", "standalone-v2-without-v", "none"])
+def test_a_compose_v2_cli_is_found_as_the_plugin_or_standalone(scripts: dict[str, str], expected: list[str] | None,
+                                                               tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _tools_on_path(tmp_path / "bin", monkeypatch, **scripts)
+    cli, why = compose_cli()
+    assert cli == expected
+    assert ("Docker Compose version" in why) if expected else ("neither docker" in why)
 
 
 def test_every_image_is_pinned(services: dict[str, Any]) -> None:

@@ -316,7 +316,8 @@ def test_a_failed_snapshot_is_an_error_and_a_hung_one_times_out_without_leaving_
     fake.snapshot_delay_s = 1.0
     with pytest.raises(SnapshotTimeout):
         history.dump_snapshot(tmp_path / "slow.pickle", timeout_s=0.1)
-    time.sleep(1.5)  # the abandoned worker finishes and cleans up
+    for worker in [t for t in threading.enumerate() if t.name == "zoomer-gpu-snapshot"]:
+        worker.join(30)  # the abandoned worker finishes and cleans up
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -23,6 +22,7 @@ from zoomer_serve.recording import records as rec
 sys.path.insert(0, str(Path(__file__).parent))
 import grpc_echo
 import grpc_echo_aio
+from _span_wait import SpanWatch
 
 
 @pytest.fixture
@@ -87,10 +87,11 @@ def test_c01_client_stream_read_style(aio_echo, collector):
     assert (attrs["zoomer.rpc.response.messages"], attrs["zoomer.rpc.response.bytes"]) == (1, 8)
 
 
-def test_c01_async_health_watch_stream(aio_echo, collector):
+def test_c01_async_health_watch_stream(aio_echo, collector, telemetry):
     """C01: the async health service (grpc_health.v1.health.aio) traced: Watch writes through
     context.write() until the client cancels; Check answers or aborts NOT_FOUND without details."""
     server, client, _ = aio_echo
+    spans_watch = SpanWatch(telemetry.recorder)
     stub = health_pb2_grpc.HealthStub(client.channel)
     assert stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status == \
         health_pb2.HealthCheckResponse.SERVING
@@ -102,7 +103,7 @@ def test_c01_async_health_watch_stream(aio_echo, collector):
     server.run(server.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING))
     assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
     watch.cancel()
-    time.sleep(0.3)
+    assert spans_watch.wait_ended(3)
     spans = {s["name"] + ":" + s["attributes"]["rpc.response.status_code"]: s for s in _server_spans(collector)}
     assert set(spans) == {"grpc.health.v1.Health/Check:OK", "grpc.health.v1.Health/Check:NOT_FOUND",
                           "grpc.health.v1.Health/Watch:CANCELLED"}
@@ -145,12 +146,13 @@ def test_abort_reaches_client_unchanged_and_the_span_is_ended_first(cmd, code, d
         assert records[0][rec.R_STATUS] == rec.STATUS_UNSET
 
 
-def test_200_concurrent_streams_some_cancelled_mid_stream(aio_echo, collector):
+def test_200_concurrent_streams_some_cancelled_mid_stream(aio_echo, collector, telemetry):
     """200 concurrent server-streaming calls (both handler styles) from an aio client; every third is
     cancelled by the client after its first message (counted on the server: a message handed to grpc counts,
     as on the sync server). Afterwards no span is left open (all 200 were exported,
     only an ended span is) and each has its call's final status."""
     server, _, target = aio_echo
+    watch = SpanWatch(telemetry.recorder)
     n_calls, cancel_every = 200, 3
     errors_before = sum(internal_error_counts().values())
 
@@ -171,7 +173,7 @@ def test_200_concurrent_streams_some_cancelled_mid_stream(aio_echo, collector):
 
     results = server.run(run_all(), timeout_s=90)  # the client on the server's loop: one loop for grpc.aio
     assert [len(r) for r in results] == [1 if i % cancel_every == 0 else 5 for i in range(n_calls)]
-    time.sleep(0.5)  # the server notices the last cancellations
+    assert watch.wait_ended(n_calls)  # the server noticed the last cancellations
     spans = _server_spans(collector)
     assert len(spans) == n_calls
     by_call = {int(s["trace_id"], 16) - 0x1000: s for s in spans}

@@ -28,6 +28,7 @@ from zoomer_serve.recording import records as rec
 sys.path.insert(0, str(Path(__file__).parent))
 import grpc_echo
 import grpc_echo_aio
+from _span_wait import SpanWatch
 
 UNARY = "/test.Echo/Unary"
 
@@ -159,7 +160,8 @@ def test_streaming_kinds_count_messages_and_keep_parentage(aio_server, collector
 
 
 @pytest.mark.parametrize("client_kind", ["sync", "aio"])
-def test_client_cancelling_a_stream(aio_server, collector, client_kind):
+def test_client_cancelling_a_stream(aio_server, collector, telemetry, client_kind):
+    watch = SpanWatch(telemetry.recorder)
     if client_kind == "sync":
         with _sync_channel(aio_server.target) as channel:
             call = channel.unary_stream("/test.Echo/ServerStream")(b"slow:40", timeout=10)
@@ -174,9 +176,7 @@ def test_client_cancelling_a_stream(aio_server, collector, client_kind):
                 call.cancel()
                 await asyncio.sleep(0.2)
         aio_server.run_aio(go())
-    import time
-
-    time.sleep(0.3)
+    assert watch.wait_ended(1, "CLIENT") and watch.wait_ended(1, "SERVER")
     client, srv = _pair(collector)
     assert client["attributes"]["rpc.response.status_code"] == "CANCELLED"
     assert client["attributes"]["zoomer.rpc.response.messages"] == 1

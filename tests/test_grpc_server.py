@@ -24,6 +24,7 @@ from zoomer_serve.recording import format_traceparent, internal_error_counts
 sys.path.insert(0, str(Path(__file__).parent))
 import grpc_echo
 import grpc_echo_aio
+from _span_wait import SpanWatch
 
 METHOD = "test.Echo/Unary"
 
@@ -160,11 +161,12 @@ def test_exception_is_recorded_then_reraised_unchanged(echo, collector):
     assert "handler exploded" in span["status_message"]
 
 
-def test_deadline_exceeded(echo, collector):
+def test_deadline_exceeded(echo, collector, telemetry):
+    watch = SpanWatch(telemetry.recorder)
     with pytest.raises(grpc.RpcError) as info:
         echo.unary(b"sleep", timeout=0.2)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    time.sleep(0.3)  # let the handler notice and return
+    assert watch.wait_ended(1)  # the handler noticed and returned
     (span,) = collector.spans("SERVER")
     assert _code(span) == "DEADLINE_EXCEEDED"
     assert span["status_code"] == "ERROR"
@@ -215,6 +217,7 @@ def test_deadline_passed_at_the_client_first_is_deadline_exceeded(telemetry, sta
     way in lets the cancel that the client sends at its own deadline reach the server first, with time left on
     the server's clock. That call still ended by its deadline (the CI run of dff414b saw CANCELLED here)."""
     server, target = start_echo(server_address="127.0.0.1")
+    watch = SpanWatch(telemetry.recorder)
     proxy = _HoldingProxy(target, hold_s=0.04)
     client = grpc_echo.Client(proxy.target)
     try:
@@ -224,7 +227,7 @@ def test_deadline_passed_at_the_client_first_is_deadline_exceeded(telemetry, sta
         with pytest.raises(grpc.RpcError) as info:
             client.unary(b"sleep", timeout=0.3)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        time.sleep(0.3)  # let the handler notice and return
+        assert watch.wait_ended(2)  # the handler noticed and returned
     finally:
         client.close()
         proxy.close()
@@ -233,11 +236,12 @@ def test_deadline_passed_at_the_client_first_is_deadline_exceeded(telemetry, sta
     assert spans[1]["status_code"] == "ERROR"
 
 
-def test_client_cancellation(echo, collector):
+def test_client_cancellation(echo, collector, telemetry):
+    watch = SpanWatch(telemetry.recorder)
     future = echo.unary.future(b"sleep")
-    time.sleep(0.2)
+    assert watch.wait_started(1)  # the call reached the server
     future.cancel()
-    time.sleep(0.3)
+    assert watch.wait_ended(1)
     (span,) = collector.spans("SERVER")
     assert _code(span) == "CANCELLED"
     assert span["status_code"] == "UNSET"
@@ -259,15 +263,18 @@ def test_unknown_method_passes_through_as_unimplemented(echo, collector):
     assert [s["name"] for s in spans] == [METHOD]  # no span for the unknown methods, none with a wrong code
 
 
-def test_server_stream_span_ends_after_last_message(echo, collector):
-    received_at = []
-    for _ in echo.server_stream(b"slow:4"):
-        received_at.append(time.time_ns())
+def test_server_stream_span_ends_after_last_message(echo, collector, telemetry):
+    """Not when the handler first returned (it returns a generator at once): the span counted all four messages
+    as they were handed to gRPC, so it ended after the last, and it lasted the handler's four 50 ms sleeps. (A
+    comparison with the client's clock when the last message arrived failed under CPU load: this test's client
+    thread took that message up to 160 ms after the server's span had ended.)"""
+    watch = SpanWatch(telemetry.recorder)
+    assert list(echo.server_stream(b"slow:4")) == [b"m0", b"m1", b"m2", b"m3"]
+    assert watch.wait_ended(1)
     (span,) = collector.spans("SERVER")
     assert span["name"] == "test.Echo/ServerStream"
     assert span["attributes"]["zoomer.rpc.response.messages"] == 4
     assert _code(span) == "OK"
-    assert span["end_ns"] >= received_at[-1] - 50_000_000  # not when the handler first returned
     assert span["duration_ns"] >= 4 * 50_000_000 * 0.9
 
 
@@ -280,11 +287,12 @@ def test_server_stream_error_after_messages(echo, collector):
     assert span["attributes"]["error.type"] == "RuntimeError"
 
 
-def test_server_stream_cancelled_mid_stream(echo, collector):
+def test_server_stream_cancelled_mid_stream(echo, collector, telemetry):
+    watch = SpanWatch(telemetry.recorder)
     call = echo.server_stream(b"slow:40")
     next(call)
     call.cancel()
-    time.sleep(0.3)
+    assert watch.wait_ended(1)
     (span,) = collector.spans("SERVER")
     assert _code(span) == "CANCELLED"
     assert span["attributes"]["zoomer.rpc.response.messages"] < 40

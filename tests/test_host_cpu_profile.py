@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from _profiling_support import TOKEN
 
 from interceptors import ZoomerServerInterceptor
 from zoomer_serve.analysis import analyze_store
@@ -36,9 +38,13 @@ from zoomer_serve.host import (
 from zoomer_serve.host import names as n
 from zoomer_serve.host.config import DEFAULT_RATE_HZ
 from zoomer_serve.host.speedscope import IDLE_SUFFIX
+from zoomer_serve.processes import wait_for_event
 from zoomer_serve.profiling import ProfilerConfig, ProfilerController, SessionOptions
+from zoomer_serve.profiling.capture import profiler_active
+from zoomer_serve.profiling.client import ProfilerClient
 
 SLOW_ITERATIONS = 40_000
+SERVER_SLOW_ITERATIONS = 200_000  # the py-spy test's server: about 30 ms of the slow function per request
 SLOW_FUNCTION = "hash_ids_slowly"
 LOAD = {"clients": 2, "batch_size": 4, "stream_share": 0.0, "invalid_share": 0.0}
 
@@ -67,13 +73,14 @@ def cpu_bound_server(telemetry: Any, model: DLRM, profiles_dir: Path,
 
 
 @contextmanager
-def background_load(target: str) -> Iterator[None]:
+def background_load(target: str, **load: Any) -> Iterator[None]:
+    """:data:`LOAD` (``load`` overrides it) in rounds of 0.5 s on a thread until the block ends."""
     stop = threading.Event()
 
     def run() -> None:
         rounds = 0
         while not stop.is_set() and rounds < 200:
-            assert drive_load(target, 0.5, seed=rounds, **LOAD).unexpected == 0
+            assert drive_load(target, 0.5, seed=rounds, **{**LOAD, **load}).unexpected == 0
             rounds += 1
 
     thread = threading.Thread(target=run, daemon=True)
@@ -132,13 +139,15 @@ def slow_function_row(attrs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _pyspy_blocker() -> str | None:
-    """Why py-spy cannot read a Python process on this machine, or None when it can (py-spy dump on a child)."""
+    """Why py-spy cannot read a Python process on this machine, or None when it can (py-spy dump on a child
+    that has said it runs)."""
     binary = find_pyspy()
     if binary is None:
         return "no py-spy binary"
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(20)"])
+    child = subprocess.Popen([sys.executable, "-c", "import time; print('running', flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.3)
+        assert child.stdout is not None and child.stdout.readline().strip() == "running"
         done = subprocess.run([binary, "dump", "--pid", str(child.pid)], capture_output=True, text=True, timeout=30)
     finally:
         child.kill()
@@ -146,18 +155,57 @@ def _pyspy_blocker() -> str | None:
     return None if done.returncode == 0 else f"py-spy dump failed here: {done.stderr.strip()[:200]}"
 
 
-def test_py_spy_profiles_the_session_and_analyze_names_the_cpu_bound_function(
-        model: DLRM, telemetry: Any, collector: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The telemetry's own CPU profiler (the controller's default companion), at 100 Hz instead of the default
-    19 Hz so that the short session gets enough samples to rank the slow function first."""
+@contextmanager
+def cpu_bound_demo_server(collector: Any, profiles_dir: Path, **env: str
+                          ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``zoomer-serve serve-demo --slow-preprocess`` in a process of its own, exporting to ``collector``, the
+    admin token :data:`TOKEN`; yields its target and the process (stopped with SIGTERM at the end). A CPU profile
+    of it is a server's, not one of this test process with its load clients and its collector."""
+    server_env = {k: v for k, v in os.environ.items() if not k.startswith(("ZOOMER_", "OTEL_"))}
+    server_env.update(ZOOMER_ADMIN_TOKEN=TOKEN, OTEL_EXPORTER_OTLP_ENDPOINT=collector.grpc_endpoint,
+                      OTEL_SERVICE_NAME="cpu-bound-ranker", **env)
+    proc = subprocess.Popen([sys.executable, "-m", "zoomer_serve", "serve-demo", "--port", "0", "--profiles-dir",
+                             str(profiles_dir), "--slow-preprocess", str(SERVER_SLOW_ITERATIONS)], stdout=subprocess.PIPE,
+                            env=server_env)
+    try:
+        ready = wait_for_event(proc, "ready", 120)
+        assert ready is not None, "serve-demo did not start"
+        yield f"127.0.0.1:{ready['port']}", proc
+        proc.send_signal(signal.SIGTERM)
+        assert wait_for_event(proc, "stopped", 90) is not None
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_py_spy_profiles_the_session_and_analyze_names_the_cpu_bound_function(collector: Any, tmp_path: Path) -> None:
+    """The server's own CPU profiler (the controller's default companion in ``serve-demo``), at 100 Hz
+    (``ZOOMER_CPU_PROFILE_RATE_HZ``) instead of the default 19 Hz so that the short session gets enough samples
+    to rank the slow function first.
+
+    Under CPU load py-spy counts a thread as running whenever it is runnable: a thread woken for a moment that
+    waits for a CPU, and a thread waiting for the interpreter lock (it wakes every 5 ms to ask for it). So the
+    slow function must take the server's CPU by a wide margin: the server runs in a process of its own (sampled
+    in this test process, the load clients' and the collector's threads outranked it), one request at a time (a
+    second request's thread waiting for the lock in its CPU-time read outranked it), and its slow step is about
+    30 ms per request (at 6 ms, the gRPC poller's and a pool worker's wake-ups for each request outranked it in
+    1 of 3 runs at load 19). Before these changes the test passed 3 of 10 runs with two busy loops beside it,
+    after them 10 of 10."""
     blocker = _pyspy_blocker()
     if blocker is not None:
         pytest.skip(f"py-spy cannot attach on this machine ({blocker}); the fallback tests below cover it")
-    assert telemetry.host.cpu_profiler.config.cpu_profile_rate_hz == DEFAULT_RATE_HZ == 19
-    monkeypatch.setattr(telemetry.host.cpu_profiler, "config", HostConfig(cpu_profile_rate_hz=100))
+    assert HostConfig().cpu_profile_rate_hz == DEFAULT_RATE_HZ == 19
     folder = tmp_path / "profiles"
-    with cpu_bound_server(telemetry, model, folder) as (target, controller):
-        info = profile_session(controller, target)
+    with cpu_bound_demo_server(collector, folder, ZOOMER_CPU_PROFILE_RATE_HZ="100") as (target, _), \
+            ProfilerClient(target, token=TOKEN) as client:
+        with background_load(target, clients=1):  # one request at a time: see the docstring
+            started = client.start(max_requests=60, cuda=False)
+            assert started.session is not None
+            info = client.wait_finished(started.session.number, 120)
+    assert info is not None and info.outcome == "done", info
+    assert info.trace_path and Path(info.trace_path).is_file()  # the kernel trace is there either way
     rows = collector.spans()
     attrs = profile_span(rows, info.session_id)
     assert attrs[n.CPU_SAMPLER] == "py-spy" and n.CPU_UNAVAILABLE not in attrs
@@ -165,7 +213,8 @@ def test_py_spy_profiles_the_session_and_analyze_names_the_cpu_bound_function(
     assert n.CPU_IDLE_SAMPLES not in attrs  # py-spy does not record idle threads
     assert check_profile_files(attrs, info.session_id, folder)
     hot = slow_function_row(attrs)
-    assert attrs[n.CPU_TOP_FUNCTION][0] == SLOW_FUNCTION, attrs[n.CPU_TOP_FUNCTION]
+    assert attrs[n.CPU_TOP_FUNCTION][0] == SLOW_FUNCTION, (attrs[n.CPU_SAMPLES], list(zip(
+        attrs[n.CPU_TOP_FUNCTION], attrs[n.CPU_TOP_SELF_SHARE])))
     assert sorted(p.name for p in folder.iterdir() if p.is_file()) == sorted(
         f"{info.session_id}{suffix}" for suffix in (".cpu.collapsed.txt", ".cpu.speedscope.json", ".pt.trace.json.gz",
                                                     ".summary.json"))
@@ -196,8 +245,10 @@ def test_without_py_spy_the_in_process_sampler_profiles_and_the_reason_is_said_o
     profiler = CpuProfiler(HostConfig(cpu_profile_pyspy=str(tmp_path / "no-such-py-spy"), cpu_profile_rate_hz=100))
     caplog.set_level(logging.WARNING, logger="zoomer_serve.host")
     with cpu_bound_server(telemetry, model, folder, companions=[profiler]) as (target, controller):
-        first = profile_session(controller, target)
-        second = profile_session(controller, target, requests=30)
+        # sessions long enough for the sampler's window, which ends with the covered requests (c6f6059): it no
+        # longer runs on through the kernel profiler's stop while the load goes on
+        first = profile_session(controller, target, requests=200)
+        second = profile_session(controller, target, requests=100)
     rows = collector.spans()
     said = [rec for rec in caplog.records if "py-spy cannot sample" in rec.getMessage()]
     assert len(said) == 1 and "no-such-py-spy" in said[0].getMessage()
@@ -234,6 +285,34 @@ def test_py_spy_that_cannot_attach_leaves_the_session_with_its_kernel_trace_and_
     assert n.CPU_PATH not in attrs and n.CPU_TOP_FUNCTION not in attrs
     assert sorted(p.name for p in folder.iterdir() if p.is_file()) == [Path(info.trace_path).name,
                                                                          f"{info.session_id}.summary.json"]
+
+
+class _StopWatcher:
+    """A session companion that notes, each time it is stopped, whether the kernel profiler still runs."""
+
+    def __init__(self) -> None:
+        self.profiler_running_at_stop: list[bool] = []
+
+    def begin(self, session_id: str, folder: Path, max_duration_ms: int) -> _StopWatcher:
+        return self
+
+    def stop(self) -> None:
+        self.profiler_running_at_stop.append(profiler_active())
+
+    def finish(self) -> dict[str, Any]:
+        return {"test.companion.stops": len(self.profiler_running_at_stop)}
+
+
+def test_the_cpu_sampler_stops_before_the_kernel_profiler_so_the_profilers_own_stop_is_not_sampled(
+        model: DLRM, telemetry: Any, tmp_path: Path) -> None:
+    """Companions stop once the covered requests ended and before the kernel profiler stops: its stop takes
+    the interpreter lock for a while, and sampled it ranked first (``profile.__exit__``) in CPU profiles of
+    sessions under CPU load. (``stop`` runs again after the trace is written; it is idempotent.)"""
+    watcher = _StopWatcher()
+    with cpu_bound_server(telemetry, model, tmp_path / "profiles", companions=[watcher]) as (target, controller):
+        profile_session(controller, target, requests=8)
+    assert watcher.profiler_running_at_stop[0] is True
+    assert watcher.profiler_running_at_stop[1:] == [False]
 
 
 def test_summary_counts_own_and_total_samples_and_leaves_idle_profiles_out(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ import tracemalloc
 
 import pytest
 import thriftpy2
+from _span_wait import SpanWatch
 from opentelemetry import context as otel_context
 from opentelemetry import trace as otel_trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
@@ -172,15 +173,14 @@ def _calls(spans, name):
 
 
 def test_n_calls_give_n_spans_with_the_grpc_shape(serve, telemetry, collector):
+    watch = SpanWatch(telemetry.recorder)
     server = serve()
     client = _client(server.port)
     for i in range(20):
         assert client.plain(i) == i + 1
     client.close()
     server.stop()
-    # Give the exporter a moment to take the records in: ExportWorker.shutdown starts the final metric
-    # export while queued records may still be on their way to the metrics (a race outside this adapter).
-    time.sleep(1.0)
+    assert watch.wait_ended(20)  # a span ends just after its reply is sent: the last may still be ending
     spans = collector.spans()
     calls = _calls(spans, "Echo/plain")
     assert len(calls) == 20 and len([s for s in spans if s["kind"] == "SERVER"]) == 20

@@ -81,7 +81,7 @@ class SamplerUnavailable(RuntimeError):
 
 # -- runs -------------------------------------------------------------------------------------------------
 class CpuProfileRun:
-    """One session's CPU profile (returned by :meth:`CpuProfiler.begin`): :meth:`stop` right after the kernel
+    """One session's CPU profile (returned by :meth:`CpuProfiler.begin`): :meth:`stop` right before the kernel
     profiler stops, then :meth:`finish` for the ``zoomer.profile`` span attributes. Neither raises."""
 
     def __init__(self, profiler: CpuProfiler, session_id: str, folder: Path, sampler: Any,

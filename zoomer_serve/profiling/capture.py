@@ -99,6 +99,11 @@ class Capture:
         except Exception as exc:
             raise CaptureError(f"torch.profiler did not stop cleanly: {exc!r}") from exc
 
+    def release(self) -> None:
+        """Drop the profiler object and its Kineto results (every recorded event) once the trace is written,
+        rather than when the session's last reference goes."""
+        self._prof = None
+
     def export_json(self, path: Path) -> None:
         """Write the Chrome trace (plain JSON) to ``path``. Raises CaptureError."""
         try:

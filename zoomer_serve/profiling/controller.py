@@ -9,7 +9,8 @@ Usage::
     reply = controller.stop(wait_s=30)         # reply.session.trace_path
 
 States (:class:`~zoomer_serve.profiling.session.State`): ``idle`` → ``armed`` (a start was accepted; the
-session thread starts the profiler) → ``running`` (each new server request span runs inside a
+session thread starts the profiler; one long-lived thread runs every session of a controller, see
+:mod:`zoomer_serve.profiling.worker`) → ``running`` (each new server request span runs inside a
 ``record_function`` range named :func:`~zoomer_serve.profiling.labels.request_label` and advances
 ``KinetoStepTracker`` when it ends) → ``writing`` (the bound was reached or stop was called: no new
 request is covered; the covered requests still running get ``drain_timeout_ms`` to end; the profiler stops;
@@ -64,6 +65,7 @@ from zoomer_serve.profiling.session import (
     State,
 )
 from zoomer_serve.profiling.summary import TraceSummary, summary_from_json
+from zoomer_serve.profiling.worker import SessionWorker
 from zoomer_serve.recording import RequestRecorder, RequestSpan, internal_error
 
 logger = logging.getLogger("zoomer_serve.profiling")
@@ -106,6 +108,7 @@ class ProfilerController:
         self._monitor: Any = None
         self._attached = False
         self.on_session_end: list[Callable[[SessionInfo], None]] = []
+        self._worker = SessionWorker("zoomer-profile")  # every session runs on this one thread
         host = getattr(telemetry, "host", None)
         self.companions: list[SessionCompanion] = list(host.session_companions()) if host is not None else []
         from zoomer_serve.artifacts import session_artifacts
@@ -143,8 +146,9 @@ class ProfilerController:
         return self
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Stop the triggers, stop an active session and wait up to ``timeout_s`` for its trace, stop
-        observing requests."""
+        """Stop the triggers, stop an active session and wait up to ``timeout_s`` for its trace, end the
+        session thread, stop observing requests."""
+        deadline = time.monotonic() + timeout_s
         self._feed = None
         if self._monitor is not None:
             self._monitor.stop()
@@ -155,6 +159,7 @@ class ProfilerController:
                 session.request_stop("shutdown")
         if session is not None:
             session.done.wait(timeout_s)
+        self._worker.close(max(0.0, deadline - time.monotonic()))
         if self._attached:
             self.recorder.remove_observer(self)
             self._attached = False
@@ -175,7 +180,8 @@ class ProfilerController:
         """Start a session with ``options`` (default: ``SessionOptions()``).
 
         With ``wait`` (the default) it returns once the profiler runs; without, at once (state ``armed``;
-        a failure then shows as the session's outcome). A session already active: result
+        a failure then shows as the session's outcome). Called from an ``on_session_end`` callback (on the
+        session thread) it does not wait. A session already active: result
         ``already_running`` and nothing changes.
 
         Raises:
@@ -202,9 +208,8 @@ class ProfilerController:
                                   max_requests, duration_ms, activities.cuda, self.config.excluded_methods,
                                   trigger_attributes)
                 self._session = session
-            threading.Thread(target=self._run, args=(session, activities), name=f"zoomer-profile-{session.number}",
-                             daemon=True).start()
-            if not wait:
+            self._worker.submit(lambda: self._run(session, activities))
+            if not wait or self._worker.on_thread():  # an on_session_end callback: the session runs after it
                 with self._lock:
                     return self._reply(Result.STARTED, f"session {session.session_id} armed", session)
             if not session.running.wait(self.config.start_timeout_ms / 1000):
@@ -283,12 +288,12 @@ class ProfilerController:
                 session.state = State.WRITING
             session.wait_drained(self.config.drain_timeout_ms / 1000)
             session.end_ns = time.time_ns()
+            _stop_companions(runs)  # before the profiler's own stop (seconds of CPU under load) is sampled too
             try:
                 capture.stop()
             finally:
                 self._closing = None
                 session.close()
-                _stop_companions(runs)
             summary = self._write(session, capture)
             session.drop_uncovered(summary.requests)
             session.outcome = "done"
@@ -315,7 +320,7 @@ class ProfilerController:
 
     @staticmethod
     def _finish_companions(session: Session, runs: list[CompanionRun]) -> None:
-        _stop_companions(runs)  # again, for a session that failed before its profiler stopped (idempotent)
+        _stop_companions(runs)  # again, for a session that failed before they were stopped (idempotent)
         for run in runs:
             try:
                 session.extra_attributes.update(run.finish())
@@ -355,7 +360,10 @@ class ProfilerController:
         packed = folder / f".{session.session_id}{TRACE_SUFFIX}.partial"
         digest = folder / f".{session.session_id}.summary.json.partial"
         try:
-            capture.export_json(raw)
+            try:
+                capture.export_json(raw)
+            finally:
+                capture.release()  # the events are in the file; post-processing reads them there
             summary = self._postprocess(raw, packed, digest)
             os.replace(packed, final)
             os.replace(digest, folder / f"{session.session_id}.summary.json")  # kept: an artifact of its own

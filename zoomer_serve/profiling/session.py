@@ -56,9 +56,10 @@ class Result(str, Enum):
 
 
 class CompanionRun(Protocol):
-    """One session's recording by a companion. ``stop`` runs on the session thread right after the kernel
-    profiler stopped; ``finish`` after the trace was written and returns attributes for the ``zoomer.profile``
-    span. Neither may raise (failures become attributes)."""
+    """One session's recording by a companion. ``stop`` runs on the session thread once the covered requests
+    have ended (or the drain gave up), right before the kernel profiler stops, so that the profiler's own stop is
+    not recorded; ``finish`` after the trace was written and returns attributes for the ``zoomer.profile`` span.
+    Neither may raise (failures become attributes)."""
 
     def stop(self) -> None: ...
 
