@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -120,8 +121,11 @@ def run(rounds: int, requests: int) -> dict[str, Any]:
             for number in range(1, rounds + 1):
                 for server in servers[number % len(servers):] + servers[:number % len(servers)]:  # rotate order
                     server.round(number, requests)
-                    for leftover in (folder / server.variant).iterdir():
-                        leftover.unlink()
+                    for leftover in (folder / server.variant).iterdir():  # traces, and artifacts/ beside them
+                        if leftover.is_dir():
+                            shutil.rmtree(leftover)
+                        else:
+                            leftover.unlink()
                 print(f"round {number}: " + ", ".join(f"{s.variant} {s.rss[-1]:.0f} MB" for s in servers),
                       file=sys.stderr, flush=True)
         finally:
