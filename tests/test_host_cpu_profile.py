@@ -56,15 +56,15 @@ def model() -> DLRM:
 
 
 @contextmanager
-def cpu_bound_server(telemetry: Any, model: DLRM, profiles_dir: Path,
-                     companions: list[Any] | None = None) -> Iterator[tuple[str, ProfilerController]]:
-    """The demo Ranker (slow preprocessing on) with a controller on ``telemetry``; ``companions`` replaces the
-    controller's default ones (the telemetry's CPU profiler)."""
+def cpu_bound_server(telemetry: Any, model: DLRM, profiles_dir: Path, companions: list[Any] | None = None,
+                     slow_iterations: int = SLOW_ITERATIONS) -> Iterator[tuple[str, ProfilerController]]:
+    """The demo Ranker (``slow_iterations`` of slow preprocessing per request) with a controller on ``telemetry``;
+    ``companions`` replaces the controller's default ones (the telemetry's CPU profiler)."""
     controller = ProfilerController(ProfilerConfig(profiles_dir=profiles_dir), telemetry).attach()
     if companions is not None:
         controller.companions = companions
     server, port = build_server(model, interceptors=[ZoomerServerInterceptor(telemetry.recorder)], max_workers=4,
-                                config=ServiceConfig(slow_preprocess_iterations=SLOW_ITERATIONS))
+                                config=ServiceConfig(slow_preprocess_iterations=slow_iterations))
     try:
         yield f"127.0.0.1:{port}", controller
     finally:
@@ -244,11 +244,14 @@ def test_without_py_spy_the_in_process_sampler_profiles_and_the_reason_is_said_o
     folder = tmp_path / "profiles"
     profiler = CpuProfiler(HostConfig(cpu_profile_pyspy=str(tmp_path / "no-such-py-spy"), cpu_profile_rate_hz=100))
     caplog.set_level(logging.WARNING, logger="zoomer_serve.host")
-    with cpu_bound_server(telemetry, model, folder, companions=[profiler]) as (target, controller):
-        # sessions long enough for the sampler's window, which ends with the covered requests (c6f6059): it no
-        # longer runs on through the kernel profiler's stop while the load goes on
-        first = profile_session(controller, target, requests=200)
-        second = profile_session(controller, target, requests=100)
+    # The py-spy test's heavier preprocessing (about 30 ms a request): at 40 000 iterations (about 2 ms) the slow
+    # function held some 1 % of a session's busy samples, two samples of ~200, and a run in three on a loaded
+    # 2-core machine had it in neither session. Sessions long enough for the sampler's window, which ends with
+    # the covered requests (c6f6059).
+    with cpu_bound_server(telemetry, model, folder, companions=[profiler],
+                          slow_iterations=SERVER_SLOW_ITERATIONS) as (target, controller):
+        first = profile_session(controller, target, requests=100)
+        second = profile_session(controller, target, requests=60)
     rows = collector.spans()
     said = [rec for rec in caplog.records if "py-spy cannot sample" in rec.getMessage()]
     assert len(said) == 1 and "no-such-py-spy" in said[0].getMessage()
