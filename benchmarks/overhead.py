@@ -107,6 +107,12 @@ class Plan:
     configs: tuple[str, ...]
     collector_nice: int = 0
     extras: tuple[str, ...] = ()  # sections of extra rows to measure (--extras, --extra-sections)
+    paired_s: float | None = None  # seconds of each paired phase (--paired-s); None: half a phase of slices
+
+    def paired_seconds(self, rows: int) -> float:
+        """How long one paired phase of ``rows`` servers measures: ``--paired-s``, else as long as half the
+        slices of one phase take (``slice_s × cycles × rows / 2``)."""
+        return self.paired_s if self.paired_s is not None else self.slice_s * self.cycles * rows / 2
 
     def kind_configs(self, kind: str) -> tuple[str, ...]:
         """The configurations that apply to ``kind`` (a Thrift server has no contrib row), in plan order."""
@@ -465,7 +471,7 @@ def _paired_phase(res: Results, kind: str, rnd: int, order: list[str] | tuple[st
     benchmarks/RESULTS.md.)"""
     plan = res.plan
     n = per_server * len(order)
-    seconds = plan.slice_s * plan.cycles * len(order) / 2
+    seconds = plan.paired_seconds(len(order))
     _log_step(f"round {rnd + 1}/{plan.rounds}  {kind:<6} paired phase, {n} client thread(s) ({per_server} per "
               f"server), {plan.warmup_s:g} s warm-up, {seconds:.1f} s: {', '.join(order)} ...")
     targets = _client_targets(kind, order, servers)
@@ -745,6 +751,7 @@ def _meta(res: Results) -> dict[str, Any]:
         "warmup_s": plan.warmup_s,
         "slice_s": plan.slice_s,
         "cycles": plan.cycles,
+        "paired_s": plan.paired_s,
         "threads": list(plan.threads),
         "collector_nice": plan.collector_nice,
         "extras": list(plan.extras),
@@ -909,6 +916,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
     p.add_argument("--warmup", type=float, help="seconds of unmeasured load per server before each phase")
     p.add_argument("--slice", type=float, help="seconds of one measured slice")
     p.add_argument("--cycles", type=int, help="measured slices per configuration per phase")
+    p.add_argument("--paired-s", type=float, help="seconds of each paired phase (default: half as long as the "
+                                                  "slices of one phase: slice × cycles × rows / 2)")
     p.add_argument("--threads", default="1,8", help="client thread counts (default 1,8)")
     p.add_argument("--extras", action=argparse.BooleanOptionalAction, default=None,
                    help="also measure the extra rows (GPU telemetry, profiler, host telemetry; "
@@ -947,7 +956,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
         p.error(f"--threads must be between 1 and 64, got {args.threads!r}")
     plan = Plan(name, args.rounds or rounds, args.warmup if args.warmup is not None else warmup,
                 args.slice or slice_s, args.cycles or cycles, threads, kinds, configs, args.collector_nice,
-                sections if (name == "full" if args.extras is None else args.extras) else ())
+                sections if (name == "full" if args.extras is None else args.extras) else (), args.paired_s)
     empty = [k for k in kinds if not plan.kind_configs(k)]
     if empty:
         p.error(f"no configuration in --configs applies to server kind(s) {', '.join(empty)}")
@@ -958,9 +967,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
                     f"the Thrift servers' idle timeout ({THRIFT_CLIENT_TIMEOUT_MS / 1000:g} s); use fewer "
                     "--configs or shorter --slice / --warmup")
     if not (1 <= plan.rounds <= 20 and 0 <= plan.warmup_s <= 60 and 0 < plan.slice_s <= 30
-            and 1 <= plan.cycles <= 100 and 0 <= plan.collector_nice <= 19):
+            and 1 <= plan.cycles <= 100 and 0 <= plan.collector_nice <= 19
+            and (plan.paired_s is None or 0 < plan.paired_s <= 300)):
         p.error("need 1 <= --rounds <= 20, 0 <= --warmup <= 60, 0 < --slice <= 30, 1 <= --cycles <= 100, "
-                "0 <= --collector-nice <= 19")
+                "0 <= --collector-nice <= 19, 0 < --paired-s <= 300")
     return plan
 
 
