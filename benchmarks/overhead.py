@@ -107,12 +107,13 @@ class Plan:
     configs: tuple[str, ...]
     collector_nice: int = 0
     extras: tuple[str, ...] = ()  # sections of extra rows to measure (--extras, --extra-sections)
-    paired_s: float | None = None  # seconds of each paired phase (--paired-s); None: half a phase of slices
+    paired_s: float | None = None  # seconds of each paired phase (--paired-s); None: paired_per_server_s per server
+    paired_per_server_s: float = 3.0
 
     def paired_seconds(self, rows: int) -> float:
-        """How long one paired phase of ``rows`` servers measures: ``--paired-s``, else as long as half the
-        slices of one phase take (``slice_s × cycles × rows / 2``)."""
-        return self.paired_s if self.paired_s is not None else self.slice_s * self.cycles * rows / 2
+        """How long one paired phase of ``rows`` servers measures: ``--paired-s``, else
+        ``paired_per_server_s`` per server."""
+        return self.paired_s if self.paired_s is not None else self.paired_per_server_s * rows
 
     def kind_configs(self, kind: str) -> tuple[str, ...]:
         """The configurations that apply to ``kind`` (a Thrift server has no contrib row), in plan order."""
@@ -151,11 +152,14 @@ def row_kind_config(kind: str, row: str) -> tuple[str, str]:
     return kind, row
 
 
-MODES = {  # mode -> (rounds, warmup_s, slice_s, cycles)
-    "full": (4, 1.0, 1.0, 6),
-    "quick": (2, 0.25, 0.4, 3),
-    "smoke": (1, 0.2, 0.2, 1),
+MODES = {  # mode -> (rounds, warmup_s, slice_s, cycles, paired seconds per server)
+    "full": (4, 1.0, 0.5, 12, 3.0),
+    "quick": (2, 0.2, 0.2, 6, 0.4),
+    "smoke": (1, 0.2, 0.2, 1, 0.1),
 }
+"""Many short slices rather than a few long ones: a burst of the neighbours' load then falls on every row's
+slices alike instead of on one row's (the p99 at 8 client threads moved by up to 2x between quick runs with 3
+slices of 0.4 s). A paired phase lasts its servers' count times the last figure (``--paired-s`` overrides)."""
 
 
 # -- child processes ---------------------------------------------------------------------------------------
@@ -752,6 +756,7 @@ def _meta(res: Results) -> dict[str, Any]:
         "slice_s": plan.slice_s,
         "cycles": plan.cycles,
         "paired_s": plan.paired_s,
+        "paired_per_server_s": plan.paired_per_server_s,
         "threads": list(plan.threads),
         "collector_nice": plan.collector_nice,
         "extras": list(plan.extras),
@@ -839,9 +844,10 @@ def markdown(summary: dict[str, Any]) -> str:
         lines += [f"| {r['what']} | {r['value']} | {r['unit']} |" for r in rows]
         lines.append("")
     m = meta["machine"]
-    lines.append(f"{meta['date']}, mode {meta['mode']} ({meta['rounds']} rounds; per round and thread count "
-                 f"{meta['warmup_s']} s warm-up, then {meta['cycles']} cycles of {meta['slice_s']} s slices per "
-                 f"configuration), {m['cpus']} CPUs ({m['cpu_model']}), load "
+    paired = f"{meta['paired_s']} s" if meta.get("paired_s") else f"{meta.get('paired_per_server_s')} s per server"
+    lines.append(f"{meta['date']}, mode {meta['mode']} ({meta['rounds']} rounds; per round and thread count a "
+                 f"paired phase of {paired} and {meta['warmup_s']} s warm-up, then {meta['cycles']} cycles of "
+                 f"{meta['slice_s']} s slices per configuration), {m['cpus']} CPUs ({m['cpu_model']}), load "
                  f"{m['loadavg_before'][0]} before / {m['loadavg_after'][0]} after, {meta['elapsed_s']} s, "
                  f"`{meta['command']}`")
     return "\n".join(lines)
@@ -916,8 +922,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
     p.add_argument("--warmup", type=float, help="seconds of unmeasured load per server before each phase")
     p.add_argument("--slice", type=float, help="seconds of one measured slice")
     p.add_argument("--cycles", type=int, help="measured slices per configuration per phase")
-    p.add_argument("--paired-s", type=float, help="seconds of each paired phase (default: half as long as the "
-                                                  "slices of one phase: slice × cycles × rows / 2)")
+    p.add_argument("--paired-s", type=float, help="seconds of each paired phase (default per mode: 3 s per server "
+                                                  "in it, --quick 0.4 s)")
     p.add_argument("--threads", default="1,8", help="client thread counts (default 1,8)")
     p.add_argument("--extras", action=argparse.BooleanOptionalAction, default=None,
                    help="also measure the extra rows (GPU telemetry, profiler, host telemetry; "
@@ -936,7 +942,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
                    + "; overheads need 'bare', ratios 'contrib')")
     args = p.parse_args(argv)
     name = "quick" if args.quick else "smoke" if args.smoke else "full"
-    rounds, warmup, slice_s, cycles = MODES[name]
+    rounds, warmup, slice_s, cycles, paired_per_server_s = MODES[name]
     known_kinds, known_configs = {k.name for k in SERVER_KINDS}, {c.name for c in CONFIGURATIONS}
     kinds, configs = _csv(args.kinds), _csv(args.configs)
     sections = _csv(args.extra_sections)
@@ -956,7 +962,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
         p.error(f"--threads must be between 1 and 64, got {args.threads!r}")
     plan = Plan(name, args.rounds or rounds, args.warmup if args.warmup is not None else warmup,
                 args.slice or slice_s, args.cycles or cycles, threads, kinds, configs, args.collector_nice,
-                sections if (name == "full" if args.extras is None else args.extras) else (), args.paired_s)
+                sections if (name == "full" if args.extras is None else args.extras) else (), args.paired_s,
+                paired_per_server_s)
     empty = [k for k in kinds if not plan.kind_configs(k)]
     if empty:
         p.error(f"no configuration in --configs applies to server kind(s) {', '.join(empty)}")

@@ -339,3 +339,17 @@ def test_thrift_connections_outlast_the_longest_pause_between_their_slices() -> 
     with pytest.raises(SystemExit):
         overhead.parse_args(["--kinds", "thrift_echo", "--slice", "10"])
     assert overhead.parse_args(["--kinds", "echo", "--slice", "10"]).slice_s == 10  # gRPC: no idle timeout
+
+
+def test_modes_use_many_short_slices_and_paired_phases_sized_by_their_servers() -> None:
+    """Latency comes from many short slices per configuration (a burst of the neighbours' load falls on every row
+    alike); a paired phase lasts a fixed time per server in it, or ``--paired-s``."""
+    quick, full = overhead.parse_args(["--quick"]), overhead.parse_args([])
+    assert quick.cycles >= 6 and full.cycles >= 12
+    assert quick.slice_s * quick.cycles == pytest.approx(1.2) and full.slice_s * full.cycles == pytest.approx(6.0)
+    assert quick.paired_seconds(3) == pytest.approx(1.2) and quick.paired_seconds(5) == pytest.approx(2.0)
+    assert full.paired_seconds(3) == pytest.approx(9.0)
+    assert overhead.parse_args(["--quick", "--paired-s", "7"]).paired_seconds(3) == 7
+    for bad in ("0", "301"):
+        with pytest.raises(SystemExit):
+            overhead.parse_args(["--paired-s", bad])
