@@ -415,6 +415,7 @@ def _one_round(res: Results, kind: str, rnd: int, col: dict[str, Any], client: C
             res.answered[service] = 0
         for config, (server, service) in started.items():
             servers[config] = (server, server.expect(180, "ready"), service)
+            res.answered[service] += servers[config][1].get("primed", 0)  # its spans are stored too
             res.helper_pids[service] = servers[config][1]["helper_pids"]
         _finish_stopping(res, stopping, children)
         _log_step(f"round {rnd + 1}/{plan.rounds}  {kind:<6} {len(servers)} servers ready")
