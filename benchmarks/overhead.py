@@ -154,7 +154,7 @@ def row_kind_config(kind: str, row: str) -> tuple[str, str]:
 
 MODES = {  # mode -> (rounds, warmup_s, slice_s, cycles, paired seconds per server)
     "full": (4, 1.0, 0.5, 12, 3.0),
-    "quick": (2, 0.2, 0.2, 6, 0.4),
+    "quick": (2, 0.2, 0.2, 5, 0.3),
     "smoke": (1, 0.2, 0.2, 1, 0.1),
 }
 """Many short slices rather than a few long ones: a burst of the neighbours' load then falls on every row's
@@ -924,7 +924,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
     p.add_argument("--slice", type=float, help="seconds of one measured slice")
     p.add_argument("--cycles", type=int, help="measured slices per configuration per phase")
     p.add_argument("--paired-s", type=float, help="seconds of each paired phase (default per mode: 3 s per server "
-                                                  "in it, --quick 0.4 s)")
+                                                  "in it, --quick 0.3 s)")
     p.add_argument("--threads", default="1,8", help="client thread counts (default 1,8)")
     p.add_argument("--extras", action=argparse.BooleanOptionalAction, default=None,
                    help="also measure the extra rows (GPU telemetry, profiler, host telemetry; "
