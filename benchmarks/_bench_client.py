@@ -18,9 +18,9 @@ in a paired phase mixes the servers' effects on each other and is not a per-serv
 N threads, each with its own channel to every server, send one request at a time (the kind's payloads,
 round-robin) to the server of the current slice. First each server gets ``warmup_s`` of load (not
 measured; in a paired phase all servers get one ``warmup_s`` together). Then C cycles run one ``slice_s``
-slice per server, in an order that rotates every cycle. The CPU (``/proc``) of every server's process tree
-(the server plus its helper processes), of the collector and of this client is read once when the measured
-part starts and once when it ends: a server's CPU over the whole phase (its export work included, whenever it
+slice per server, in an order that rotates every cycle. The CPU (``_bench_proc``: process CPU clocks, ns) of
+every server's process tree (the server plus its helper processes), of the collector and of this client is read
+once when the measured part starts and once when it ends: a server's CPU over the whole phase (its export work included, whenever it
 ran) is divided by the requests it answered in its slices. The answer is one JSON line::
 
     {"measured_s": ..., "collector_cpu_s": ..., "client_cpu_s": ...,

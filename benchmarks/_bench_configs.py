@@ -106,8 +106,17 @@ def zoomer_thread_export(transport: str = GRPC) -> Instrumentation:
 
 def zoomer_no_cpu_time(transport: str = GRPC) -> Instrumentation:
     """The zoomer-serve interceptor on its default path but without the per-request thread CPU time
-    (``ZOOMER_HOST_REQUEST_CPU_TIME=false``): what the two thread-clock reads per request cost in the server."""
+    (``ZOOMER_HOST_REQUEST_CPU_TIME=false``): against ``zoomer``, what the CPU time costs on its default sample
+    (1 in 16 requests)."""
     os.environ["ZOOMER_HOST_REQUEST_CPU_TIME"] = "false"
+    return zoomer_interceptor(transport)
+
+
+def zoomer_cpu_time_every(transport: str = GRPC) -> Instrumentation:
+    """The zoomer-serve interceptor with the per-request thread CPU time on every request
+    (``ZOOMER_HOST_REQUEST_CPU_TIME_ONE_IN=1``, as inside a profiling session): against ``zoomer_no_cpu_time``,
+    what the two thread-clock reads cost per measured request."""
+    os.environ["ZOOMER_HOST_REQUEST_CPU_TIME_ONE_IN"] = "1"
     return zoomer_interceptor(transport)
 
 
@@ -251,6 +260,8 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
                   zoomer_thread_export, default=False),
     Configuration("zoomer_no_cpu_time", "zoomer-serve interceptor without per-request CPU time "
                   "(ZOOMER_HOST_REQUEST_CPU_TIME=false)", zoomer_no_cpu_time, default=False),
+    Configuration("zoomer_cpu_time_every", "zoomer-serve interceptor with per-request CPU time on every request "
+                  "(ZOOMER_HOST_REQUEST_CPU_TIME_ONE_IN=1)", zoomer_cpu_time_every, default=False),
     Configuration(PYTHON_WORK, f"control: plain processor + {PYTHON_WORK_US:.0f} µs of plain Python per call",
                   python_work_thrift, exports=False, transports=(THRIFT,)),
 )

@@ -3,7 +3,8 @@ and what the Python CPU sampler adds to the server's latency inside a profiling 
 demo model server (CPU). Rows are ``{"what", "value", "unit"}``; run this file to print them.
 
 - :func:`request_path_cost`: µs per request of ``RequestRecorder.start`` + ``RequestSpan.end`` without and
-  with the per-request CPU time observer (timeit, best of ``repeat``). The metrics add nothing per request:
+  with the per-request CPU time observer, measuring every request or its default 1-in-16 sample (timeit, best
+  of ``repeat``; in a hot loop the reads cost little: their cost in a busy server is in benchmarks/RESULTS.md). The metrics add nothing per request:
   they are observed on the SDK reader's thread.
 - :func:`collection_cost`: ms of CPU for one collection of every host metric (psutil, on the reader's thread,
   once per ``OTEL_METRIC_EXPORT_INTERVAL``), and µs added to a generation-0 garbage collection by the GC pause
@@ -31,14 +32,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from zoomer_serve.host.config import DEFAULT_RATE_HZ
+from zoomer_serve.host.config import DEFAULT_RATE_HZ, DEFAULT_REQUEST_CPU_TIME_ONE_IN
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 
-def request_path_cost(number: int = 50_000, repeat: int = 5) -> dict[str, float]:
-    """µs per request: ``off`` (no host observer), ``on`` (the CPU time observer), ``added``."""
+def request_path_cost(number: int = 50_000, repeat: int = 5, one_in: int = 1) -> dict[str, float]:
+    """µs per request: ``off`` (no host observer), ``on`` (the CPU time observer measuring 1 in ``one_in``
+    requests: 1, every one, as inside a profiling session), ``added``."""
     import zoomer_serve
     from zoomer_serve.host import RequestCpuTimeObserver
 
@@ -52,7 +54,7 @@ def request_path_cost(number: int = 50_000, repeat: int = 5) -> dict[str, float]
                                  repeat=repeat)) / number * 1e6
 
     off = per_request_us()
-    recorder.add_observer(RequestCpuTimeObserver())
+    recorder.add_observer(RequestCpuTimeObserver(one_in))
     on = per_request_us()
     zoomer_serve.shutdown()
     return {"off": off, "on": on, "added": on - off}
@@ -303,10 +305,14 @@ def host_rows(quick: bool = False) -> list[dict[str, Any]]:
     """Every host row (``quick``: fewer calls and rounds)."""
     rounds = 2 if quick else 3
     cost = request_path_cost(number=10_000 if quick else 50_000)
+    sampled = request_path_cost(number=10_000 if quick else 50_000, one_in=DEFAULT_REQUEST_CPU_TIME_ONE_IN)
     coll = collection_cost()
     rows = [
         {"what": "recorder start+end, no host observer", "value": round(cost["off"], 3), "unit": "µs"},
-        {"what": "added by the request CPU time observer", "value": round(cost["added"], 3), "unit": "µs"},
+        {"what": "added by the request CPU time observer, every request measured", "value": round(cost["added"], 3),
+         "unit": "µs"},
+        {"what": f"added by the request CPU time observer, 1 in {DEFAULT_REQUEST_CPU_TIME_ONE_IN} (the default)",
+         "value": round(sampled["added"], 3), "unit": "µs"},
         {"what": "one collection of every host metric (reader thread)", "value": round(coll["collect_ms"], 3),
          "unit": "ms CPU"},
         {"what": "host metric data points per collection", "value": coll["points"], "unit": "points"},

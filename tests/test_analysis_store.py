@@ -105,6 +105,29 @@ def test_slow_replica_is_named_with_its_slow_phase(collector: Any) -> None:
     assert cpu[0].evidence["ratio"] == pytest.approx((0.4 * 80 + 8.0 * 40) / 120 / 2.0, rel=0.05)
 
 
+def test_cpu_bound_phase_states_the_sample_its_cpu_share_rests_on(collector: Any,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-request CPU time is measured on a sample of requests (every request of a profiling session, 1 in N
+    outside): the CPU-bound-phase finding gives the threads' CPU share of the requests that carry it and says on
+    how many of the method's requests it rests. A method none of whose spans carry it gets no such sentence."""
+    monkeypatch.setenv("ZOOMER_HOST_REQUEST_CPU_TIME", "false")  # the test sets the attribute itself
+    sampled = [Req([("preprocess", 4.0), ("forward", 2.0), ("postprocess", 0.3)]) for _ in range(40)]
+    for k in (0, 8, 16, 24, 32):
+        sampled[k].attrs[L.REQUEST_CPU_TIME] = int(0.5 * 6.8 * MS)  # half of the 6.8 ms request
+    unmeasured = [Req([("preprocess", 4.0), ("forward", 2.0), ("postprocess", 0.3)], method="ranker.Ranker/Other")
+                  for _ in range(20)]
+    record_replica(collector, "solo", sampled + unmeasured, BASE_NS)
+    collector.finish()
+    cpu = {f.scope: f for f in by_id(analyze_store(collector.store_path), "request.cpu-bound-phase")}
+    measured, other = cpu[f"ranker {METHOD}"], cpu["ranker ranker.Ranker/Other"]
+    assert measured.evidence["requests_count"] == 40 and measured.evidence["request_cpu_measured_count"] == 5
+    assert measured.evidence["request_cpu_share"] == pytest.approx(0.5, abs=0.01)
+    assert ("on a CPU for 50% of their time (thread CPU time measured on 5 of these 40 requests)"
+            in measured.summary), measured.summary
+    assert "request_cpu_share" not in other.evidence and "request_cpu_measured_count" not in other.evidence
+    assert "on a CPU" not in other.summary
+
+
 def test_balanced_fleet_has_no_request_findings(collector: Any) -> None:
     """Three equal replicas, preprocess < forward, no tail: no slow replica, no CPU-bound phase, no tail."""
     for k, inst in enumerate(("a", "b", "c")):

@@ -1,11 +1,13 @@
 """Per-request thread CPU time (``zoomer.request.cpu_time_ns``) on real servers: the demo Ranker on the sync gRPC
 server with its CPU-bound preprocessing step, the echo test service's sleeping handler, the same handler on a
-grpc.aio server (no attribute: the event loop's thread runs many requests), exported over real OTLP."""
+grpc.aio server (no attribute: the event loop's thread runs many requests), exported over real OTLP. Which
+requests are measured: every one inside a profiling session, else 1 in N sampled traces chosen by trace id."""
 
 from __future__ import annotations
 
 import statistics
 import threading
+from pathlib import Path
 from typing import Any
 
 import grpc_echo
@@ -18,6 +20,7 @@ from zoomer_serve.demo.load import drive_load
 from zoomer_serve.demo.model import DLRM, build_model
 from zoomer_serve.demo.service import ServiceConfig, build_server
 from zoomer_serve.host import RequestCpuTimeObserver
+from zoomer_serve.host.config import DEFAULT_REQUEST_CPU_TIME_ONE_IN
 from zoomer_serve.host.names import REQUEST_CPU_TIME
 from zoomer_serve.recording import records as r
 
@@ -38,7 +41,9 @@ def cpu_share(span: dict[str, Any]) -> float:
 def test_cpu_time_is_below_wall_time_and_tells_computing_from_waiting(model: DLRM, telemetry: Any,
                                                                        collector: Any) -> None:
     """CPU-bound demo requests (a pure-Python preprocessing step) spend most of their wall time on a CPU;
-    echo requests that sleep 3 ms spend little. Every request span carries its CPU time, below its wall time."""
+    echo requests that sleep 3 ms spend little. With 1 in 1 (every request measured) every request span carries
+    its CPU time, below its wall time."""
+    telemetry.host.request_cpu.one_in = 1
     server, port = build_server(model, interceptors=[ZoomerServerInterceptor(telemetry.recorder)], max_workers=2,
                                 config=ServiceConfig(slow_preprocess_iterations=SLOW_ITERATIONS))
     echo, target = grpc_echo.start_server([ZoomerServerInterceptor(telemetry.recorder, excluded_methods=())])
@@ -66,7 +71,8 @@ def test_cpu_time_is_below_wall_time_and_tells_computing_from_waiting(model: DLR
 
 def test_no_cpu_time_on_an_event_loop(telemetry: Any, collector: Any) -> None:
     """On grpc.aio the thread runs every request's coroutine: its CPU time is not one request's, so none is set
-    (and the observer keeps nothing open)."""
+    (and the observer keeps nothing open), even for requests it would measure (1 in 1 here)."""
+    telemetry.host.request_cpu.one_in = 1
     server, target = grpc_echo_aio.start_server([ZoomerAioServerInterceptor(telemetry.recorder,
                                                                             excluded_methods=())])
     client = grpc_echo.Client(target)
@@ -89,7 +95,7 @@ def test_a_span_ended_on_another_thread_gets_no_cpu_time() -> None:
     from zoomer_serve.recording import RequestRecorder
 
     recorder = RequestRecorder(otel_context=False)
-    observer = RequestCpuTimeObserver()
+    observer = RequestCpuTimeObserver(one_in=1)
     recorder.add_observer(observer)
     same = recorder.start("svc/Same")
     sum(range(20_000))
@@ -119,7 +125,7 @@ def test_unsampled_spans_make_no_clock_reads(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(request_cpu, "_thread_time_ns", lambda: reads.append("start") or start_clock())
     monkeypatch.setattr(request_cpu, "thread_cpu_ns", lambda: reads.append("end") or end_clock())
     recorder = RequestRecorder(sampler=Sampler("parentbased_traceidratio", 0.0), otel_context=False)
-    observer = RequestCpuTimeObserver()
+    observer = RequestCpuTimeObserver(one_in=1)
     recorder.add_observer(observer)
     dropped = recorder.start("svc/Ratio0")  # a root span under ratio 0: not sampled
     not_sampled = recorder.start("svc/Child", parent=parse_traceparent(f"00-{'a' * 32}-{'b' * 16}-00"))
@@ -165,3 +171,150 @@ def test_the_clock_reads_this_threads_cpu_time_without_the_interpreter_lock() ->
     busy, idle = results["busy"], results["idle"]
     assert busy[2] - busy[1] > 10_000_000  # 3 million loop steps: well over 10 ms of this thread's CPU
     assert idle[2] - idle[1] < 5_000_000  # the other thread's work is not counted in this one's clock
+
+
+def _recorder(one_in: int) -> tuple[Any, RequestCpuTimeObserver]:
+    from zoomer_serve.recording import RequestRecorder
+
+    recorder = RequestRecorder(otel_context=False)
+    observer = RequestCpuTimeObserver(one_in)
+    recorder.add_observer(observer)
+    return recorder, observer
+
+
+def _child_of(trace_id: int, sampled: bool = True) -> Any:
+    from zoomer_serve.recording.propagation import parse_traceparent
+
+    return parse_traceparent(f"00-{trace_id:032x}-{'b' * 16}-{'01' if sampled else '00'}")
+
+
+def _count_clock_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    from zoomer_serve.host import request_cpu
+
+    reads: list[str] = []
+    start_clock, end_clock = request_cpu._thread_time_ns, request_cpu.thread_cpu_ns
+    monkeypatch.setattr(request_cpu, "_thread_time_ns", lambda: reads.append("start") or start_clock())
+    monkeypatch.setattr(request_cpu, "thread_cpu_ns", lambda: reads.append("end") or end_clock())
+    return reads
+
+
+def test_outside_sessions_one_in_n_traces_are_measured_by_trace_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Default N = 16: a sampled request is measured when its trace id modulo 16 is 0, so two services (two
+    recorders) that see the same trace agree; a request outside the sample reads no clock at all and its span
+    has no attribute (absent, not zero)."""
+    reads = _count_clock_reads(monkeypatch)
+    front, front_observer = _recorder(DEFAULT_REQUEST_CPU_TIME_ONE_IN)
+    back, back_observer = _recorder(DEFAULT_REQUEST_CPU_TIME_ONE_IN)
+    assert DEFAULT_REQUEST_CPU_TIME_ONE_IN == front_observer.one_in == 16
+    trace_ids = [(0xABCDEF << 72) + i for i in range(64)]  # high bits set: only the low ones decide
+    measured = {}
+    for trace_id in trace_ids:
+        spans = [rec.start("svc/Call", parent=_child_of(trace_id)) for rec in (front, back)]
+        for span in spans:
+            span.end()
+        assert (REQUEST_CPU_TIME in spans[0].attributes) == (REQUEST_CPU_TIME in spans[1].attributes)
+        measured[trace_id] = spans[0].attributes.get(REQUEST_CPU_TIME)
+    chosen = [t for t, v in measured.items() if v is not None]
+    assert chosen == [t for t in trace_ids if t % 16 == 0] and len(chosen) == 4
+    assert all(isinstance(measured[t], int) and measured[t] > 0 for t in chosen)
+    assert reads == ["start", "start", "end", "end"] * 4  # 4 traces, 2 services; none for the other 60 x 2
+    for observer in (front_observer, back_observer):
+        assert observer.measured == 4 and observer.skipped_outside_sample == 60 and observer.open_spans == 0
+        assert all(observer.in_sample(t) == (t in chosen) for t in trace_ids)
+
+
+def test_one_in_zero_measures_nothing_outside_sessions_and_one_measures_every_request(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    reads = _count_clock_reads(monkeypatch)
+    never, never_observer = _recorder(0)
+    always, always_observer = _recorder(1)
+    for trace_id in range(1, 33):
+        for rec in (never, always):
+            rec.start("svc/Call", parent=_child_of(trace_id)).end()
+        unsampled = always.start("svc/Call", parent=_child_of(trace_id, sampled=False))
+        unsampled.end()
+        assert REQUEST_CPU_TIME not in unsampled.attributes  # not exported: never measured
+    assert never_observer.measured == 0 and never_observer.skipped_outside_sample == 32
+    assert always_observer.measured == 32 and always_observer.skipped_unsampled == 32
+    assert reads == ["start", "end"] * 32
+    with pytest.raises(ValueError, match="one_in"):
+        RequestCpuTimeObserver(-1)
+
+
+def test_a_session_window_measures_every_request_until_it_closes(tmp_path: Path) -> None:
+    """The observer as a profiling-session companion: while any session's window is open every sampled request
+    is measured (N = 0 here: none outside); windows of two sessions nest; stop is idempotent."""
+    recorder, observer = _recorder(0)
+
+    def measured(count: int) -> int:
+        spans = [recorder.start("svc/Call", parent=_child_of(t)) for t in range(1, count + 1)]
+        for span in spans:
+            span.end()
+        return sum(REQUEST_CPU_TIME in s.attributes for s in spans)
+
+    assert measured(10) == 0
+    first = observer.begin("s1", tmp_path, 1000)
+    second = observer.begin("s2", tmp_path, 1000)
+    assert measured(10) == 10
+    first.stop()
+    first.stop()
+    assert observer.sessions == 1 and measured(5) == 5
+    assert second.finish() == {}
+    assert observer.sessions == 0 and measured(10) == 0
+
+
+def test_every_request_of_a_profiling_session_is_measured_and_a_sample_outside(
+        model: DLRM, telemetry: Any, collector: Any, tmp_path: Path) -> None:
+    """The real demo server with a profiling controller on the telemetry (its default companions: the CPU
+    profiler and the CPU time observer's window). Before and after the session only the traces in the 1-in-16
+    sample carry a CPU time; every request the session covered carries one."""
+    from _profiling_support import read_chrome_trace, request_ranges, serve_with_profiling
+
+    from zoomer_serve.profiling import SessionOptions
+
+    observer = telemetry.host.request_cpu
+    assert observer.one_in == DEFAULT_REQUEST_CPU_TIME_ONE_IN
+    load = {"clients": 2, "batch_size": 4, "stream_share": 0.0, "invalid_share": 0.0}
+    with serve_with_profiling(telemetry, model, tmp_path / "profiles") as served:
+        assert observer in served.controller.companions
+        assert drive_load(served.target, 30.0, max_requests=48, **load).unexpected == 0
+        assert served.controller.start(SessionOptions(max_requests=20)).session is not None
+        assert drive_load(served.target, 30.0, max_requests=20, **load).unexpected == 0
+        assert served.controller.wait_idle(60)
+        assert observer.sessions == 0
+        assert drive_load(served.target, 30.0, max_requests=48, **load).unexpected == 0
+    info = served.controller.last
+    assert info is not None and info.outcome == "done" and info.requests == 20
+    covered = {(f"{t:032x}", f"{s:016x}") for t, s in request_ranges(read_chrome_trace(Path(info.trace_path)))}
+    spans = [s for s in collector.spans("SERVER") if s["name"] == PREDICT]
+    assert len(spans) == 116 and len(covered) == 20
+    inside = [s for s in spans if (s["trace_id"], s["span_id"]) in covered]
+    outside = [s for s in spans if (s["trace_id"], s["span_id"]) not in covered]
+    assert len(inside) == 20 and all(s["attributes"][REQUEST_CPU_TIME] > 0 for s in inside)
+    for span in outside:
+        assert (REQUEST_CPU_TIME in span["attributes"]) == (int(span["trace_id"], 16) % 16 == 0), span["trace_id"]
+    assert all(span["attributes"].get(REQUEST_CPU_TIME) != 0 for span in spans)
+
+
+def test_the_setting_and_its_errors() -> None:
+    """``ZOOMER_HOST_REQUEST_CPU_TIME_ONE_IN``: N >= 0, default 16; a bad value names the variable. The old
+    switch still turns the attribute off (no observer at all)."""
+    from zoomer_serve.config import ConfigError, ZoomerConfig
+    from zoomer_serve.host import HostConfig
+    from zoomer_serve.host.telemetry import install_host_telemetry
+    from zoomer_serve.recording import RequestRecorder
+
+    assert ZoomerConfig.from_env({}).host.request_cpu_time_one_in == 16
+    assert ZoomerConfig.from_env({"ZOOMER_HOST_REQUEST_CPU_TIME_ONE_IN": " 1 "}).host.request_cpu_time_one_in == 1
+    assert ZoomerConfig.from_env({"ZOOMER_HOST_REQUEST_CPU_TIME_ONE_IN": "0"}).host.request_cpu_time_one_in == 0
+    for bad in ("-1", "every", "1.5"):
+        with pytest.raises(ConfigError, match="ZOOMER_HOST_REQUEST_CPU_TIME_ONE_IN"):
+            ZoomerConfig.from_env({"ZOOMER_HOST_REQUEST_CPU_TIME_ONE_IN": bad})
+    recorder = RequestRecorder(otel_context=False)
+    host = install_host_telemetry(HostConfig(metrics=(), request_cpu_time_one_in=4, cpu_profile="off"), recorder)
+    assert host is not None and host.request_cpu is not None and host.request_cpu.one_in == 4
+    assert recorder.observers == (host.request_cpu,) and host.session_companions() == [host.request_cpu]
+    host.shutdown()
+    off = install_host_telemetry(HostConfig(metrics=(), request_cpu_time=False), recorder)
+    assert off is not None and off.request_cpu is None and recorder.observers == ()
+    assert all(not isinstance(c, RequestCpuTimeObserver) for c in off.session_companions())

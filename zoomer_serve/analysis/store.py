@@ -525,8 +525,9 @@ def detect_cpu_bound_phases(data: StoreData) -> list[Finding]:
             named = (f" The CPU profile of profiling session {cpu['cpu_profile_sessions'][0]} (covering "
                      f"{cpu['cpu_profile_requests_count']} of these requests) spends {hot[0]['self_share']:.0%} "
                      f"of its samples in {hot[0]['function']} ({hot[0]['location']})." if hot else "")
-            on_cpu = (f" The requests' threads are on a CPU for {cpu['request_cpu_share']:.0%} of their time."
-                      if "request_cpu_share" in cpu else "")
+            on_cpu = (f" The requests' threads are on a CPU for {cpu['request_cpu_share']:.0%} of their time "
+                      f"(thread CPU time measured on {cpu['request_cpu_measured_count']} of these "
+                      f"{int(has_fwd.sum())} requests)." if "request_cpu_share" in cpu else "")
             out.append(Finding(
                 id="request.cpu-bound-phase", title=f"{name} outweighs the forward pass in {method}",
                 severity=severity,
@@ -549,7 +550,9 @@ def detect_cpu_bound_phases(data: StoreData) -> list[Finding]:
 
 def _cpu_evidence(data: StoreData, rows: np.ndarray, service: str) -> dict[str, Any]:
     """CPU figures for the requests ``rows``: ``request_cpu_share`` (mean thread CPU time / wall time of those
-    carrying ``zoomer.request.cpu_time_ns``) and, from the CPU profiles of the service's profiling sessions
+    carrying ``zoomer.request.cpu_time_ns``: a sample, every request of a profiling session and 1 in N outside,
+    see :mod:`zoomer_serve.host.request_cpu`) with ``request_cpu_measured_count`` (how many carried it; absent
+    with the share when none did) and, from the CPU profiles of the service's profiling sessions
     linked to any of them, ``cpu_top_functions`` (own-sample shares merged over those profiles, weighted by
     their active samples), ``cpu_profile_sessions``, ``cpu_profile_paths``, ``cpu_profile_requests_count``."""
     out: dict[str, Any] = {}
@@ -561,6 +564,7 @@ def _cpu_evidence(data: StoreData, rows: np.ndarray, service: str) -> dict[str, 
             shares.append(min(float(cpu_ns) / NS_PER_MS / wall_ms, 1.0))
     if shares:
         out["request_cpu_share"] = float(np.mean(shares))
+        out["request_cpu_measured_count"] = len(shares)
     ids = {(data.requests["trace_id"][i], data.requests["span_id"][i]) for i in rows.tolist()}
     profiles = [(p, len(p.requests & ids)) for p in data.cpu_profiles if p.service == service]
     profiles = sorted([(p, k) for p, k in profiles if k > 0 and p.top], key=lambda pk: -pk[1])

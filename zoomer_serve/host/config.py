@@ -5,7 +5,8 @@ code. A bad value raises :class:`HostConfigError` naming the variable (or field)
 | --- | --- | --- |
 | host telemetry (all of the below) | ``ZOOMER_HOST``: ``on`` / ``off`` | ``on`` |
 | system and process metrics | ``ZOOMER_HOST_METRICS``: comma-separated groups (``cpu``, ``memory``, ``disk``, ``network``, ``process``, ``gc``) and/or metric names, or ``none`` | all groups |
-| per-request thread CPU time | ``ZOOMER_HOST_REQUEST_CPU_TIME`` (``true``/``false``) | ``true`` |
+| per-request thread CPU time | ``ZOOMER_HOST_REQUEST_CPU_TIME`` (``true``/``false``; ``false``: never, sessions included) | ``true`` |
+| ... outside profiling sessions, on 1 in N traces | ``ZOOMER_HOST_REQUEST_CPU_TIME_ONE_IN`` (N >= 0; 0: only in sessions, 1: every request) | 16 (:data:`DEFAULT_REQUEST_CPU_TIME_ONE_IN`) |
 | Python CPU profile in profiling sessions | ``ZOOMER_CPU_PROFILE``: ``auto`` (py-spy, else the in-process sampler), ``py-spy``, ``in-process``, ``off`` | ``auto`` |
 | sampling rate | ``ZOOMER_CPU_PROFILE_RATE_HZ`` (samples per second per thread, 1..1000) | 19 (:data:`DEFAULT_RATE_HZ`) |
 | top functions on the ``zoomer.profile`` span | ``ZOOMER_CPU_PROFILE_TOP`` | 10 |
@@ -28,6 +29,11 @@ from zoomer_serve.host.names import METRIC_GROUPS
 CPU_PROFILE_MODES = ("auto", "py-spy", "in-process", "off")
 MAX_RATE_HZ = 1000
 DEFAULT_RATE_HZ = 19
+DEFAULT_REQUEST_CPU_TIME_ONE_IN = 16
+"""Outside profiling sessions, per-request CPU time is measured on 1 in this many sampled traces (every request
+inside a session; :mod:`zoomer_serve.host.request_cpu`). One measured request costs the demo model 40 to 176 µs
+of CPU on the 2-core benchmark machine (the thread clock's end read, benchmarks/RESULTS.md); 1 in 16 brings
+the mean to 2.5 to 11 µs, and a service answering 100 requests/s still gets about 6 measured ones a second."""
 """Default CPU sampling rate. py-spy costs about 1.2 ms of CPU per sample of an 18-thread server (17 % of a core
 at 100 Hz, 3 % at 19 Hz, measured on the 2-core benchmark machine); at 100 Hz it added 8 % to the demo's
 latency inside sessions, at 19 Hz nothing measurable (benchmarks/RESULTS.md). 19, not 20, so that samples do
@@ -58,6 +64,7 @@ class HostConfig:
     enabled: bool = True
     metrics: tuple[str, ...] = known_metrics()
     request_cpu_time: bool = True
+    request_cpu_time_one_in: int = DEFAULT_REQUEST_CPU_TIME_ONE_IN
     cpu_profile: str = "auto"
     cpu_profile_rate_hz: int = DEFAULT_RATE_HZ
     cpu_profile_top: int = 10
@@ -70,6 +77,9 @@ class HostConfig:
         if not 1 <= self.cpu_profile_rate_hz <= MAX_RATE_HZ:
             raise HostConfigError(f"ZOOMER_CPU_PROFILE_RATE_HZ must be within 1..{MAX_RATE_HZ}, "
                                   f"got {self.cpu_profile_rate_hz}")
+        if self.request_cpu_time_one_in < 0:
+            raise HostConfigError("ZOOMER_HOST_REQUEST_CPU_TIME_ONE_IN (request_cpu_time_one_in) must be >= 0 "
+                                  f"(0: only inside profiling sessions), got {self.request_cpu_time_one_in}")
         for name, variable in (("cpu_profile_top", "ZOOMER_CPU_PROFILE_TOP"),
                                ("cpu_profile_attach_timeout_ms", "ZOOMER_CPU_PROFILE_ATTACH_TIMEOUT_MS")):
             if getattr(self, name) < 1:
@@ -88,6 +98,7 @@ class HostConfig:
             enabled=_switch(env, "ZOOMER_HOST", True),
             metrics=parse_metrics(env.get("ZOOMER_HOST_METRICS")),
             request_cpu_time=_switch(env, "ZOOMER_HOST_REQUEST_CPU_TIME", True),
+            request_cpu_time_one_in=_int(env, "ZOOMER_HOST_REQUEST_CPU_TIME_ONE_IN", DEFAULT_REQUEST_CPU_TIME_ONE_IN),
             cpu_profile=(env.get("ZOOMER_CPU_PROFILE") or "auto").strip().lower(),
             cpu_profile_rate_hz=_int(env, "ZOOMER_CPU_PROFILE_RATE_HZ", DEFAULT_RATE_HZ),
             cpu_profile_top=_int(env, "ZOOMER_CPU_PROFILE_TOP", 10),

@@ -7,7 +7,10 @@ the end of its SERVER span (``time.thread_time_ns`` at the end minus at the star
 OS thread). Set only when the span starts and ends on the same OS thread outside an asyncio event loop (a sync
 gRPC or threaded Thrift server; on an event loop the thread runs many requests at once, so the figure would
 not be the request's). Wall time is the span's own duration; ``cpu_time_ns / duration`` near 1 means the
-request computed (or held the interpreter lock) throughout, near 0 that it waited.
+request computed (or held the interpreter lock) throughout, near 0 that it waited. Measured on every sampled
+request while a profiling session runs and otherwise on 1 in N sampled traces (``trace_id % N == 0``,
+``ZOOMER_HOST_REQUEST_CPU_TIME_ONE_IN``, default 16; :mod:`zoomer_serve.host.request_cpu`): a span that was not
+measured has no such attribute (never a zero), so figures over it describe a sample of the requests.
 
 Profile span attributes (``zoomer.profile``)
 --------------------------------------------

@@ -1,9 +1,11 @@
 """Host telemetry as one unit: what :func:`zoomer_serve.configure` installs (``ZOOMER_HOST``, on by default).
 
 - system and process metrics on the SDK meter provider (:mod:`.metrics`);
-- the per-request thread CPU time observer on the recorder (:mod:`.request_cpu`);
+- the per-request thread CPU time observer on the recorder (:mod:`.request_cpu`), on a sample of requests and
+  on every request of a profiling session;
 - the CPU profiler that profiling sessions start for their window (:mod:`.cpu_profile`), handed to every
-  :class:`~zoomer_serve.profiling.ProfilerController` built on this telemetry.
+  :class:`~zoomer_serve.profiling.ProfilerController` built on this telemetry, with the CPU time observer's
+  session window.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ class HostTelemetry:
     cpu_profiler: CpuProfiler | None = None
 
     def session_companions(self) -> list[Any]:
-        """What records alongside each profiling session (the CPU profiler, when on)."""
-        return [self.cpu_profiler] if self.cpu_profiler is not None else []
+        """What records alongside each profiling session: the CPU profiler and the per-request CPU time's
+        session window (every request measured), each when on. The window comes last, so that it opens right
+        before the session covers requests (after py-spy has attached)."""
+        return [c for c in (self.cpu_profiler, self.request_cpu) if c is not None]
 
     def shutdown(self) -> None:
         if self.request_cpu is not None:
@@ -61,7 +65,7 @@ def install_host_telemetry(config: HostConfig, recorder: RequestRecorder, meter_
             logger.warning("zoomer-serve: gevent patched threading (greenlets share OS threads), so requests get "
                            "no per-request CPU time")
         else:
-            host.request_cpu = RequestCpuTimeObserver()
+            host.request_cpu = RequestCpuTimeObserver(config.request_cpu_time_one_in)
             recorder.add_observer(host.request_cpu)
     if config.cpu_profile != "off":
         host.cpu_profiler = CpuProfiler(config)
