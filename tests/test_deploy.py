@@ -50,6 +50,7 @@ HEALTHCHECK = ROOT / "deploy" / "healthcheck.py"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 CI_RUN = ROOT / ".ci" / "run"
+CI_CONSTRAINTS = ROOT / ".ci" / "constraints.txt"
 LOCUSTFILE = "benchmarks/locustfile.py"
 
 OTELCOL_SERVICE = "otel-collector"
@@ -781,7 +782,8 @@ def test_dockerfile_installs_cpu_torch_from_the_pytorch_index_before_the_project
     assert args["TORCH_VARIANT"] == "cpu"
     torch_line = text.index("--index-url https://download.pytorch.org/whl/${TORCH_VARIANT} torch==${TORCH_VERSION}")
     assert torch_line < text.index("RUN pip install .")
-    ci_torch = re.search(r"torch==([\d.]+)", CI_RUN.read_text())
+    assert CI_RUN.read_text().count("-c .ci/constraints.txt") >= 2  # the torch install and the project's
+    ci_torch = re.search(r"^torch==([\d.]+)$", CI_CONSTRAINTS.read_text(), re.M)  # what .ci/run holds torch at
     assert ci_torch and args["TORCH_VERSION"] == ci_torch.group(1), "the image and CI must test one torch"
     requirement = pyproject_field(r'^\s*"torch([^"]+)",')
     assert Version(args["TORCH_VERSION"]) in SpecifierSet(requirement)
