@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -120,12 +119,8 @@ def run(rounds: int, requests: int) -> dict[str, Any]:
                 drive_load(server.target, 60.0, max_requests=4 * requests, **LOAD)
             for number in range(1, rounds + 1):
                 for server in servers[number % len(servers):] + servers[:number % len(servers)]:  # rotate order
-                    server.round(number, requests)
-                    for leftover in (folder / server.variant).iterdir():  # traces, and artifacts/ beside them
-                        if leftover.is_dir():
-                            shutil.rmtree(leftover)
-                        else:
-                            leftover.unlink()
+                    server.round(number, requests)  # its traces stay until the end: the server may still be
+                    # copying them into artifacts/ (deleting them here raced with that copy)
                 print(f"round {number}: " + ", ".join(f"{s.variant} {s.rss[-1]:.0f} MB" for s in servers),
                       file=sys.stderr, flush=True)
         finally:
