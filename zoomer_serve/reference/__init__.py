@@ -45,7 +45,7 @@ def render_configuration() -> str:
     """The configuration tables (Markdown), one per group of :data:`SETTINGS`, in table order."""
     parts = []
     for group, rows in _grouped(SETTINGS).items():
-        lines = [f"### {group}", "", "| variable | unit | default | meaning |", "| --- | --- | --- | --- |"]
+        lines = [f"## {group}", "", "| variable | unit | default | meaning |", "| --- | --- | --- | --- |"]
         for s in rows:
             assert isinstance(s, Setting)
             lines.append(f"| `{s.name}` | {_cell(s.unit)} | {_cell(s.default)} | {_cell(s.meaning)} |")
@@ -57,7 +57,7 @@ def render_names() -> str:
     """The name tables (Markdown), one per group of :data:`NAMES`, in table order."""
     parts = []
     for group, rows in _grouped(NAMES).items():
-        lines = [f"### {group}", "", "| name | kind | unit | on | meaning |", "| --- | --- | --- | --- | --- |"]
+        lines = [f"## {group}", "", "| name | kind | unit | on | meaning |", "| --- | --- | --- | --- | --- |"]
         for n in rows:
             assert isinstance(n, Name)
             lines.append(f"| `{n.name}` | {n.kind} | {_cell(n.unit)} | {_cell(n.on)} | {_cell(n.meaning)} |")
