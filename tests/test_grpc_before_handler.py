@@ -145,6 +145,7 @@ def _metric_codes(collector, method: str) -> Counter:
     return counts
 
 
+@pytest.mark.slow
 def test_c16_undecodable_and_oversized_requests_among_good_ones_are_counted_with_their_status(
         typed, collector, flavour, caplog):
     """C16: N calls of each kind, interleaved; every call the server answers has one span and one count, with
@@ -182,6 +183,7 @@ def test_c16_undecodable_and_oversized_requests_among_good_ones_are_counted_with
         assert "DecodeError" in str(span["events"][0]["attributes"])
 
 
+@pytest.mark.slow
 def test_c16_unary_request_over_the_size_limit_is_not_seen(typed, collector):
     """C16, the part grpc keeps from Python: a unary request over ``grpc.max_receive_message_length`` is
     answered RESOURCE_EXHAUSTED by grpc's core; neither the handler nor the deserializer runs, so there is no
@@ -194,6 +196,7 @@ def test_c16_unary_request_over_the_size_limit_is_not_seen(typed, collector):
     assert _metric_codes(collector, "Unary") == {"OK": 1}
 
 
+@pytest.mark.slow
 def test_c16_cancelled_bidi_streams_end_cancelled(typed, collector, flavour):
     """C16: bidirectional streams cancelled by the client after the first reply, while the handler waits for
     the next message; several clients at once, so that grpc's server thread has a queue of events. The cancel
@@ -226,6 +229,7 @@ def test_c16_cancelled_bidi_streams_end_cancelled(typed, collector, flavour):
     assert _metric_codes(collector, "Chat") == expected
 
 
+@pytest.mark.slow
 def test_c16_aio_bidi_handler_that_returns_at_the_end_of_its_requests_mostly_ends_cancelled(telemetry, collector):
     """C16, grpc.aio: a client's cancel reaches grpc.aio twice, as the end of the request stream and as the
     cancel of the handler's task, and Python is told nothing else. A handler that returns as soon as its
