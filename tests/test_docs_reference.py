@@ -161,6 +161,7 @@ def _defaults() -> dict[str, object]:
         "ZOOMER_GPU_MEMORY_HISTORY_DRAIN_MS": gpu.history_drain_ms,
         "ZOOMER_GPU_MEMORY_HISTORY_TOP_EVENTS": gpu.history_top_events, "ZOOMER_GPU_NVML_PERIOD_MS": gpu.nvml_period_ms,
         "ZOOMER_HOST": host.enabled, "ZOOMER_HOST_REQUEST_CPU_TIME": host.request_cpu_time,
+        "ZOOMER_HOST_REQUEST_CPU_TIME_ONE_IN": host.request_cpu_time_one_in,
         "ZOOMER_CPU_PROFILE": host.cpu_profile, "ZOOMER_CPU_PROFILE_RATE_HZ": host.cpu_profile_rate_hz,
         "ZOOMER_CPU_PROFILE_TOP": host.cpu_profile_top,
         "ZOOMER_CPU_PROFILE_ATTACH_TIMEOUT_MS": host.cpu_profile_attach_timeout_ms,

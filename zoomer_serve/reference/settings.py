@@ -116,7 +116,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("ZOOMER_HOST", _HOST, "", "`on`", "host telemetry: everything below"),
     Setting("ZOOMER_HOST_METRICS", _HOST, "", "all groups", "groups `cpu`, `memory`, `disk`, `network`, `process`, "
             "`gc` and/or metric names, comma-separated, or `none`"),
-    Setting("ZOOMER_HOST_REQUEST_CPU_TIME", _HOST, "", "`true`", "`zoomer.request.cpu_time_ns` on request spans"),
+    Setting("ZOOMER_HOST_REQUEST_CPU_TIME", _HOST, "", "`true`", "`zoomer.request.cpu_time_ns` on request spans "
+            "(`false`: never, profiling sessions included)"),
+    Setting("ZOOMER_HOST_REQUEST_CPU_TIME_ONE_IN", _HOST, "traces", "16", "outside profiling sessions, measure "
+            "the CPU time of 1 in N sampled traces (0: only in sessions, 1: every request)"),
     Setting("ZOOMER_CPU_PROFILE", _HOST, "", "`auto`", "Python CPU profile in profiling sessions: `auto` (py-spy, "
             "else in-process), `py-spy`, `in-process`, `off`"),
     Setting("ZOOMER_CPU_PROFILE_RATE_HZ", _HOST, "Hz", "19", "samples per second per thread (1..1000)"),
