@@ -265,6 +265,7 @@ def test_a_session_window_measures_every_request_until_it_closes(tmp_path: Path)
     assert observer.sessions == 0 and measured(10) == 0
 
 
+@pytest.mark.slow
 def test_every_request_of_a_profiling_session_is_measured_and_a_sample_outside(
         model: DLRM, telemetry: Any, collector: Any, tmp_path: Path) -> None:
     """The real demo server with a profiling controller on the telemetry (its default companions: the CPU
