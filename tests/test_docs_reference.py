@@ -193,3 +193,19 @@ def test_listed_defaults_are_what_the_code_uses() -> None:
         if first not in (_as_text(value), {"true": "on", "false": "off"}.get(_as_text(value))):
             wrong[name] = (listed[name], value)
     assert wrong == {}
+
+
+def test_listed_metric_units_are_the_units_the_code_gives_its_instruments() -> None:
+    """Where the code keeps its instruments in a table (NVML, the export worker's counters and batching
+    histograms, the host metrics' conventional units), the listed unit is that unit."""
+    from zoomer_serve.export import rpc_metrics
+    from zoomer_serve.host.names import SEMCONV
+    from zoomer_serve.telemetry import nvml
+
+    code_units = {name: unit for name, _kind, unit, _desc in nvml._INSTRUMENTS}
+    code_units.update({name: unit for name, (_desc, unit) in rpc_metrics._COUNTERS.items()})
+    code_units.update({name: unit for name, (_desc, unit) in rpc_metrics._BATCH_HISTOGRAMS.items()})
+    code_units.update({name: unit for name, (unit, _keys) in SEMCONV.items() if unit})
+    listed = {n.name: n.unit for n in NAMES}  # zoomer.batch.size is a span attribute and a metric
+    assert len(code_units) > 40
+    assert {name: (listed.get(name), unit) for name, unit in code_units.items() if listed.get(name) != unit} == {}

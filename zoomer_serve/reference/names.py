@@ -129,7 +129,7 @@ NAMES: tuple[Name, ...] = (
          "handler raised; status stays UNSET", _THRIFT),
     Name("rpc.method_original", "span attribute", "", _SERVER, "the method name as called, when `rpc.method` is "
          "`_OTHER`", _THRIFT),
-    Name("zoomer.rpc.server.protocol_errors", "metric", "{connection}", "observable counter", "connections closed "
+    Name("zoomer.rpc.server.protocol_errors", "metric", "{error}", "observable counter", "connections closed "
          "for bad bytes on the wire, by `error.type` (e.g. `message_too_large`)", _THRIFT),
     # -- resource -------------------------------------------------------------------------------------------------
     Name("service.name", "resource attribute", "", "every span and metric", "`OTEL_SERVICE_NAME`", _RES),
