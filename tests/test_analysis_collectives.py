@@ -63,6 +63,7 @@ def test_collective_names() -> None:
     assert collective_of("ncclKernel_something") == "other"
 
 
+@pytest.mark.slow
 def test_collectives_per_rank_and_overlap(delayed: list[Path]) -> None:
     traces = [load_trace(p) for p in delayed]
     table = collectives_per_rank(traces)
@@ -85,6 +86,7 @@ def test_collectives_per_rank_and_overlap(delayed: list[Path]) -> None:
     assert 0.0 <= row["hidden_share"] <= 1.0
 
 
+@pytest.mark.slow
 def test_the_delayed_rank_is_the_straggler(delayed: list[Path]) -> None:
     traces = [load_trace(p) for p in delayed]
     table = stragglers(traces)
@@ -97,11 +99,13 @@ def test_the_delayed_rank_is_the_straggler(delayed: list[Path]) -> None:
     assert [f.scope for f in findings] == ["rank 2"] and findings[0].severity == "high"
 
 
+@pytest.mark.slow
 def test_no_straggler_when_ranks_keep_time(tmp_path: Path) -> None:
     traces = [load_trace(p) for p in write_ranks(tmp_path, delayed=None)]
     assert not [f for f in detect_collectives(traces) if f.id == "collective.straggler"]
 
 
+@pytest.mark.slow
 def test_a_folder_of_rank_traces_on_the_command_line(delayed: list[Path], capsys: Any) -> None:
     parser = argparse.ArgumentParser()
     cli.register(parser.add_subparsers())

@@ -108,6 +108,7 @@ def test_diff_in_the_terminal_json_and_html(changed: dict[str, Any], tmp_path: P
     assert "new_fused_kernel" in page and 'data-table="findings"' in page and "<script" not in page
 
 
+@pytest.mark.slow
 def test_two_windows_of_one_store(collector: Any, capsys: Any) -> None:
     """The same replica before and after a fix that made preprocess 4x faster, ten seconds apart in one
     store: the windows split them, and the phase and the latency say so."""

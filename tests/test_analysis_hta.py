@@ -39,6 +39,7 @@ def path(name: str) -> Path:
 
 @pytest.mark.parametrize("steps", ["complete", "all"])
 @pytest.mark.parametrize("name", TRACES)
+@pytest.mark.slow
 def test_every_shared_figure_is_within_1_percent_of_hta(name: str, steps: str) -> None:
     pytest.importorskip("hta.trace_analysis", reason="HTA is not installed (pip install -e '.[hta]')")
     diff = parity.compare(parity.ours(load_trace(path(name)), steps), parity.hta(path(name), steps))
@@ -60,6 +61,7 @@ def test_our_default_differs_from_hta_by_its_conventions_on_the_v100_trace() -> 
     assert complete["window"] == pytest.approx(like_hta["window"], rel=0.001)
 
 
+@pytest.mark.slow
 def test_complete_steps_leave_out_the_last_step_and_what_it_launched() -> None:
     trace = load_trace(path("a100_training_step"))
     steps = profiler_steps(trace)
@@ -80,6 +82,7 @@ def test_complete_steps_leave_out_the_last_step_and_what_it_launched() -> None:
     assert np.all(steps["gpu_busy_us"] <= steps["gpu_time_us"] + 1e-6)
 
 
+@pytest.mark.slow
 def test_hta_conventions_round_times_and_count_stream_syncs_as_gpu_work() -> None:
     v100 = apply_conventions(load_trace(path("v100_training_fwdbwd")), Conventions("hta", "all"))
     abs_ts = v100.origin_us + v100.kernels["ts"]
@@ -99,6 +102,7 @@ def test_hta_conventions_round_times_and_count_stream_syncs_as_gpu_work() -> Non
     assert float(hta_util["busy_us"][0]) > float(ours_util["busy_us"][0])
 
 
+@pytest.mark.slow
 def test_conventions_are_named_in_the_json_output(tmp_path: Path, capsys: Any) -> None:
     import argparse
     import io

@@ -287,6 +287,7 @@ def _fuzz_bytes(doc: dict[str, Any], rnd: random.Random) -> bytes:
     return data
 
 
+@pytest.mark.slow
 def test_fuzzed_real_traces_never_crash(tmp_path: Path, capsys: Any) -> None:
     """C18 fuzz: FUZZ_CASES mutations (seed FUZZ_SEED) of the real A100 traces: names, times, ids, categories,
     phases and args replaced by null / numbers / NaN / infinities / huge values / objects / control

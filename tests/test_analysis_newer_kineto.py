@@ -58,6 +58,7 @@ def test_counter_samples_are_loaded_and_summarised(with_counters: dict[str, Any]
 
 
 @pytest.mark.parametrize("name", ["t.pftrace", "t.json.gz"])
+@pytest.mark.slow
 def test_counter_tracks_in_the_merged_timeline_and_the_report(with_counters: dict[str, Any], tmp_path: Path,
                                                               name: str) -> None:
     trace = load_trace(with_counters["path"])

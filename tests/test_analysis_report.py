@@ -114,6 +114,7 @@ def _plots(html_text: str) -> dict[str, bytes]:
     return out
 
 
+@pytest.mark.slow
 def test_html_report_has_every_plot(store: Path, tmp_path: Path) -> None:
     import matplotlib.image as mpimg
 
@@ -136,6 +137,7 @@ def test_html_report_has_every_plot(store: Path, tmp_path: Path) -> None:
     assert "[param|cuda]" in page and "<param" not in page
 
 
+@pytest.mark.slow
 def test_html_without_data_says_what_is_missing() -> None:
     page = render_html(analyze([TRACE]))
     assert 'data-plot-missing="latency_over_time"' in page and "--store" in page
@@ -146,6 +148,7 @@ CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "goog
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (apt-get install -y chromium)")
+@pytest.mark.slow
 def test_html_report_renders_in_headless_chromium(store: Path, tmp_path: Path) -> None:
     """Chromium loads the page and every plot image decodes (naturalWidth > 0); the screenshot is not blank.
     A copy of the page gets a probe script that records the loaded plots on <body> for --dump-dom."""
@@ -182,6 +185,7 @@ def test_json_holds_every_row_of_every_table(capsys: Any) -> None:
         assert len(t["rows"]) == t["row_count"], name
 
 
+@pytest.mark.slow
 def test_html_columns_carry_their_unit_and_tables_their_caption() -> None:
     """A column's unit is in its header and every cell of it is in that unit (the window of 13 s in
     seconds, not "12,920,244.00 us" nor a mix); every table has a caption and scrolls inside the page."""

@@ -76,6 +76,7 @@ def by_id(findings: list[Any], fid: str) -> list[Any]:
     return [f for f in findings if f.id == fid]
 
 
+@pytest.mark.slow
 def test_slow_replica_is_named_with_its_slow_phase(collector: Any) -> None:
     """Three replicas; replica-c's preprocess is 20x slower. It is named as the slow replica, with the
     preprocess phase as the difference, and no other replica is flagged."""

@@ -54,6 +54,7 @@ def torch() -> Any:
     return pytest.importorskip("torch")
 
 
+@pytest.mark.slow
 def test_a_trace_of_the_pinned_torch_has_a_time_base_and_lines_up_with_its_requests(
         telemetry: Any, collector: Any, tmp_path: Path, torch: Any) -> None:
     """C19 end to end on CPU: the demo model server with the profiling controller records a real
@@ -109,6 +110,7 @@ def test_a_trace_of_the_pinned_torch_has_a_time_base_and_lines_up_with_its_reque
     assert checked == 8 and len(outside) == 8
 
 
+@pytest.mark.slow
 def test_a_trace_without_a_time_base_keeps_its_epoch_times(collector: Any, tmp_path: Path) -> None:
     """The shared 2024 A100 trace has no ``baseTimeNanoseconds``: its ``ts`` are epoch microseconds, so its
     first kernel stays at 1707417525512145 us; a request labelled in a copy of it is linked to its span and
@@ -233,6 +235,7 @@ def test_lanes_nest_and_are_first_fit() -> None:
     assert assign_lanes([(0, 10), (2, 5), (5, 10), (8, 12), (12, 13)]) == [0, 0, 0, 1, 0]
 
 
+@pytest.mark.slow
 def test_gpu_check_runs_the_timeline_rows_on_the_cpu(tmp_path: Path) -> None:
     """benchmarks/gpu_check.py --cpu: a CPU profiling session of the demo server, then step 7 (batching) and step
     9 (C19) up to their CUDA-only rows: the batches' operators shared out in full, every covered request's range

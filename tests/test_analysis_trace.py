@@ -68,6 +68,7 @@ def events(name: str, cat: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("name", ALL)
+@pytest.mark.slow
 def test_tables_hold_every_event_of_their_category(name: str) -> None:
     t = loaded(name)
     cats = Counter(e.get("cat") for e in raw(name)["traceEvents"] if e.get("ph") == "X")
@@ -313,6 +314,7 @@ def test_annotation_gpu_time_matches_a_direct_scan() -> None:
     assert sum(expected.values()) > 0
 
 
+@pytest.mark.slow
 def test_request_labels_round_trip_and_give_gpu_time_per_request(tmp_path: Path) -> None:
     """Request ranges named with :func:`request_label` inserted into the real V100 trace (around each
     ProfilerStep, on the same thread) are found and get the same GPU time as the step they wrap."""

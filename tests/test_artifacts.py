@@ -85,6 +85,7 @@ def _check_manifests(fs: Any, prefix: str, info: Any, span: dict[str, Any], tele
     return out
 
 
+@pytest.mark.slow
 def test_a_session_uploads_its_files_with_manifests_to_the_profiles_folder_by_default(
         model: DLRM, telemetry: Any, collector: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ZOOMER_ARTIFACTS_URL", raising=False)
@@ -110,6 +111,7 @@ def test_a_session_uploads_its_files_with_manifests_to_the_profiles_folder_by_de
     assert Path(attrs[TRACE_URL]).stat().st_ino == Path(info.trace_path).stat().st_ino  # hard-linked, not copied
 
 
+@pytest.mark.slow
 def test_a_session_uploads_to_s3(model: DLRM, telemetry: Any, collector: Any, tmp_path: Path, s3: S3,
                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """``ZOOMER_ARTIFACTS_URL=s3://...``: the files land in the bucket (moto's S3 server, s3fs), the span carries
@@ -129,6 +131,7 @@ def test_a_session_uploads_to_s3(model: DLRM, telemetry: Any, collector: Any, tm
     assert list(list_manifests(root, since_ns=info.end_time_unix_nano + 10**11)) == []
 
 
+@pytest.mark.slow
 def test_uploads_are_retried_and_the_queue_is_bounded(s3: S3, tmp_path: Path) -> None:
     """The bucket does not exist at first: uploads fail and are retried with backoff; while the first job waits,
     one more is queued and the next refused (counted, not blocking); once the bucket exists everything accepted

@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from interceptors import ZoomerServerInterceptor
 from zoomer_serve.analysis import analyze_store, analyze_trace
 from zoomer_serve.batching import BatchRecorder, QueuedRequest
@@ -27,6 +29,7 @@ def _ids(findings: list[Any]) -> dict[str, list[Any]]:
     return out
 
 
+@pytest.mark.slow
 def test_two_clients_cannot_fill_batches_of_eight_an_under_filled_finding_and_the_report_figures(collector,
                                                                                                      telemetry):
     """Two clients, one call at a time each, batches of up to 8 with a 50 ms delay: a batch never holds more than
@@ -88,6 +91,7 @@ def _record_batches(telemetry: Any, sizes: list[list[tuple[str, int]]]) -> None:
             s.end()
 
 
+@pytest.mark.slow
 def test_one_request_type_dominating_the_batches_is_a_share_outlier(collector, telemetry):
     _record_batches(telemetry, [[("svc/Big", 60), ("svc/Small", 2), ("svc/Small", 2), ("svc/Small", 2)]] * 12)
     collector.finish()

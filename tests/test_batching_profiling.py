@@ -93,6 +93,7 @@ def test_an_unfinished_batch_range_or_one_without_markers_is_not_shared() -> Non
     assert summarize_events(unfinished).batches == 0
 
 
+@pytest.mark.slow
 def test_a_profiling_session_on_the_batching_demo_attributes_every_batch_operator_to_its_members(
         collector: Any, telemetry: Any, tmp_path: Path) -> None:
     """On the CPU there are no kernels: the batch's ATen operators stand for them. Every operator inside a

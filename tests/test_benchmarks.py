@@ -50,6 +50,7 @@ def smoke(smoke_run: subprocess.CompletedProcess[str]) -> dict:
     return json.loads(lines[0])
 
 
+@pytest.mark.slow
 def test_smoke_json_has_every_kind_config_and_thread_count(smoke: dict) -> None:
     assert set(smoke) == {*KINDS, "extra_rows", "meta"}
     for kind in KINDS:
@@ -75,6 +76,7 @@ def test_smoke_json_has_every_kind_config_and_thread_count(smoke: dict) -> None:
         assert set(smoke[kind]["phases"]) == {"1", "8"}
 
 
+@pytest.mark.slow
 def test_thrift_kind_has_no_contrib_ratio_and_is_compared_with_the_grpc_echo(smoke: dict) -> None:
     thrift = smoke["thrift_echo"]
     assert all(t["overhead_ratio_vs_contrib"] is None for t in thrift["configs"]["zoomer"]["threads"].values())
@@ -102,6 +104,7 @@ def test_thrift_kind_has_no_contrib_ratio_and_is_compared_with_the_grpc_echo(smo
     assert marked == (eight is not None and eight > 1.1)
 
 
+@pytest.mark.slow
 def test_thrift_control_row_adds_plain_python_and_no_spans(smoke: dict) -> None:
     """The python_work control row: thriftpy2's plain server with PYTHON_WORK_US of plain Python per call; its
     overhead over bare is reported beside the zoomer row's, and it exports nothing."""
@@ -117,6 +120,7 @@ def test_thrift_control_row_adds_plain_python_and_no_spans(smoke: dict) -> None:
     assert counters and all(c["python_work_us"] == 15.0 and c["loop_iterations"] >= 1 for c in counters)
 
 
+@pytest.mark.slow
 def test_gpu_extra_rows_are_measured_per_request(smoke: dict) -> None:
     rows = {r["what"]: r for r in smoke["extra_rows"]["gpu"]}
     assert set(smoke["extra_rows"]) == {"gpu"}
@@ -143,6 +147,7 @@ def test_a_kind_without_any_applicable_configuration_is_refused() -> None:
     assert proc.returncode == 2 and "thrift_echo" in proc.stderr
 
 
+@pytest.mark.slow
 def test_paired_phase_measures_every_configuration_against_bare_and_contrib(smoke: dict) -> None:
     """A paired phase per client thread count (1 and 8 calls in flight per server, every thread calling all
     servers in turn) gives each configuration calls and a CPU per request; the overhead is the median over rounds
@@ -207,6 +212,7 @@ def _check_paired(smoke: dict, kind: str, n: int, paired: dict) -> None:
         assert rows["echo:bare"]["spans_lost"] is None and rows["echo:bare"]["requests_answered"] > 0
 
 
+@pytest.mark.slow
 def test_thrift_p99_is_compared_with_the_grpc_interceptors_p99(smoke: dict) -> None:
     """Thrift latency target: zoomer's p99 ÷ bare's within 1.3 × the gRPC echo's zoomer p99 ÷ bare at 8 client
     threads, both from the slices of the same run."""
@@ -231,6 +237,7 @@ def test_the_markdown_prints_the_median_ratio_with_its_spread() -> None:
     assert overhead._median([3.0, 1.0, 2.0, 10.0]) == 2.5 and overhead._median([5.0, 1.0, 9.0]) == 5.0
 
 
+@pytest.mark.slow
 def test_paired_phases_run_first_on_the_fresh_servers_after_a_warm_up(
         smoke_run: subprocess.CompletedProcess[str]) -> None:
     """The paired phases (one per client thread count) run before the slices, so that they start with no export
@@ -252,6 +259,7 @@ def _dropped(smoke: dict, kind: str, name: str) -> int:
     return sum(c.get("dropped", 0) for service, c in counters.items() if service.startswith(f"bench-{kind}-{name}-r"))
 
 
+@pytest.mark.slow
 def test_smoke_every_request_reaches_the_collector_as_one_server_span(smoke: dict) -> None:
     """Every answered request is one stored span. The Thrift echo answers 10 000 to 30 000 calls a second, more
     than the export path encodes on 2 cores when neighbours load them (a CI run at load 7 stored 11 231 of
@@ -269,6 +277,7 @@ def test_smoke_every_request_reaches_the_collector_as_one_server_span(smoke: dic
         assert smoke[kind]["configs"]["bare"]["spans_lost"] is None
 
 
+@pytest.mark.slow
 def test_zoomer_export_helper_cpu_is_counted(smoke: dict) -> None:
     meta = smoke["meta"]
     assert meta["machine"]["cpus"] >= 1 and meta["mode"] == "smoke"
@@ -319,6 +328,7 @@ def test_percentile_is_nearest_rank() -> None:
     assert overhead.percentile([], 50) != overhead.percentile([], 50)  # NaN
 
 
+@pytest.mark.slow
 def test_tree_cpu_counts_a_live_child_and_then_its_reaped_time() -> None:
     burn = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass\n" \
            "import sys; sys.stdin.read()"

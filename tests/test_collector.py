@@ -324,6 +324,7 @@ def test_attribute_value_encoding(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("transport", ["grpc", "http"])
+@pytest.mark.slow
 def test_loses_nothing_it_acknowledged(tmp_path: Path, transport: str) -> None:
     with running_collector(tmp_path) as collector:
         provider = tracer_provider(collector, transport, batch=100)

@@ -104,6 +104,7 @@ def grpc_export(port: int, n: int = 3, metadata: tuple[tuple[str, str], ...] | N
             channel.close()
 
 
+@pytest.mark.slow
 def test_slow_clients_are_cut_off_by_whole_request_deadlines(tmp_path: Path) -> None:
     """C20: a body that stops after two bytes, a body trickled one byte at a time (inside any per-piece
     timeout), headers trickled the same way, a connection that never sends, and a keep-alive connection left
@@ -169,6 +170,7 @@ def hostile_clients(port: int, n: int) -> list[socket.socket]:
     return [connect(port, kinds[i % 3]) for i in range(n)]
 
 
+@pytest.mark.slow
 def test_a_thousand_slow_and_idle_clients_leave_exporters_served_and_threads_and_memory_bounded(
         tmp_path: Path) -> None:
     """C20: with 1,000 slow or idle clients connected, an OpenTelemetry SDK OTLP/HTTP export and a gRPC export
@@ -210,6 +212,7 @@ def test_a_thousand_slow_and_idle_clients_leave_exporters_served_and_threads_and
     assert stats["spans_received"] == 8 * 3 * 2 + 1 + 4
 
 
+@pytest.mark.slow
 def test_connections_past_the_limit_are_closed_at_once_counted_and_logged_once(tmp_path: Path) -> None:
     """C20: with --max-connections 20 and 20 idle connections open, five more are closed at once (counted,
     one log line for all); once there is room again, a good exporter is served."""
@@ -231,6 +234,7 @@ def test_connections_past_the_limit_are_closed_at_once_counted_and_logged_once(t
         s.close()
 
 
+@pytest.mark.slow
 def test_non_loopback_bind_needs_a_token_tls_or_the_open_flag(tmp_path: Path) -> None:
     """C20: a collector asked to listen on 0.0.0.0 with neither token nor TLS refuses to start (exit 1, one
     message naming what to set) unless told it is open; the ready line says which protection is on."""
@@ -260,6 +264,7 @@ def test_non_loopback_bind_needs_a_token_tls_or_the_open_flag(tmp_path: Path) ->
         ReceiverSecurity(tls_cert=tmp_path / "c.pem")
 
 
+@pytest.mark.slow
 def test_bearer_token_is_required_on_both_receivers_when_set(tmp_path: Path) -> None:
     """C20: with ZOOMER_COLLECTOR_TOKEN set, exports without the token or with a wrong one are refused (HTTP
     401 before the body is read, gRPC UNAUTHENTICATED) and counted; with it, the OpenTelemetry SDK exporter
@@ -302,6 +307,7 @@ def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
     return cert, key
 
 
+@pytest.mark.slow
 def test_tls_on_both_receivers(tmp_path: Path) -> None:
     """C20: with --tls-cert/--tls-key both receivers speak TLS only: HTTPS and a TLS gRPC channel trusting the
     certificate are stored; plaintext HTTP and plaintext gRPC get nothing stored."""
@@ -348,6 +354,7 @@ def test_cli_settings_come_from_flags_then_variables(monkeypatch: pytest.MonkeyP
         build_collector(args)
 
 
+@pytest.mark.slow
 def test_oversized_or_malformed_headers_are_refused_and_the_receiver_keeps_serving(tmp_path: Path) -> None:
     """C20: headers over the 16 KiB bound (arriving at once, or trickled past it) get 431, a request that is
     not HTTP gets 400, each with a closed connection; a good exporter is served next."""

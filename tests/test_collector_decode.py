@@ -137,6 +137,7 @@ def test_malformed_attribute_is_an_invalid_request(tmp_path: Path, raw: bytes) -
     assert stats.accepted == 0
 
 
+@pytest.mark.slow
 def test_flush_does_not_wait_out_the_linger(tmp_path: Path) -> None:
     store = Store(tmp_path / "s.duckdb", StoreConfig(batch_rows=1000, linger_s=600.0))
     try:
@@ -154,6 +155,7 @@ def _span_row(name: str, attributes: str = "{}") -> tuple[object, ...]:
             "{}", "[]", "[]", 3)
 
 
+@pytest.mark.slow
 def test_write_returns_once_committed_and_reports_refused_rows(tmp_path: Path) -> None:
     """C17: Store.write answers after the commit (its rows are counted written when it returns); a row DuckDB
     refuses (invalid JSON) is reported to that writer as failed, its neighbours are written."""

@@ -96,6 +96,7 @@ def test_sigkill_keeps_every_acknowledged_span_and_point(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("how", list(SIGNALS))
+@pytest.mark.slow
 def test_stopped_by_signal_keeps_everything_acknowledged(tmp_path: Path, how: str) -> None:
     """C12: ``zoomer-serve collector`` stopped by Ctrl+C (SIGINT to its process group), SIGTERM to its pid,
     or SIGTERM to its process group while exporters are sending: exit 0, no traceback, a ``stopped`` line

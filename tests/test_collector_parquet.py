@@ -67,6 +67,7 @@ def _as_store(dataset: str, path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_two_collectors_write_side_by_side_and_report_reads_the_dataset(tmp_path: Path) -> None:
     """Two collectors (their own staging files) rotate into one folder every 0.2 s while four SDK exporters send
     over gRPC and HTTP; on stop everything acknowledged is in the dataset once, hive-partitioned, in files named
@@ -111,6 +112,7 @@ def test_two_collectors_write_side_by_side_and_report_reads_the_dataset(tmp_path
         [f.to_dict() | {"source": ""} for f in analyze_store(store)]
 
 
+@pytest.mark.slow
 def test_report_and_analyze_read_a_dataset_in_s3(tmp_path: Path, s3: S3) -> None:
     """A collector rotating into ``s3://`` (moto's S3 server, s3fs); ``zoomer-serve report --store s3://...`` and
     ``analyze --store s3://...`` in fresh processes read it through fsspec (DuckDB fetches no extension)."""
@@ -218,6 +220,7 @@ def test_a_rotation_that_dies_after_uploading_is_redone_under_the_same_names(tmp
     store.close()
 
 
+@pytest.mark.slow
 def test_a_failed_upload_keeps_the_rows_staged_until_it_works(tmp_path: Path) -> None:
     blocked = tmp_path / "dataset"
     blocked.write_text("a file where the dataset's folder should be")

@@ -13,6 +13,7 @@ import pytest
 from zoomer_serve.processes import wait_for_event
 
 
+@pytest.mark.slow
 def test_demo_runs_the_whole_flow_and_every_call_becomes_a_span(tmp_path):
     store = tmp_path / "demo.duckdb"
     proc = subprocess.run([sys.executable, "-m", "zoomer_serve", "demo", "--store", str(store),
@@ -46,6 +47,7 @@ def test_demo_runs_the_whole_flow_and_every_call_becomes_a_span(tmp_path):
 
 
 @pytest.mark.parametrize("server", ["sync", "aio"])
+@pytest.mark.slow
 def test_serve_demo_drains_and_flushes_on_sigterm(collector, tmp_path, server):
     env = dict(os.environ, OTEL_EXPORTER_OTLP_ENDPOINT=collector.grpc_endpoint, OTEL_SERVICE_NAME="ranker-t",
                OTEL_BSP_SCHEDULE_DELAY="60000")  # nothing is sent before shutdown: the flush must do it
@@ -75,6 +77,7 @@ def test_serve_demo_drains_and_flushes_on_sigterm(collector, tmp_path, server):
     ["serve-demo", "--port", "99999"], ["serve-demo", "--port", "-5"], ["serve-demo", "--grace-s", "-3"],
     ["profile", "start", "--target", "127.0.0.1:1", "--requests", "-3"],
 ])
+@pytest.mark.slow
 def test_bad_command_line_values_are_refused_before_anything_starts(argv):
     proc = subprocess.run([sys.executable, "-m", "zoomer_serve", *argv], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2

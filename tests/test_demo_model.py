@@ -78,6 +78,7 @@ def test_same_input_same_scores() -> None:
         assert torch.equal(model(dense, ids), model(dense, ids))
 
 
+@pytest.mark.slow
 def test_sparse_input_forms_agree() -> None:
     model = build_model(SMALL, device="cpu")
     dense, ids = _inputs(SMALL, 6)

@@ -253,6 +253,7 @@ def test_make_request_is_reproducible() -> None:
     assert make_request(_rng(9), 5, CFG) != make_request(_rng(10), 5, CFG)
 
 
+@pytest.mark.slow
 def test_drive_load_counts_both_methods_and_invalid_calls(server_port: int) -> None:
     seen: list[LoadProgress] = []
     result = drive_load(

@@ -345,6 +345,7 @@ def compose_cli() -> tuple[list[str] | None, str]:
     return None, "; ".join(found) or "neither docker (with the compose plugin) nor docker-compose is on PATH"
 
 
+@pytest.mark.slow
 def test_compose_cli_accepts_the_stack_with_every_profile_and_the_gpu_override() -> None:
     cli, why = compose_cli()
     if cli is None:
@@ -851,6 +852,7 @@ def test_healthcheck_passes_against_the_running_embedded_collector(collector: An
     assert (done.returncode, done.stderr) == (0, "")
 
 
+@pytest.mark.slow
 def test_healthcheck_fails_naming_the_target_that_did_not_answer(collector: Any, http_server: Any) -> None:
     port = closed_port()
     http_port, state = http_server
@@ -866,6 +868,7 @@ def test_healthcheck_fails_naming_the_target_that_did_not_answer(collector: Any,
     assert lines[2].endswith(f"http://127.0.0.1:{http_port}/: HTTP status 503")
 
 
+@pytest.mark.slow
 def test_healthcheck_http_and_wait(http_server: Any, healthcheck_module: ModuleType) -> None:
     http_port, state = http_server
     target = healthcheck_module.parse_target(f"http://127.0.0.1:{http_port}/")

@@ -25,6 +25,7 @@ def _record_spans(n: int, name: str = "svc.S/M") -> None:
     ("grpc", "thread", "gzip"),
     ("http/protobuf", "thread", "gzip"),
 ])
+@pytest.mark.slow
 def test_protocols_modes_and_compression_deliver_every_span(collector, monkeypatch, protocol, mode, compression):
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", compression)
     endpoint = collector.http_endpoint if protocol == "http/protobuf" else collector.grpc_endpoint
@@ -255,6 +256,7 @@ def test_exporter_self_metrics_count_exported_spans(collector):
     assert exported and max(p["value"] for p in exported) == 30
 
 
+@pytest.mark.slow
 def test_shutdown_budget_shorter_than_the_export_timeout_is_kept(caplog):
     """C03: shutdown(timeout_s) bounds the whole shutdown (helper process and SDK providers) even when the
     OTLP timeout is longer and the collector is unreachable, and the helper still reports its counters."""

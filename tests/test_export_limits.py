@@ -10,6 +10,7 @@ from concurrent import futures
 from typing import Any
 
 import grpc
+import pytest
 from _never_lost import note
 
 import zoomer_serve
@@ -40,6 +41,7 @@ def _serve(recorder: Any) -> tuple[grpc.Server, int]:
     return server, port
 
 
+@pytest.mark.slow
 def test_bursts_of_huge_exceptions_and_attributes_never_stop_export(collector, monkeypatch):
     """C14: handlers raise exceptions with 100 KB and 1 MB messages in bursts, and set 200 attributes of 10 KB,
     between ordinary calls: every call has its span (the ordinary ones before and after the burst too); exception
@@ -113,6 +115,7 @@ def test_exception_text_is_bounded_by_default_keeping_the_end_of_the_stack(colle
     assert len(stack) < 8192 + 100 and "ValueError: boom boom" in stack and "in _handler" in stack
 
 
+@pytest.mark.slow
 def test_a_killed_helper_is_started_again_and_what_it_took_is_counted(collector):
     """C14: the export helper process is killed (OOM killer, ``kill -9``) with spans in it: the server starts a
     new one, later spans arrive, and the spans the dead one took are counted (``lost_in_helper``), never

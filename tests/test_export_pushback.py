@@ -60,6 +60,7 @@ def _warnings(caplog, needle: str) -> list[str]:
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.slow
 def test_partial_success_counts_rejected_spans_as_dropped_and_logs_its_message_once(protocol, caplog):
     """C15: two partial successes (3 and 2 spans rejected) of 100 spans in two requests: 95 exported, 5
     dropped as ``rejected``, nothing retried, the message logged once, the counters agree."""
@@ -79,6 +80,7 @@ def test_partial_success_counts_rejected_spans_as_dropped_and_logs_its_message_o
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.slow
 def test_metrics_partial_success_counts_rejected_points_and_logs_its_message_once(protocol, caplog):
     """C15: metric exports answered with ``rejected_data_points``: counted in the stats, logged once."""
     script = [Reply(rejected=4, message="point limit reached")] * 2
@@ -103,6 +105,7 @@ def test_metrics_partial_success_counts_rejected_points_and_logs_its_message_onc
     ("grpc", Reply(grpc_code="INVALID_ARGUMENT", message="bad data")),
     ("http/protobuf", Reply(http_status=400, message="bad data")),
 ])
+@pytest.mark.slow
 def test_an_error_that_is_not_retryable_is_sent_once_and_its_spans_are_counted(protocol, reply):
     """C15: RESOURCE_EXHAUSTED without RetryInfo is not retryable (nor are INVALID_ARGUMENT, HTTP 400): one
     request, every span counted as ``export_failed``."""
@@ -121,6 +124,7 @@ def test_an_error_that_is_not_retryable_is_sent_once_and_its_spans_are_counted(p
     ("http/protobuf", Reply(http_status=429, retry_s=1)),
     ("http/protobuf", Reply(http_status=503, retry_s=1)),
 ])
+@pytest.mark.slow
 def test_the_retry_delay_the_server_names_is_honoured(protocol, reply):
     """C15: RetryInfo (gRPC RESOURCE_EXHAUSTED or UNAVAILABLE) and Retry-After (HTTP 429, 503): the retry
     comes no sooner than the delay named (the default back-off would retry after 0.1 s), and succeeds."""
@@ -136,6 +140,7 @@ def test_the_retry_delay_the_server_names_is_honoured(protocol, reply):
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.slow
 def test_the_last_flush_at_shutdown_retries_within_its_budget(protocol):
     """C15: spans still pending at shutdown (no scheduled export came first) meet a throttled collector: the
     shutdown's own flush honours the delay within its budget instead of dropping them."""
@@ -152,6 +157,7 @@ def test_the_last_flush_at_shutdown_retries_within_its_budget(protocol):
     ("grpc", Reply(grpc_code="RESOURCE_EXHAUSTED", retry_s=60)),
     ("http/protobuf", Reply(http_status=503, retry_s=60)),
 ])
+@pytest.mark.slow
 def test_a_retry_delay_past_the_export_timeout_gives_up_at_once_and_counts(protocol, reply):
     """C15: a delay that ends past the export timeout (2 s) is not waited for: the worker gives up at once
     (its counters say so long before the delay would end) and counts the spans as failed."""
@@ -170,6 +176,7 @@ def test_a_retry_delay_past_the_export_timeout_gives_up_at_once_and_counts(proto
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.slow
 def test_a_request_refused_for_its_size_is_split_in_halves_and_a_span_too_large_alone_is_counted(protocol):
     """C15: a receiver that refuses requests over 50 kB (gRPC RESOURCE_EXHAUSTED "larger than max", HTTP
     413): the worker sends halves until they fit; every ordinary span arrives, the one 60 kB span is dropped
@@ -219,6 +226,7 @@ def test_retry_after_reads_delay_seconds_and_http_dates():
     assert retry_after_s(None) is None
 
 
+@pytest.mark.slow
 def test_an_http_date_retry_after_is_honoured():
     """C15: HTTP 429 with ``Retry-After`` as an HTTP date in the past: retried at once, and accepted."""
     with ScriptedOtlp("http/protobuf", traces=[Reply(http_status=429, retry_after="Wed, 21 Oct 2015 07:28:00 GMT")]

@@ -87,6 +87,7 @@ def test_a_burst_of_large_spans_goes_out_as_several_requests_each_within_the_bou
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("max_request_bytes", [DEFAULT_MAX_REQUEST_BYTES, 256 * 1024])
+@pytest.mark.slow
 def test_spans_with_1mb_attributes_between_ordinary_ones_never_stop_export(tmp_path, protocol, max_request_bytes):
     """C14: 300 ordinary spans with five 1 MB spans among them, to the embedded collector limited to
     512 KiB per request. With the default bound the collector refuses the big requests (RESOURCE_EXHAUSTED /
@@ -158,6 +159,7 @@ def test_metric_points_pack_into_requests_within_the_bound_and_keep_every_point(
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.slow
 def test_rpc_metrics_at_their_attribute_set_cap_arrive_whole_at_a_4mib_collector(tmp_path, protocol):
     """C14: 3,400 methods make 10,200 attribute sets, over the 10,000 cap (the rest go to the overflow set);
     encoded as one request they would be over 4 MiB. The worker sends them in several requests to the

@@ -78,6 +78,7 @@ def _check_report(report: dict[str, Any], truth: FleetTruth, replicas: int) -> N
             assert kinds <= {m for inst, m in metrics if inst == instance_name(n)}, (n, metrics)
 
 
+@pytest.mark.slow
 def test_the_fleet_job_names_exactly_the_injected_replicas(fleet: tuple[Path, FleetTruth], tmp_path: Path) -> None:
     """``zoomer-serve fleet analyze`` (local engine, 2 workers) on 120 replicas: outliers, kernel mix and
     failures as injected; results as Parquet next to the data; the HTML report with three heat maps, the ranked
@@ -192,6 +193,7 @@ def test_robust_statistics() -> None:
         robust([])
 
 
+@pytest.mark.slow
 def test_since(fleet: tuple[Path, FleetTruth], tmp_path: Path) -> None:
     """Artifacts and spans before ``--since`` are left out: a day after the fleet's window, nothing is left."""
     root, _ = fleet
@@ -220,6 +222,7 @@ def _flaky(task: tuple[str, str, int]) -> str:
     return f"{kind} ok after {runs + 1}"
 
 
+@pytest.mark.slow
 def test_the_local_engine_retries_storage_errors_and_dead_workers_not_bad_data(tmp_path: Path) -> None:
     tasks = [(str(tmp_path / "a"), "oserror", 2), (str(tmp_path / "b"), "value", 1),
              (str(tmp_path / "d"), "oserror", 5)]
@@ -233,6 +236,7 @@ def test_the_local_engine_retries_storage_errors_and_dead_workers_not_bad_data(t
     assert (crashed.result, crashed.error, crashed.attempts) == ("crash ok after 2", "", 2)
 
 
+@pytest.mark.slow
 def test_the_fleet_in_s3(s3: S3, tmp_path: Path) -> None:
     """40 replicas in a bucket (moto's S3 server): the same conclusions, and the results go to the bucket."""
     _need_base_trace()
@@ -253,6 +257,7 @@ def _check_report_small(report: dict[str, Any], truth: FleetTruth) -> None:
     assert {x["artifact"] for x in report["failed"]} == truth.failed_traces
 
 
+@pytest.mark.slow
 def test_the_ray_engine_on_a_local_cluster(tmp_path: Path) -> None:
     """A real local Ray instance (2 CPUs) runs the tasks: the same conclusions as the local engine, the corrupt
     artifact reported with its error (Ray does not retry a ValueError)."""
@@ -274,6 +279,7 @@ def test_the_ray_engine_on_a_local_cluster(tmp_path: Path) -> None:
                                                                       for o in report.outliers]
 
 
+@pytest.mark.slow
 def test_the_benchmark_runs_end_to_end() -> None:
     """benchmarks/fleet.py on a fleet of 12 (no timing asserted): the documented figures, the injected replicas
     named."""

@@ -300,6 +300,7 @@ def test_snapshot_in_a_busy_server_is_written_off_the_request_path_within_its_bu
     assert result.trace_entries == sum(len(t) for t in snap["device_traces"])
 
 
+@pytest.mark.slow
 def test_a_failed_snapshot_is_an_error_and_a_hung_one_times_out_without_leaving_a_file(tmp_path):
     """C07: a failing dump raises SnapshotError, an empty one too, a hanging one SnapshotTimeout within its
     budget (and its partial file is removed when the worker finishes)."""

@@ -36,6 +36,7 @@ def _latest(points, **attrs):
     return max(hits, key=lambda p: p["time_ns"])
 
 
+@pytest.mark.slow
 def test_every_metric_reaches_the_store_with_hardware_attributes(telemetry, collector):
     clock = [100.0]
     nvml = FakeNvml([FakeGpu(processes=[(os.getpid(), 3 * GiB), (1, 5 * GiB)])])

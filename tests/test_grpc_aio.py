@@ -40,6 +40,7 @@ def _server_spans(collector):
 
 
 @pytest.mark.parametrize("method", ["BidiStreamRW", "BidiStream"])
+@pytest.mark.slow
 def test_c01_bidi_stream_both_handler_styles(aio_echo, collector, method):
     """C01: stream-stream in read/write style (await context.read()/write(), returns nothing) and as an async
     generator: every message delivered unchanged, OK, exactly one span per call, ended after the last message
@@ -64,6 +65,7 @@ def test_c01_bidi_stream_both_handler_styles(aio_echo, collector, method):
 
 
 @pytest.mark.parametrize("method", ["ServerStreamRW", "ServerStream"])
+@pytest.mark.slow
 def test_c01_server_stream_both_handler_styles(aio_echo, collector, method):
     """C01: unary-stream written through context.write() (returning None) or yielded: the span counts the
     messages and ends after the last one (4 messages, 50 ms apart)."""
@@ -76,6 +78,7 @@ def test_c01_server_stream_both_handler_styles(aio_echo, collector, method):
     assert span["duration_ns"] >= 4 * 50_000_000
 
 
+@pytest.mark.slow
 def test_c01_client_stream_read_style(aio_echo, collector):
     """C01: stream-unary that reads with await context.read() until EOF: the reads are counted."""
     _, client, _ = aio_echo
@@ -87,6 +90,7 @@ def test_c01_client_stream_read_style(aio_echo, collector):
     assert (attrs["zoomer.rpc.response.messages"], attrs["zoomer.rpc.response.bytes"]) == (1, 8)
 
 
+@pytest.mark.slow
 def test_c01_async_health_watch_stream(aio_echo, collector, telemetry):
     """C01: the async health service (grpc_health.v1.health.aio) traced: Watch writes through
     context.write() until the client cancels; Check answers or aborts NOT_FOUND without details."""
@@ -146,6 +150,7 @@ def test_abort_reaches_client_unchanged_and_the_span_is_ended_first(cmd, code, d
         assert records[0][rec.R_STATUS] == rec.STATUS_UNSET
 
 
+@pytest.mark.slow
 def test_200_concurrent_streams_some_cancelled_mid_stream(aio_echo, collector, telemetry):
     """200 concurrent server-streaming calls (both handler styles) from an aio client; every third is
     cancelled by the client after its first message (counted on the server: a message handed to grpc counts,
@@ -216,6 +221,7 @@ def test_each_method_handler_is_wrapped_once():
 
 # -- the demo model on the aio server -----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_demo_ranker_on_aio_server_same_spans_and_phases(telemetry, collector):
     """serve_aio_forever (the CLI's entry) serves the demo Ranker: the same responses and errors as the sync
     server, a request span per call with server.port, and the model's phases as its children (the model runs

@@ -8,7 +8,7 @@ in unary calls and in the middle of client and bidirectional streams; and bidire
 client cancels. Each test counts: calls sent, SERVER spans stored and ``rpc.server.call.duration`` counts,
 each with the status the client got.
 
-What grpc lets Python see (README.md, gRPC section): a unary request over the size limit is answered
+What grpc lets Python see (docs/wrapping-servers.md, "Calls that fail before the handler"): a unary request over the size limit is answered
 RESOURCE_EXHAUSTED by grpc's core before any Python code of the call runs, so it has no span and no count
 (:func:`test_c16_unary_request_over_the_size_limit_is_not_seen` asserts exactly that and fails the day grpc
 gives it a hook); in a request stream the handler sees that as a cancel, so the span ends CANCELLED."""
@@ -145,6 +145,7 @@ def _metric_codes(collector, method: str) -> Counter:
     return counts
 
 
+@pytest.mark.slow
 def test_c16_undecodable_and_oversized_requests_among_good_ones_are_counted_with_their_status(
         typed, collector, flavour, caplog):
     """C16: N calls of each kind, interleaved; every call the server answers has one span and one count, with
@@ -182,10 +183,11 @@ def test_c16_undecodable_and_oversized_requests_among_good_ones_are_counted_with
         assert "DecodeError" in str(span["events"][0]["attributes"])
 
 
+@pytest.mark.slow
 def test_c16_unary_request_over_the_size_limit_is_not_seen(typed, collector):
     """C16, the part grpc keeps from Python: a unary request over ``grpc.max_receive_message_length`` is
     answered RESOURCE_EXHAUSTED by grpc's core; neither the handler nor the deserializer runs, so there is no
-    span and no count (README.md says so). The day grpc gives Python a hook for it, this test fails."""
+    span and no count (docs/wrapping-servers.md says so). The day grpc gives Python a hook for it, this test fails."""
     unary = typed.unary_unary(f"/{SERVICE}/Unary")
     codes = Counter(_code_of(lambda: unary(OVERSIZED, timeout=CALL_TIMEOUT_S)) for _ in range(5))
     assert codes == {"RESOURCE_EXHAUSTED": 5}
@@ -194,6 +196,7 @@ def test_c16_unary_request_over_the_size_limit_is_not_seen(typed, collector):
     assert _metric_codes(collector, "Unary") == {"OK": 1}
 
 
+@pytest.mark.slow
 def test_c16_cancelled_bidi_streams_end_cancelled(typed, collector, flavour):
     """C16: bidirectional streams cancelled by the client after the first reply, while the handler waits for
     the next message; several clients at once, so that grpc's server thread has a queue of events. The cancel
@@ -226,13 +229,14 @@ def test_c16_cancelled_bidi_streams_end_cancelled(typed, collector, flavour):
     assert _metric_codes(collector, "Chat") == expected
 
 
+@pytest.mark.slow
 def test_c16_aio_bidi_handler_that_returns_at_the_end_of_its_requests_mostly_ends_cancelled(telemetry, collector):
     """C16, grpc.aio: a client's cancel reaches grpc.aio twice, as the end of the request stream and as the
     cancel of the handler's task, and Python is told nothing else. A handler that returns as soon as its
     request stream ends (``async for ... yield``) usually sees the end first; grpc's status then fails
     silently. Without the interceptor's one yield to the event loop before it calls such a stream complete,
     half to five in six of these spans said OK (2-core machine, idle to loaded); with it 90 to 99 in 100 end
-    CANCELLED (the rest are calls grpc.aio gives no sign of: README.md). This asserts at least three in four."""
+    CANCELLED (the rest are calls grpc.aio gives no sign of: docs/wrapping-servers.md). This asserts at least three in four."""
     server, target = grpc_echo_aio.start_server([ZoomerAioServerInterceptor()])
     channel = grpc.insecure_channel(target)
     bidi = channel.stream_stream("/test.Echo/BidiStream")  # async for request: yield reply

@@ -109,6 +109,7 @@ def _pair(collector):
 
 
 @pytest.mark.parametrize("client_kind", ["sync", "aio"])
+@pytest.mark.slow
 def test_client_span_is_parent_of_server_span_in_one_trace(server, collector, client_kind):
     assert _call(server, client_kind, UNARY, b"hello") == b"hello"
     client, srv = _pair(collector)
@@ -127,6 +128,7 @@ def test_client_span_is_parent_of_server_span_in_one_trace(server, collector, cl
 
 
 @pytest.mark.parametrize("client_kind", ["sync", "aio"])
+@pytest.mark.slow
 def test_error_code_makes_client_span_error_but_not_server_span(server, collector, client_kind):
     err = _call(server, client_kind, UNARY, b"invalid")
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -139,6 +141,7 @@ def test_error_code_makes_client_span_error_but_not_server_span(server, collecto
 
 
 @pytest.mark.parametrize("client_kind", ["sync", "aio"])
+@pytest.mark.slow
 def test_streaming_kinds_count_messages_and_keep_parentage(aio_server, collector, client_kind):
     assert _call(aio_server, client_kind, "/test.Echo/ServerStream", b"n:3", "unary_stream") == [b"m0", b"m1", b"m2"]
     assert _call(aio_server, client_kind, "/test.Echo/ClientStream", iter([b"a", b"bb"]), "stream_unary") == b"a|bb"
@@ -160,6 +163,7 @@ def test_streaming_kinds_count_messages_and_keep_parentage(aio_server, collector
 
 
 @pytest.mark.parametrize("client_kind", ["sync", "aio"])
+@pytest.mark.slow
 def test_client_cancelling_a_stream(aio_server, collector, telemetry, client_kind):
     watch = SpanWatch(telemetry.recorder)
     if client_kind == "sync":
@@ -184,6 +188,7 @@ def test_client_cancelling_a_stream(aio_server, collector, telemetry, client_kin
     assert srv["parent_span_id"] == client["span_id"]
 
 
+@pytest.mark.slow
 def test_current_otel_span_is_parent_of_client_span(server, collector, telemetry):
     tracer = telemetry.tracer_provider.get_tracer("test")
     with tracer.start_as_current_span("locust.task") as outer:
@@ -198,6 +203,7 @@ def test_current_otel_span_is_parent_of_client_span(server, collector, telemetry
     assert len({user["trace_id"], client["trace_id"], srv["trace_id"]}) == 1
 
 
+@pytest.mark.slow
 def test_server_calling_another_server_one_trace(telemetry, collector):
     """An aio front server whose handler calls a sync back server through the aio client interceptors:
     front SERVER -> CLIENT -> back SERVER, one trace."""
@@ -317,6 +323,7 @@ def test_w3c_headers_on_the_wire(client_kind):
     assert got_own_baggage["baggage"] == "tenant=caller"
 
 
+@pytest.mark.slow
 def test_client_duration_metric(server, collector):
     for _ in range(4):
         assert _call(server, "sync", UNARY, b"x") == b"x"

@@ -91,6 +91,7 @@ def test_n_unary_calls_give_n_server_spans(echo, collector):
     assert sum(s["attributes"]["zoomer.rpc.response.bytes"] for s in spans) == sent
 
 
+@pytest.mark.slow
 def test_client_traceparent_makes_server_span_its_child(echo, collector):
     trace_id, parent_id = 0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7
     md = (("traceparent", format_traceparent(trace_id, parent_id, 1)), ("tracestate", "vendor=abc"))
@@ -103,6 +104,7 @@ def test_client_traceparent_makes_server_span_its_child(echo, collector):
 @pytest.mark.parametrize("garbage", ["00-zzzz", "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
                                      "00-00000000000000000000000000000000-00f067aa0ba902b7-01", "x" * 600,
                                      "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra"])
+@pytest.mark.slow
 def test_garbage_traceparent_starts_a_new_trace_and_never_fails_the_call(echo, collector, garbage):
     assert echo.unary(b"x", metadata=(("traceparent", garbage),)) == b"x"
     (span,) = collector.spans("SERVER")
@@ -110,6 +112,7 @@ def test_garbage_traceparent_starts_a_new_trace_and_never_fails_the_call(echo, c
     assert _code(span) == "OK"
 
 
+@pytest.mark.slow
 def test_unsampled_parent_exports_no_span_but_counts_the_call(echo, collector):
     md = (("traceparent", format_traceparent(0xABC, 0xDEF, 0)),)
     for _ in range(3):
@@ -129,6 +132,7 @@ def test_unsampled_parent_exports_no_span_but_counts_the_call(echo, collector):
     (b"internal", grpc.StatusCode.INTERNAL, "ERROR", "INTERNAL"),
     (b"raise", grpc.StatusCode.UNKNOWN, "ERROR", "ValueError"),
 ])
+@pytest.mark.slow
 def test_status_paths(echo, collector, request_bytes, code, span_status, error_type):
     with pytest.raises(grpc.RpcError) as info:
         echo.unary(request_bytes)
@@ -141,6 +145,7 @@ def test_status_paths(echo, collector, request_bytes, code, span_status, error_t
     assert events == (["exception"] if request_bytes == b"raise" else [])
 
 
+@pytest.mark.slow
 def test_abort_with_status_passes_trailing_metadata_unchanged(echo, collector):
     with pytest.raises(grpc.RpcError) as info:
         echo.unary(b"abortstatus")
@@ -150,6 +155,7 @@ def test_abort_with_status_passes_trailing_metadata_unchanged(echo, collector):
     assert _code(span) == "FAILED_PRECONDITION"
 
 
+@pytest.mark.slow
 def test_exception_is_recorded_then_reraised_unchanged(echo, collector):
     with pytest.raises(grpc.RpcError) as info:
         echo.unary(b"raise")
@@ -161,6 +167,7 @@ def test_exception_is_recorded_then_reraised_unchanged(echo, collector):
     assert "handler exploded" in span["status_message"]
 
 
+@pytest.mark.slow
 def test_deadline_exceeded(echo, collector, telemetry):
     watch = SpanWatch(telemetry.recorder)
     with pytest.raises(grpc.RpcError) as info:
@@ -212,6 +219,7 @@ class _HoldingProxy:
         self.listener.close()
 
 
+@pytest.mark.slow
 def test_deadline_passed_at_the_client_first_is_deadline_exceeded(telemetry, start_echo, collector):
     """The server's deadline is the client's plus the request's way there (grpc sends the time left), so a slow
     way in lets the cancel that the client sends at its own deadline reach the server first, with time left on
@@ -236,6 +244,7 @@ def test_deadline_passed_at_the_client_first_is_deadline_exceeded(telemetry, sta
     assert spans[1]["status_code"] == "ERROR"
 
 
+@pytest.mark.slow
 def test_client_cancellation(echo, collector, telemetry):
     watch = SpanWatch(telemetry.recorder)
     future = echo.unary.future(b"sleep")
@@ -247,6 +256,7 @@ def test_client_cancellation(echo, collector, telemetry):
     assert span["status_code"] == "UNSET"
 
 
+@pytest.mark.slow
 def test_unknown_method_passes_through_as_unimplemented(echo, collector):
     """C02: a call to a method that no servicer registered."""
     before = sum(internal_error_counts().values())
@@ -263,6 +273,7 @@ def test_unknown_method_passes_through_as_unimplemented(echo, collector):
     assert [s["name"] for s in spans] == [METHOD]  # no span for the unknown methods, none with a wrong code
 
 
+@pytest.mark.slow
 def test_server_stream_span_ends_after_last_message(echo, collector, telemetry):
     """Not when the handler first returned (it returns a generator at once): the span counted all four messages
     as they were handed to gRPC, so it ended after the last, and it lasted the handler's four 50 ms sleeps. (A
@@ -287,6 +298,7 @@ def test_server_stream_error_after_messages(echo, collector):
     assert span["attributes"]["error.type"] == "RuntimeError"
 
 
+@pytest.mark.slow
 def test_server_stream_cancelled_mid_stream(echo, collector, telemetry):
     watch = SpanWatch(telemetry.recorder)
     call = echo.server_stream(b"slow:40")
@@ -298,6 +310,7 @@ def test_server_stream_cancelled_mid_stream(echo, collector, telemetry):
     assert span["attributes"]["zoomer.rpc.response.messages"] < 40
 
 
+@pytest.mark.slow
 def test_client_and_bidi_streams(echo, collector):
     assert echo.client_stream(iter([b"a", b"bb", b"ccc"])) == b"a|bb|ccc"
     assert list(echo.bidi(iter([b"x", b"y"]))) == [b"X", b"Y"]
@@ -309,6 +322,7 @@ def test_client_and_bidi_streams(echo, collector):
     assert {_code(s) for s in spans.values()} == {"OK"}
 
 
+@pytest.mark.slow
 def test_phases_are_child_spans(echo, collector):
     assert echo.unary(b"phases") == b"ok"
     spans = collector.spans()
@@ -322,6 +336,7 @@ def test_phases_are_child_spans(echo, collector):
     assert phases["preprocess"]["duration_ns"] >= 2_000_000
 
 
+@pytest.mark.slow
 def test_user_otel_spans_become_children(echo, collector, telemetry):
     grpc_echo._TRACER_PROVIDER[0] = telemetry.tracer_provider
     assert echo.unary(b"user_span") == b"ok"
@@ -332,6 +347,7 @@ def test_user_otel_spans_become_children(echo, collector, telemetry):
     assert user["parent_span_id"] == req["span_id"]
 
 
+@pytest.mark.slow
 def test_excluded_methods_are_not_traced(telemetry, collector, start_echo):
     server, target = start_echo(excluded_methods=("test.Echo/Server*",))
     client = grpc_echo.Client(target)
@@ -378,6 +394,7 @@ def test_broken_sink_fails_open(start_echo):
         server.stop(None)
 
 
+@pytest.mark.slow
 def test_collector_down_every_rpc_succeeds_and_shutdown_is_bounded(caplog, tmp_path, start_echo):
     """C03: the OTLP exporter points at a closed loopback port while requests flow, then shutdown."""
     import socket
@@ -408,6 +425,7 @@ def test_collector_down_every_rpc_succeeds_and_shutdown_is_bounded(caplog, tmp_p
     assert tel.pipeline is not None and tel.pipeline.helper_pid is not None
 
 
+@pytest.mark.slow
 def test_dup_semconv_emits_old_names_too(telemetry, collector, start_echo):
     server, target = start_echo(semconv_dup=True)
     client = grpc_echo.Client(target)
@@ -423,6 +441,7 @@ def test_dup_semconv_emits_old_names_too(telemetry, collector, start_echo):
     assert attrs["rpc.grpc.status_code"] == 3 and attrs["rpc.response.status_code"] == "INVALID_ARGUMENT"
 
 
+@pytest.mark.slow
 def test_request_bytes_are_the_bytes_received_not_the_message_encoded_again(telemetry, collector):
     """Sync server, protobuf request: ``zoomer.rpc.request.bytes`` is the size of the request as received (grpc
     hands those bytes to the deserializer), not ``ByteSize()`` of the parsed message, which encodes it again

@@ -8,6 +8,8 @@ import sqlite3
 import subprocess
 import sys
 
+import pytest
+
 
 def test_collector_answers_a_huge_declared_body_at_once(collector):
     """A client that declares gigabytes and sends one byte gets 413 without the collector waiting for the
@@ -23,6 +25,7 @@ def test_collector_answers_a_huge_declared_body_at_once(collector):
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")
 
 
+@pytest.mark.slow
 def test_report_on_a_sqlite_file_does_not_reach_for_the_network(tmp_path):
     """DuckDB would try to download its sqlite extension to read such a file; zoomer-serve turns that off."""
     path = tmp_path / "other.db"
@@ -37,6 +40,7 @@ def test_report_on_a_sqlite_file_does_not_reach_for_the_network(tmp_path):
     assert str(path) in proc.stderr
 
 
+@pytest.mark.slow
 def test_report_on_a_duckdb_file_with_other_columns_says_so(tmp_path):
     import duckdb
 

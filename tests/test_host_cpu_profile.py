@@ -180,6 +180,7 @@ def cpu_bound_demo_server(collector: Any, profiles_dir: Path, **env: str
             proc.wait()
 
 
+@pytest.mark.slow
 def test_py_spy_profiles_the_session_and_analyze_names_the_cpu_bound_function(collector: Any, tmp_path: Path) -> None:
     """The server's own CPU profiler (the controller's default companion in ``serve-demo``), at 100 Hz
     (``ZOOMER_CPU_PROFILE_RATE_HZ``) instead of the default 19 Hz so that the short session gets enough samples
@@ -232,6 +233,7 @@ def test_py_spy_profiles_the_session_and_analyze_names_the_cpu_bound_function(co
     assert 0 < finding.evidence["request_cpu_share"] <= 1.0
 
 
+@pytest.mark.slow
 def test_without_py_spy_the_in_process_sampler_profiles_and_the_reason_is_said_once(
         model: DLRM, telemetry: Any, collector: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """py-spy missing (``ZOOMER_CPU_PROFILE_PYSPY`` names no binary): two sessions complete with their kernel
@@ -269,6 +271,7 @@ def test_without_py_spy_the_in_process_sampler_profiles_and_the_reason_is_said_o
     assert any(caught), "the slow preprocessing was in no session's busy samples"
 
 
+@pytest.mark.slow
 def test_py_spy_that_cannot_attach_leaves_the_session_with_its_kernel_trace_and_the_reason(
         model: DLRM, telemetry: Any, collector: Any, tmp_path: Path) -> None:
     """``ZOOMER_CPU_PROFILE=py-spy`` (no fallback) and a py-spy that fails to attach as it does without ptrace
@@ -306,6 +309,7 @@ class _StopWatcher:
         return {"test.companion.stops": len(self.profiler_running_at_stop)}
 
 
+@pytest.mark.slow
 def test_the_cpu_sampler_stops_before_the_kernel_profiler_so_the_profilers_own_stop_is_not_sampled(
         model: DLRM, telemetry: Any, tmp_path: Path) -> None:
     """Companions stop once the covered requests ended and before the kernel profiler stops: its stop takes
@@ -348,6 +352,7 @@ def _spin_for(seconds: float) -> int:
     return x
 
 
+@pytest.mark.slow
 def test_in_process_sampler_separates_a_busy_thread_from_a_waiting_one(tmp_path: Path) -> None:
     release = threading.Event()
     waiter = threading.Thread(target=release.wait, args=(10,), name="waiter")

@@ -44,6 +44,7 @@ def latest(points: list[dict[str, Any]]) -> dict[tuple[tuple[str, Any], ...], di
     return out
 
 
+@pytest.mark.slow
 def test_system_and_process_metrics_reach_the_store_with_conventional_names_units_and_attributes(
         telemetry: Any, collector: Any) -> None:
     assert telemetry.host is not None and telemetry.host.metrics is not None
@@ -111,6 +112,7 @@ def test_host_off_installs_nothing(collector: Any, monkeypatch: pytest.MonkeyPat
     assert collector.metric_points("process.memory.usage") == []
 
 
+@pytest.mark.slow
 def test_gc_pauses_count_time_per_generation() -> None:
     pauses = GcPauses()
     pauses.install()

@@ -38,6 +38,7 @@ def cpu_share(span: dict[str, Any]) -> float:
     return span["attributes"][REQUEST_CPU_TIME] / span["duration_ns"]
 
 
+@pytest.mark.slow
 def test_cpu_time_is_below_wall_time_and_tells_computing_from_waiting(model: DLRM, telemetry: Any,
                                                                        collector: Any) -> None:
     """CPU-bound demo requests (a pure-Python preprocessing step) spend most of their wall time on a CPU;
@@ -69,6 +70,7 @@ def test_cpu_time_is_below_wall_time_and_tells_computing_from_waiting(model: DLR
     assert busy > 0.5  # one client: the request's thread computes for most of its wall time
 
 
+@pytest.mark.slow
 def test_no_cpu_time_on_an_event_loop(telemetry: Any, collector: Any) -> None:
     """On grpc.aio the thread runs every request's coroutine: its CPU time is not one request's, so none is set
     (and the observer keeps nothing open), even for requests it would measure (1 in 1 here)."""
@@ -263,6 +265,7 @@ def test_a_session_window_measures_every_request_until_it_closes(tmp_path: Path)
     assert observer.sessions == 0 and measured(10) == 0
 
 
+@pytest.mark.slow
 def test_every_request_of_a_profiling_session_is_measured_and_a_sample_outside(
         model: DLRM, telemetry: Any, collector: Any, tmp_path: Path) -> None:
     """The real demo server with a profiling controller on the telemetry (its default companions: the CPU

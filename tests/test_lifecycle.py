@@ -99,6 +99,7 @@ def _clean(stderr: str) -> None:
 
 @pytest.mark.parametrize("delay_s", [0.0, 2.0], ids=["at-once", "later"])
 @pytest.mark.parametrize("how", ["sigint-group", "sigterm-pid", "sigterm-group"])
+@pytest.mark.slow
 def test_a_wrapped_server_stopped_by_a_signal_keeps_every_completed_call(collector, how, delay_s):
     """C12: a server wrapped as README.md shows serves calls, then Ctrl+C (SIGINT to its process group), SIGTERM
     to its pid, or SIGTERM to its group, at once or 2 s later, with spans still buffered (5 s schedule delay):
@@ -117,6 +118,7 @@ def test_a_wrapped_server_stopped_by_a_signal_keeps_every_completed_call(collect
 
 
 @pytest.mark.parametrize("how", ["sigint-group", "sigterm-pid", "sigterm-group"])
+@pytest.mark.slow
 def test_serve_demo_stopped_by_a_signal_keeps_every_completed_call(collector, how):
     """C12 on ``zoomer-serve serve-demo`` (its own SIGINT/SIGTERM handler drains and flushes; ours runs first and
     chains to it): every completed Predict call is in the store, exit 0."""
@@ -130,6 +132,7 @@ def test_serve_demo_stopped_by_a_signal_keeps_every_completed_call(collector, ho
     assert stored == {m: (n, n) for m, n in sent.items()}
 
 
+@pytest.mark.slow
 def test_handlers_chain_to_the_application_and_can_be_switched_off(monkeypatch):
     """C12: our SIGTERM handler goes in front of one the application set before ``configure()`` and calls it
     after handing the queued records to the helper; ``ZOOMER_SIGNAL_HANDLERS=off`` installs none (the

@@ -78,6 +78,7 @@ def thrift_ranker(telemetry: Any, model: Any) -> Iterator[str]:
 
 
 @pytest.mark.timeout(600)  # about 30 s alone, 100 to 230 s at load 20
+@pytest.mark.slow
 def test_request_events_match_server_spans_and_one_profile_starts_after_the_warmup(
         collector: Any, telemetry: Any, model: Any, thrift_ranker: str, tmp_path: Path) -> None:
     """gRPC and Thrift users side by side (and one user per transport whose requests are all refused);
@@ -178,6 +179,7 @@ def slow_server(telemetry: Any, tmp_path: Path) -> Iterator[tuple[str, ProfilerC
     server.stop(None).wait(5)
 
 
+@pytest.mark.slow
 def test_c11_50_gevent_users_on_one_worker_are_not_serialized_by_grpc(collector: Any, slow_server: Any,
                                                                      tmp_path: Path) -> None:
     """C11: locust's gevent and grpcio. 50 users on one worker (under a master) call a 200 ms unary method
@@ -217,6 +219,7 @@ def traced_slow_server(telemetry: Any, latency_s: float, workers: int) -> Iterat
         server.stop(None).wait(5)
 
 
+@pytest.mark.slow
 def test_with_a_stop_timeout_locusts_stop_interrupts_no_call(collector: Any, telemetry: Any,
                                                              tmp_path: Path) -> None:
     """locust's graceful stop kills a user it finds waiting; the kill lands at the user's next switch, which,
@@ -235,6 +238,7 @@ def test_with_a_stop_timeout_locusts_stop_interrupts_no_call(collector: Any, tel
 
 
 # -- zoomer-serve loadtest ----------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_zoomer_serve_loadtest_runs_headless_and_prints_client_server_gap_and_profile(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "ZOOMER_ADMIN_TOKEN"}
     store, profiles = tmp_path / "run.duckdb", tmp_path / "profiles"
@@ -276,6 +280,7 @@ def _loadtest(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize("transport", ["grpc", "thrift"])
+@pytest.mark.slow
 def test_loadtest_against_a_closed_port_fails_at_once_naming_the_host_and_runs_no_load(tmp_path: Path,
                                                                                       transport: str) -> None:
     port = _closed_port()
@@ -287,6 +292,7 @@ def test_loadtest_against_a_closed_port_fails_at_once_naming_the_host_and_runs_n
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_loadtest_with_a_closed_profiler_target_fails_at_once_naming_the_target(tmp_path: Path) -> None:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     port = server.add_insecure_port("127.0.0.1:0")
@@ -301,6 +307,7 @@ def test_loadtest_with_a_closed_profiler_target_fails_at_once_naming_the_target(
     assert "No load was run." in done.stderr and "Aggregated" not in done.stdout + done.stderr
 
 
+@pytest.mark.slow
 def test_loadtest_refuses_a_target_it_would_ignore(tmp_path: Path) -> None:
     """Without --host the demo started here is profiled on its own admin port: a --target is refused, not
     dropped."""
@@ -310,6 +317,7 @@ def test_loadtest_refuses_a_target_it_would_ignore(tmp_path: Path) -> None:
     assert "collector on" not in done.stdout and not (tmp_path / "zoomer-data").exists()  # nothing started
 
 
+@pytest.mark.slow
 def test_the_preflight_tells_a_grpc_server_from_a_closed_port_and_from_a_port_that_speaks_no_grpc() -> None:
     from zoomer_serve.loadtest.cli import check_answers
 
@@ -340,6 +348,7 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=60)
 
 
+@pytest.mark.slow
 def test_c11_a_process_gevent_did_not_patch_or_a_channel_made_too_early_gets_a_clear_error() -> None:
     """C11: grpc's gevent integration must start after gevent patched the process and before any channel
     exists; otherwise the import of the plugin fails and says what to do."""
@@ -352,6 +361,7 @@ def test_c11_a_process_gevent_did_not_patch_or_a_channel_made_too_early_gets_a_c
     assert "1 gRPC channel(s) exist already" in early.stderr and "before anything creates a gRPC channel" in early.stderr
 
 
+@pytest.mark.slow
 def test_the_cli_parses_without_locust_or_gevent() -> None:
     """zoomer-serve must not import locust (gevent monkeypatching) to build its parser."""
     code = ("import sys\nfrom zoomer_serve.cli import build_parser\n"

@@ -73,6 +73,7 @@ def background_load(target: str) -> Iterator[list[Any]]:
         thread.join(30)
 
 
+@pytest.mark.slow
 def test_on_demand_by_cli_links_the_profile_to_the_covered_requests(model: DLRM, telemetry: Any, collector: Any,
                                                                      profiles_dir: Path) -> None:
     with serve_with_profiling(telemetry, model, profiles_dir) as served:
@@ -135,6 +136,7 @@ def _check_phases_nested(data: dict[str, Any], ranges: dict[tuple[int, int], dic
         assert inside, f"no forward range inside {ev['name']}"
 
 
+@pytest.mark.slow
 def test_c04_start_and_stop_twice_in_sequence_and_concurrently(model: DLRM, telemetry: Any,
                                                                profiles_dir: Path) -> None:
     """C04: duplicate starts answer already_running, duplicate stops already_stopping / not_running; exactly
@@ -187,6 +189,7 @@ def _in_threads(fn: Any, clients: list[ProfilerClient]) -> list[Any]:
     return out
 
 
+@pytest.mark.slow
 def test_c05_three_rounds_then_a_start_that_cannot_capture(model: DLRM, telemetry: Any,
                                                            profiles_dir: Path) -> None:
     """C05: three rounds (the second ends on its own after N requests), each one new non-empty trace; after the
@@ -230,6 +233,7 @@ def test_c05_three_rounds_then_a_start_that_cannot_capture(model: DLRM, telemetr
     assert len(traces(profiles_dir)) == 3
 
 
+@pytest.mark.slow
 def test_admin_refuses_a_missing_or_wrong_token(model: DLRM, telemetry: Any, profiles_dir: Path) -> None:
     with serve_with_profiling(telemetry, model, profiles_dir) as served:
         for token, code in ((None, grpc.StatusCode.UNAUTHENTICATED), ("", grpc.StatusCode.UNAUTHENTICATED),
@@ -256,6 +260,7 @@ def test_admin_refuses_a_missing_or_wrong_token(model: DLRM, telemetry: Any, pro
     assert traces(profiles_dir) == []
 
 
+@pytest.mark.slow
 def test_outside_a_session_requests_make_no_profiler_calls(model: DLRM, telemetry: Any, profiles_dir: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     calls = {"record_function": 0, "increment_step": 0}
@@ -283,6 +288,7 @@ def test_outside_a_session_requests_make_no_profiler_calls(model: DLRM, telemetr
     assert calls["record_function"] >= 10  # the request ranges, plus the phases inside them
 
 
+@pytest.mark.slow
 def test_a_request_rejected_before_any_torch_work_is_covered_with_no_ops(model: DLRM, telemetry: Any,
                                                                          collector: Any, profiles_dir: Path) -> None:
     """A covered request that the demo rejects while checking counts (INVALID_ARGUMENT before any tensor is
@@ -315,6 +321,7 @@ def test_a_request_rejected_before_any_torch_work_is_covered_with_no_ops(model: 
     assert ops["INVALID_ARGUMENT"] == 0 and ops["OK"] > 0, ops
 
 
+@pytest.mark.slow
 def test_aio_demo_operators_in_the_executor_belong_to_their_request(model: DLRM, telemetry: Any, collector: Any,
                                                                     profiles_dir: Path) -> None:
     """On the grpc.aio demo server a request's range opens on the event loop's thread, while its model runs in

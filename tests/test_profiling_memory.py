@@ -48,6 +48,7 @@ def rss_mb(pid: int) -> float:
 # about 25 s alone; each round starts child processes (trace and CPU-profile post-processing, py-spy), and 300 s
 # ran out at load 22
 @pytest.mark.timeout(900)
+@pytest.mark.slow
 def test_thirty_profiling_rounds_do_not_grow_the_server_rss(collector: Any, tmp_path: Path) -> None:
     profiles = tmp_path / "profiles"
     env = {k: v for k, v in os.environ.items() if k != "ZOOMER_ADMIN_TOKEN"}
@@ -90,6 +91,7 @@ def model() -> Any:
     return build_model(device="cpu")
 
 
+@pytest.mark.slow
 def test_every_session_runs_on_one_thread_and_a_start_from_the_end_callback_does_not_wait(
         model: Any, telemetry: Any, tmp_path: Path) -> None:
     """Three sessions of one controller run on the same (named) thread; no thread is left per session; an
@@ -157,6 +159,7 @@ def test_a_forked_child_gets_its_own_session_thread() -> None:
 
 
 @pytest.mark.timeout(900)  # three model servers start side by side: about 30 s alone, 100 s at load 13
+@pytest.mark.slow
 def test_the_memory_benchmark_runs_every_variant_side_by_side() -> None:
     """``benchmarks/profiling_memory.py`` in two short rounds: one JSON object with each variant's RSS per round
     (what RESULTS.md's table is made of)."""

@@ -82,6 +82,7 @@ def _requests(spans: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [s for s in spans if s["kind"] == "SERVER" and s["name"] == PREDICT]
 
 
+@pytest.mark.slow
 def test_an_ask_without_the_token_is_refused_and_starts_nothing(collector, telemetry, model, tmp_path) -> None:
     with _served(telemetry, model, tmp_path, AdminConfig(token=TOKEN)) as (target, controller, profiler):
         _predict(target, ((PROFILE_KEY, "not-the-token"),))
@@ -94,6 +95,7 @@ def test_an_ask_without_the_token_is_refused_and_starts_nothing(collector, telem
     assert not [s for s in collector.spans() if s["name"] == "zoomer.profile"]
 
 
+@pytest.mark.slow
 def test_an_ask_with_the_token_profiles_that_request_and_links_it(collector, telemetry, model, tmp_path) -> None:
     with _served(telemetry, model, tmp_path, AdminConfig(token=TOKEN)) as (target, controller, profiler):
         _predict(target)  # not asked: no session
@@ -114,6 +116,7 @@ def test_an_ask_with_the_token_profiles_that_request_and_links_it(collector, tel
     assert set(ranges) == {(int(asked["trace_id"], 16), int(asked["span_id"], 16))}
 
 
+@pytest.mark.slow
 def test_a_baggage_ask_from_loopback_is_honoured_when_loopback_is_open(collector, telemetry, model, tmp_path) -> None:
     with _served(telemetry, model, tmp_path, AdminConfig(open_loopback=True)) as (target, controller, _):
         _predict(target, (("baggage", f"{BAGGAGE_KEY}=1,other=x"),))
@@ -124,6 +127,7 @@ def test_a_baggage_ask_from_loopback_is_honoured_when_loopback_is_open(collector
     assert asked["attributes"][ASKED] == "covered"
 
 
+@pytest.mark.slow
 def test_an_aio_request_asks_and_its_batch_waits_for_the_profiler(collector, telemetry, model, tmp_path) -> None:
     """On an event loop the asking request cannot wait; its batch does, on the batching thread, and the request is
     covered through the batch's range: its share of the batch's operators."""
@@ -156,6 +160,7 @@ def test_an_aio_request_asks_and_its_batch_waits_for_the_profiler(collector, tel
     assert child["parent_span_id"] == asked["span_id"] and child["attributes"]["zoomer.profile.cpu_op.count"] > 0
 
 
+@pytest.mark.slow
 def test_a_thrift_header_asks_for_the_profile(collector, telemetry, model, tmp_path) -> None:
     from thriftpy2.contrib.tracking import TrackerBase
 
@@ -190,6 +195,7 @@ def test_a_thrift_header_asks_for_the_profile(collector, telemetry, model, tmp_p
     assert asked["attributes"][ASKED] == "covered" and asked["attributes"][SESSION_ID] == info.session_id
 
 
+@pytest.mark.slow
 def test_the_next_request_over_the_threshold_is_captured(collector, telemetry, model, tmp_path) -> None:
     """A threshold of 1 µs: the first covered request is over it; the session ends there, linked to it."""
     cfg = RequestProfilingConfig(threshold_ms=0.001, threshold_window_ms=30_000)
@@ -211,6 +217,7 @@ def test_the_next_request_over_the_threshold_is_captured(collector, telemetry, m
                                                                   for lk in profile["links"]}
 
 
+@pytest.mark.slow
 def test_the_threshold_mode_rearms_a_bounded_number_of_times(telemetry, tmp_path) -> None:
     controller = ProfilerController(ProfilerConfig(profiles_dir=tmp_path / "profiles"), telemetry).attach()
     cfg = RequestProfilingConfig(threshold_ms=60_000, threshold_window_ms=200, threshold_attempts=2)
@@ -228,6 +235,7 @@ def test_the_threshold_mode_rearms_a_bounded_number_of_times(telemetry, tmp_path
         controller.close(timeout_s=60)
 
 
+@pytest.mark.slow
 def test_serve_demo_with_batching_honours_an_ask_with_the_token_only(collector, tmp_path) -> None:
     import os
     import signal

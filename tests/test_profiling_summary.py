@@ -79,6 +79,7 @@ def test_summary_of_a100_inference_attributes_every_kernel_to_its_forward_pass()
 
 
 @needs_traces
+@pytest.mark.slow
 def test_summary_of_v100_training_steps_is_the_same_for_each_repeated_step() -> None:
     data = load_trace(KINETO / "v100_training_fwdbwd.json.gz")
     summary = summarize_events(data["traceEvents"], key_of=lambda n: n if n.startswith("ProfilerStep#") else None)

@@ -46,6 +46,7 @@ def _load_until(target: str, done: Any, limit_s: float, **load: Any) -> None:
         assert result.unexpected == 0
 
 
+@pytest.mark.slow
 def test_steady_state_trigger_fires_once_after_warm_up(model: DLRM, telemetry: Any, collector: Any,
                                                        tmp_path: Path) -> None:
     steady = SteadyStateConfig(warmup_requests=30, window_ms=300, windows=3, min_requests=4, max_cv=0.5,
@@ -66,6 +67,7 @@ def test_steady_state_trigger_fires_once_after_warm_up(model: DLRM, telemetry: A
     assert len(before) >= 30 + 3 * 4  # warm-up, then three counted windows
 
 
+@pytest.mark.slow
 def test_latency_slo_trigger_fires_once_on_a_slow_phase(model: DLRM, telemetry: Any, collector: Any,
                                                         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     slow = {"on": False}

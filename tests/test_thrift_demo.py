@@ -42,6 +42,7 @@ def _rng(seed: int = 7) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
+@pytest.mark.slow
 def test_predict_scores_match_grpc_and_spans_have_phases(server, model, collector):
     pb_request = make_request(_rng(), 12, CFG, request_id="r-1")
     client = make_client(ranker_thrift().Ranker, "127.0.0.1", server.port, timeout=10_000)
@@ -70,6 +71,7 @@ def test_predict_scores_match_grpc_and_spans_have_phases(server, model, collecto
     assert pre["name"] == "preprocess" and pre["status_code"] == "ERROR"
 
 
+@pytest.mark.slow
 def test_load_driver_counts_match_the_spans(server, collector):
     result = drive_thrift_load(f"127.0.0.1:{server.port}", 30.0, clients=2, invalid_share=0.3,
                                batch_size=8, max_requests=24, seed=3)

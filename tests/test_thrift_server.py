@@ -172,6 +172,7 @@ def _calls(spans, name):
     return [s for s in spans if s["kind"] == "SERVER" and s["name"] == name]
 
 
+@pytest.mark.slow
 def test_n_calls_give_n_spans_with_the_grpc_shape(serve, telemetry, collector):
     watch = SpanWatch(telemetry.recorder)
     server = serve()
@@ -213,6 +214,7 @@ def test_n_calls_give_n_spans_with_the_grpc_shape(serve, telemetry, collector):
     assert max(p["sum"] for p in sizes) == 20 * request_bytes
 
 
+@pytest.mark.slow
 def test_c10_handler_errors_of_every_kind(serve, telemetry, collector):
     """C10: a declared exception is a normal reply (business error, not ERROR); a TApplicationException
     reaches the client as an exception message (ERROR with its type); an undeclared exception and a transport
@@ -273,6 +275,7 @@ def test_c10_handler_errors_of_every_kind(serve, telemetry, collector):
     assert len(phases) == 4 and {p["parent_span_id"] for p in phases} == {s["span_id"] for s in echo}
 
 
+@pytest.mark.slow
 def test_tracked_client_propagates_w3c_context(serve, mode, telemetry, collector):
     server = serve()
     trace_id, span_id = 0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7
@@ -308,6 +311,7 @@ def test_tracked_client_propagates_w3c_context(serve, mode, telemetry, collector
     assert spans[5]["trace_id"] != f"{trace_id:032x}" and spans[5]["parent_span_id"] is None
 
 
+@pytest.mark.slow
 def test_a_handler_calling_a_traced_server_continues_the_trace(serve, telemetry, collector):
     downstream = serve()
     upstream = serve()
@@ -366,6 +370,7 @@ def _truncated() -> bytes:
     ("huge_name", HUGE_NAME, False, ("truncated", "message_too_large")),
     ("huge_frame", HUGE_FRAME, True, ("message_too_large",)),
 ])
+@pytest.mark.slow
 def test_bad_bytes_close_only_that_connection(serve, telemetry, collector, case, payload, framed, kinds):
     server = serve(framed=framed)
     good = _client(server.port, framed=framed)  # open before, still served after
@@ -534,6 +539,7 @@ def _wait_for_errors(before: dict[str, int], n: int = 1) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("first", [True, False], ids=["first_message", "after_a_call"])
+@pytest.mark.slow
 def test_thrift_limits_an_unframed_message_over_the_limit_closes_only_its_connection(
         serve, telemetry, collector, first):
     """Thrift limits: an unframed message over ``max_message_bytes`` sent by a real client closes its
@@ -561,6 +567,7 @@ def test_thrift_limits_an_unframed_message_over_the_limit_closes_only_its_connec
 
 
 @pytest.mark.parametrize("first", [True, False], ids=["first_message", "after_a_call"])
+@pytest.mark.slow
 def test_thrift_limits_a_message_spread_over_many_small_frames_is_bounded(serve, telemetry, collector, first):
     """Thrift limits: a framed message made of frames that are each under ``max_message_bytes`` (raw socket: a
     thriftpy2 client writes one frame per message) but together far over it. The server closes the connection
@@ -592,6 +599,7 @@ def test_thrift_limits_a_message_spread_over_many_small_frames_is_bounded(serve,
     assert names == ([] if first else ["Echo/echo"]) + ["Echo/echo"]
 
 
+@pytest.mark.slow
 def test_thrift_limits_leave_messages_within_the_limit_alone(serve, telemetry, collector):
     """Fail open: messages just under ``max_message_bytes`` are served however they arrive: in one frame, cut
     into many frames, and two of them sent back to back on one connection (the server reads ahead into the
@@ -614,6 +622,7 @@ def test_thrift_limits_leave_messages_within_the_limit_alone(serve, telemetry, c
     assert [s["attributes"]["rpc.response.status_code"] for s in collector.spans("SERVER")] == ["OK"] * 4
 
 
+@pytest.mark.slow
 def test_thrift_limits_unframed_pipelined_messages_within_the_limit_are_served(serve, telemetry, collector):
     """Fail open, unframed: two messages just under the limit sent back to back in one write."""
     server = serve(limits=SMALL_LIMITS)
@@ -632,6 +641,7 @@ def test_thrift_limits_unframed_pipelined_messages_within_the_limit_are_served(s
     assert len(collector.spans("SERVER")) == 2
 
 
+@pytest.mark.slow
 def test_multiplexed_client_on_a_newer_idl_gets_unknown_method_and_keeps_its_connection(telemetry, collector):
     """Thrift limits: a multiplexed client built from a newer IDL (``EchoPlus``, one method more) calls that
     method on a server that registered the older ``Echo``: the reply is a ``TApplicationException``
