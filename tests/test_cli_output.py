@@ -319,3 +319,56 @@ def test_demo_prints_json_tables_and_names_its_html_report(tmp_path: Path) -> No
     assert f"  HTML report: {html}  (open it in a browser)" in data["notes"]
     assert html.read_text(encoding="utf-8").lstrip().lower().startswith("<!doctype html")
     assert "embedded OTLP collector" in proc.stderr
+
+
+@pytest.mark.timeout(400)
+def test_loadtest_csv_tables_on_stdout_and_a_quiet_stderr(tmp_path: Path) -> None:
+    """``loadtest --format csv``: stdout holds only the csv blocks (locust's output and our lines go to
+    stderr); stderr holds none of Kineto's lines (server) nor the gevent CPU-time warning (locust)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("ZOOMER_ADMIN_TOKEN", "OTEL_SERVICE_NAME")}
+    store = tmp_path / "run.duckdb"
+    done = subprocess.run([sys.executable, "-m", "zoomer_serve", "loadtest", "--users", "2", "--run-time", "3",
+                           "--warmup-s", "1", "--profile-requests", "15", "--store", str(store), "--profiles-dir",
+                           str(tmp_path / "profiles"), "--format", "csv"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    tables = csv_tables(done.stdout)
+    client_server = tables["Load test: client (locust) vs server (spans), latency in ms"]
+    assert {r["side"] for r in client_server} >= {"client grpc", "server"}
+    requests = tables["Requests (SERVER spans), latency in ms"]
+    assert {r["service"] for r in requests} == {"zoomer-demo-ranker"}
+    assert f"zoomer-serve analyze --store {store.resolve()}" in done.stderr
+    assert "Response time percentiles" in done.stderr  # locust's summary
+    noise = [line for line in done.stderr.splitlines()
+             if line.startswith(NOISE) or "per-request CPU time" in line]
+    assert noise == []
+
+
+@pytest.mark.parametrize("fmt", ["markdown", "csv", "json"])
+def test_fleet_analyze_formats_parse(tmp_path: Path, fmt: str) -> None:
+    """``fleet analyze --format``: the outliers and findings tables of a small synthetic fleet (12 replicas,
+    one slow: replica 3) parse and name the slow replica."""
+    from zoomer_serve.fleet.synthetic import FleetSpec, build_fleet
+
+    base = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "kineto" / "a100_alexnet_inference.json.gz"
+    if not base.is_file():
+        pytest.skip(f"the shared Kineto traces are not here ({base})")
+    truth = build_fleet(str(tmp_path), base, FleetSpec(replicas=12, slow=(3,), second_gpu_share=0.0, requests=100))
+    proc = zoomer("fleet", "analyze", str(tmp_path), "--drill-down", "0", "--workers", "1", "--format", fmt,
+                  timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tables = PARSERS[fmt](proc.stdout)
+    outliers = next(rows for title, rows in tables.items() if title.endswith("Outliers (robust z against peers)"))
+    assert {r["replica"] for r in outliers} == truth.slow
+    findings = next(rows for title, rows in tables.items() if title.endswith("Findings"))
+    assert "fleet.outlier-replica" in {r["id"] for r in findings}
+
+
+def test_loadtest_errors_name_its_own_flags() -> None:
+    """The options' checks name locust's flags (--zoomer-stable-samples); loadtest calls it --stable-samples."""
+    proc = zoomer("loadtest", "--stable-samples", "1", "--no-profile")
+    assert proc.returncode == 2
+    assert "zoomer-serve loadtest: --stable-samples must be >= 2, got 1" in proc.stderr
+    assert "--zoomer-" not in proc.stderr

@@ -15,6 +15,9 @@ The renderers build ``rich`` tables and print them, with any lines of prose betw
   "columns", "rows"}`` with one object per row (column -> value). Cells are the values shown: numbers as
   JSON numbers (thousands separators removed), ``-`` as null, anything else (``12.5%``, ``OK 50``) a string.
 
+``demo`` and ``loadtest`` send their progress lines (and locust's output) to stderr in the markdown, csv and
+json formats, so that stdout holds only the results.
+
 Every format holds the cells the table shows, whole (names are never cut to fit a width); the analysis tables
 show short kernel names, as on the terminal (``--json`` holds the full ones).
 """

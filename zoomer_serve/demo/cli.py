@@ -201,8 +201,8 @@ def run_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     fmt = getattr(args, "format", "table")
-    # progress and the steps go to stdout with the tables, or to stderr when stdout holds csv / json only
-    console = Console(stderr=fmt in ("csv", "json"))
+    # progress and the steps go to stdout with the tables, or to stderr when stdout holds markdown, csv or json
+    console = Console(stderr=fmt != "table")
     store = (args.store or _default_store()).resolve()
     store.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)

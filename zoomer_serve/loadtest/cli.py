@@ -78,8 +78,8 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--target {options.target} (or ZOOMER_LOADTEST_TARGET) names the ProfilerControl of a "
                               "server given with --host; without --host the demo server started here is profiled "
                               "on its own admin port. Give --host too, or drop --target")
-    except ConfigError as exc:
-        print(f"zoomer-serve loadtest: {exc}", file=sys.stderr)
+    except ConfigError as exc:  # LoadTestOptions names locust's options (--zoomer-X): here they are --X
+        print(f"zoomer-serve loadtest: {str(exc).replace('--zoomer-', '--')}", file=sys.stderr)
         return 2
     if not args.locustfile.is_file():
         print(f"zoomer-serve loadtest: locustfile not found: {args.locustfile}", file=sys.stderr)
@@ -176,9 +176,9 @@ def _run_demo(args: argparse.Namespace, options: LoadTestOptions, plugin_json: P
 
 
 def _machine_readable(args: argparse.Namespace) -> bool:
-    """Whether stdout holds only data (--json, --format csv / json): then locust's output and our progress
-    lines go to stderr."""
-    return bool(args.json) or getattr(args, "format", "table") in ("csv", "json")
+    """Whether stdout holds only the results (--json, --format markdown / csv / json): then locust's output
+    and our progress lines go to stderr."""
+    return bool(args.json) or getattr(args, "format", "table") != "table"
 
 
 def _say(json_mode: bool) -> Any:
