@@ -372,3 +372,21 @@ def test_loadtest_errors_name_its_own_flags() -> None:
     assert proc.returncode == 2
     assert "zoomer-serve loadtest: --stable-samples must be >= 2, got 1" in proc.stderr
     assert "--zoomer-" not in proc.stderr
+
+
+def test_analyze_diff_and_a_trace_in_json(store: Path) -> None:
+    """``analyze --diff`` and ``analyze TRACE`` with ``--format json``: one object per table, with its title."""
+    diff = zoomer("analyze", "--diff", str(store), str(store), "--format", "json")
+    assert diff.returncode == 0, diff.stderr
+    figures = next(t for t in json.loads(diff.stdout)["tables"] if t["title"] == "Figures")
+    requests = next(r for r in figures["rows"] if r["figure"] == "requests")
+    assert requests["before"] == requests["after"] == 30 + BURST and requests["delta"] == 0
+    trace = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "kineto" / "a100_alexnet_inference.json.gz"
+    if not trace.is_file():
+        pytest.skip(f"the shared Kineto traces are not here ({trace})")
+    proc = zoomer("analyze", str(trace), "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    tables = json.loads(proc.stdout)["tables"]
+    kernels = next(t for t in tables if t["title"] == "Top kernels")
+    assert kernels["section"] == f"trace {trace}" and len(kernels["rows"]) == 10
+    assert all(isinstance(r["count"], int) and r["count"] > 0 for r in kernels["rows"])
