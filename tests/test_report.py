@@ -19,6 +19,7 @@ from rich.console import Console
 
 from zoomer_serve.report import build_report, render_report
 from zoomer_serve.report import cli as report_cli
+from zoomer_serve.report.build import MIN_RATE_WINDOW_S
 
 T0 = 1_800_000_000_000_000_000  # ns
 PHASES = {"preprocess": 0.2, "forward": 0.6, "postprocess": 0.1}  # fraction of each request's duration
@@ -152,7 +153,9 @@ def test_per_method_counts_rates_errors_and_percentiles(filled_store: tuple[Path
         assert m.max_ms == pytest.approx(durations.max() / 1e6)
         assert m.mean_ms == pytest.approx(durations.mean() / 1e6)
         lo, hi = exp.windows[key]
-        assert m.rate_per_s == pytest.approx(len(durations) / ((hi - lo) / 1e9))
+        window_s = (hi - lo) / 1e9  # a rate only over at least MIN_RATE_WINDOW_S (1 s)
+        assert m.rate_per_s == (pytest.approx(len(durations) / window_s) if window_s >= MIN_RATE_WINDOW_S else None)
+    assert next(m for m in report.methods if m.service_name == "dup").rate_per_s is None  # one request, 1 ms
     predict = next(m for m in report.methods if m.method == "Predict" and m.service_name == "ranker")
     assert predict.status_counts == {"OK": 36, "INVALID_ARGUMENT": 3, "INTERNAL": 1}
     assert predict.error_rate == pytest.approx(0.1)

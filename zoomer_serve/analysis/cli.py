@@ -25,6 +25,7 @@ from zoomer_serve.analysis.findings import SEVERITIES
 from zoomer_serve.analysis.kineto import TraceFormatError
 from zoomer_serve.analysis.render import NO_GPU_WORK, has_gpu_work, render_findings, rich_table
 from zoomer_serve.analysis.store import StoreAnalysisError
+from zoomer_serve.cli_output import TableOutput, add_format_option
 from zoomer_serve.cli_types import non_negative_int
 from zoomer_serve.collector.store import default_store_path
 
@@ -46,7 +47,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    help="DuckDB store, or a Parquet dataset the collector wrote (folder or URL such as "
                    "s3://bucket/prefix) (default when no trace is given: $ZOOMER_STORE or ./zoomer-data/zoomer.duckdb)")
     p.add_argument("--json", action="store_true",
-                   help="print findings and every row of every table as JSON instead of the summary")
+                   help="print findings and every row of every table as JSON instead of the summary (the whole "
+                   "result with raw values; --format json prints the summary's tables as shown); overrides --format")
+    add_format_option(p)
     p.add_argument("--html", type=Path, default=None, metavar="FILE", help="write a self-contained HTML report")
     p.add_argument("--perfetto", type=Path, default=None, metavar="FILE",
                    help="write the merged timeline (request spans and phases, CPU ops, kernels) for "
@@ -55,7 +58,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--conventions", choices=CONVENTIONS, default="zoomer",
                    help="what the figures count: zoomer (default: every GPU operation in the trace, sync records "
                    "are the host waiting, times as written) or hta (Holistic Trace Analysis' definitions, to "
-                   "compare with it; see README 'How our figures differ from HTA's')")
+                   "compare with it; see docs/reports.md, 'How our figures differ from HTA's')")
     p.add_argument("--steps", choices=STEPS, default=None,
                    help="profiler steps to count: all (default with --conventions zoomer) or complete (all but the "
                    "last, whose GPU work may run past the recording; default with --conventions hta)")
@@ -113,7 +116,6 @@ def _run(args: argparse.Namespace, console: Console | None) -> int:
     for rep in result.traces:
         for warning in rep.trace.warnings:
             print(f"zoomer-serve analyze: warning: {rep.trace.path}: {warning}", file=sys.stderr)
-    console = console or Console()
     try:
         notes = _write_outputs(args, result)
     except OSError as exc:
@@ -125,9 +127,11 @@ def _run(args: argparse.Namespace, console: Console | None) -> int:
                                       | orjson.OPT_NON_STR_KEYS).decode() + "\n")
         sys.stdout.flush()
     else:
-        render_summary(result, console, rows=args.rows)
+        shown = TableOutput(getattr(args, "format", "table"), console=console)
+        render_summary(result, shown, rows=args.rows)
         for note in notes:
-            console.print(Text(note))
+            shown.print(Text(note))
+        shown.close()
     if args.fail_on is not None:
         worst = SEVERITIES.index(args.fail_on)
         if any(SEVERITIES.index(f.severity) <= worst for f in result.findings):
@@ -169,14 +173,15 @@ def _run_diff(args: argparse.Namespace, console: Console | None) -> int:
         sys.stdout.write(orjson.dumps(out, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode() + "\n")
         sys.stdout.flush()
         return 0
-    console = console or Console()
-    render_diff(report, console, rows=args.rows)
+    shown = TableOutput(getattr(args, "format", "table"), console=console)
+    render_diff(report, shown, rows=args.rows)
     for note in notes:
-        console.print(Text(note))
+        shown.print(Text(note))
+    shown.close()
     return 0
 
 
-def render_diff(report: Any, console: Console, rows: int = 10) -> None:
+def render_diff(report: Any, console: Console | TableOutput, rows: int = 10) -> None:
     """The terminal view of a :class:`~zoomer_serve.analysis.diff.DiffReport`."""
     console.rule(Text(f"before {report.before}  →  after {report.after}"))
     t = report.tables
@@ -197,7 +202,7 @@ def render_diff(report: Any, console: Console, rows: int = 10) -> None:
     console.print(rich_table(t["findings"], limit=len(t["findings"]), title="Findings"))
 
 
-def render_summary(result: AnalysisResult, console: Console, rows: int = 10) -> None:
+def render_summary(result: AnalysisResult, console: Console | TableOutput, rows: int = 10) -> None:
     """The terminal summary: per trace its tables, the store's per-method percentiles, then the findings."""
     for rep in result.traces:
         s = rep.trace.summary()

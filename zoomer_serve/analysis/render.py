@@ -214,12 +214,28 @@ def finding_panel(finding: Finding, items: int = 3) -> Panel:
                  subtitle_align="right")
 
 
-def render_findings(findings: Sequence[Finding], console: Console | None = None, items: int = 3) -> None:
-    """Print findings (in the given order) to ``console`` (a new stdout console when None); a line saying
-    so when there are none."""
+def findings_table(findings: Sequence[Finding]) -> RichTable:
+    """The findings as one table (severity, id, scope, summary, evidence, recommendation, source): what
+    :func:`render_findings` prints for the markdown, csv and json formats."""
+    out = RichTable(title="Findings", title_justify="left")
+    for name in ("severity", "id", "scope", "summary", "evidence", "recommendation", "source"):
+        out.add_column(name)
+    for f in findings:
+        out.add_row(f.severity, f.id, Text(f.scope or ""), Text(f.summary), Text(_evidence_text(f.evidence)),
+                    Text(f.recommendation), Text(f.source))
+    return out
+
+
+def render_findings(findings: Sequence[Finding], console: Any = None, items: int = 3) -> None:
+    """Print findings (in the given order) to ``console`` (a new stdout console when None; a
+    :class:`~zoomer_serve.cli_output.TableOutput` in the markdown, csv or json format gets them as one table,
+    :func:`findings_table`); a line saying so when there are none."""
     console = console or Console()
     if not findings:
         console.print(Text("No findings: none of the detectors fired.", style="green"))
+        return
+    if getattr(console, "format", "table") != "table":
+        console.print(findings_table(findings))
         return
     counts = {s: sum(1 for f in findings if f.severity == s) for s in SEVERITY_STYLE}
     console.print(Text.assemble(("Findings: ", "bold"), ", ".join(f"{n} {s}" for s, n in counts.items() if n)))

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from zoomer_serve.cli_output import TableOutput, add_format_option
 from zoomer_serve.cli_types import non_negative_float, non_negative_int, port_number, positive_int
 from zoomer_serve.config import ConfigError
 from zoomer_serve.processes import start_zoomer_command, stop_process
@@ -66,6 +67,9 @@ def register(subparsers: Any) -> None:
     demo.add_argument("--transport", choices=("grpc", "thrift"), default="grpc",
                       help="gRPC or Thrift between the load and the server (default grpc)")
     demo.add_argument("--slow-preprocess", type=non_negative_int, default=0, metavar="N", help=SLOW_PREPROCESS_HELP)
+    demo.add_argument("--html", type=Path, default=None, metavar="FILE",
+                      help="where to write the HTML report (default: next to the store, STORE with .html)")
+    add_format_option(demo)
     _add_batching_options(demo, 8, "the load runs in two phases of half the time each, against two servers: one "
                           "forward pass per request, then a dynamic batcher of at most N requests (service "
                           f"{DEMO_SERVICE}{BATCHED_SERVICE_SUFFIX}); 0: one phase, no batching (default 8)")
@@ -90,8 +94,10 @@ def run_serve_demo(args: argparse.Namespace) -> int:
         print(f"zoomer-serve serve-demo: {exc}", file=sys.stderr)
         return 2
     stop = _stop_on_signals()
-    zoomer_serve.get_telemetry()  # configure from OTEL_* / ZOOMER_* before the first request
     try:
+        # configure from OTEL_* / ZOOMER_* before the first request; spans and profiling sessions are named
+        # for the service (the demo's name unless OTEL_SERVICE_NAME or OTEL_RESOURCE_ATTRIBUTES gives one)
+        zoomer_serve.configure(config=demo_config(args.batch_max_size))
         profiling = ServerProfiling.from_args(args)
     except ConfigError as exc:
         print(f"zoomer-serve serve-demo: {exc}", file=sys.stderr)
@@ -130,6 +136,26 @@ def run_serve_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def demo_service_name(batch_max_size: int) -> str:
+    """The demo's service name: :data:`DEMO_SERVICE`, with :data:`BATCHED_SERVICE_SUFFIX` when it batches
+    (the names ``zoomer-serve demo`` gives its two servers)."""
+    return DEMO_SERVICE + (BATCHED_SERVICE_SUFFIX if batch_max_size else "")
+
+
+def demo_config(batch_max_size: int) -> Any:
+    """The demo server's :class:`~zoomer_serve.config.ZoomerConfig`: from the environment, with the service
+    named :func:`demo_service_name` unless ``OTEL_SERVICE_NAME`` or ``service.name`` in
+    ``OTEL_RESOURCE_ATTRIBUTES`` names it. Raises ConfigError on a bad variable."""
+    import dataclasses
+
+    from zoomer_serve.config import ZoomerConfig
+
+    config = ZoomerConfig.from_env()
+    if os.environ.get("OTEL_SERVICE_NAME") or "service.name" in config.resource_attributes:
+        return config
+    return dataclasses.replace(config, service_name=demo_service_name(batch_max_size))
+
+
 def _serve_sync(args: argparse.Namespace, model: Any, stop: threading.Event, ready: Any,
                 profiling: ServerProfiling, config: Any = None) -> None:
     from interceptors import ZoomerServerInterceptor
@@ -163,9 +189,9 @@ def _default_store() -> Path:
 def _phases(args: argparse.Namespace) -> list[tuple[str, int, float, int | None]]:
     """The demo's load phases: ``(service name, batch max size, seconds, most calls)``: one forward pass per
     request, then (unless ``--batch-max-size 0``) the dynamic batcher, each with half the time and calls."""
-    phases = [(DEMO_SERVICE, 0)]
+    phases = [(demo_service_name(0), 0)]
     if args.batch_max_size:
-        phases.append((DEMO_SERVICE + BATCHED_SERVICE_SUFFIX, args.batch_max_size))
+        phases.append((demo_service_name(args.batch_max_size), args.batch_max_size))
     share = len(phases)
     calls = None if args.max_requests is None else max(1, -(-args.max_requests // share))
     return [(name, size, args.duration_s / share, calls) for name, size in phases]
@@ -174,9 +200,9 @@ def _phases(args: argparse.Namespace) -> list[tuple[str, int, float, int | None]
 def run_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    console = Console()
-    if not console.is_terminal:  # piped or in CI: keep the report's tables readable
-        console.width = max(console.width, 140)
+    fmt = getattr(args, "format", "table")
+    # progress and the steps go to stdout with the tables, or to stderr when stdout holds markdown, csv or json
+    console = Console(stderr=fmt != "table")
     store = (args.store or _default_store()).resolve()
     store.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
@@ -217,7 +243,9 @@ def run_demo(args: argparse.Namespace) -> int:
     finally:
         for proc in procs:
             proc.kill()
-    return _finish(console, store, _merged(results), server_rc, collector_rc)
+    out = TableOutput(fmt, console=console if fmt == "table" else None)
+    html = (args.html or store.with_suffix(".html")).resolve()
+    return _finish(out, store, html, _merged(results), server_rc, collector_rc)
 
 
 def _merged(results: list[Any]) -> Any:
@@ -257,20 +285,36 @@ def _drive(console: Any, target: str, args: argparse.Namespace, seconds: float, 
     return result
 
 
-def _finish(console: Any, store: Path, result: Any, server_rc: int, collector_rc: int) -> int:
-    from zoomer_serve.analysis import analyze_store, render_findings
+def _finish(console: TableOutput, store: Path, html: Path, result: Any, server_rc: int, collector_rc: int) -> int:
+    """Print the report and the findings, write the HTML report to ``html``, name what to run next; the exit
+    code (1 when a process failed or the store does not hold one span per call)."""
+    import shlex
+
+    from rich.text import Text
+
+    from zoomer_serve.analysis import analyze, render_findings
+    from zoomer_serve.analysis.html import write_html
     from zoomer_serve.report import build_report, render_report
 
     report = build_report(store)
     render_report(report, console)
-    render_findings(analyze_store(store), console)
+    analysis = analyze(None, store)
+    render_findings(analysis.findings, console)
     spans = sum(m.count for m in report.methods)
-    console.print(f"\n  sent {result.total_calls} calls "
-                  f"({', '.join(f'{m} {c}: {n}' for (m, c), n in sorted(result.counts.items()))}); "
-                  f"the store holds {spans} server spans")
-    console.print(f"  store: [cyan]{store}[/]  (again: zoomer-serve report --store {store})")
+    console.print(Text(f"\n  sent {result.total_calls} calls "
+                       f"({', '.join(f'{m} {c}: {n}' for (m, c), n in sorted(result.counts.items()))}); "
+                       f"the store holds {spans} server spans"))
+    try:
+        write_html(analysis, html, title=f"zoomer-serve demo: {store.name}")
+        console.print(Text(f"  HTML report: {html}  (open it in a browser)"))
+    except OSError as exc:
+        console.print(Text(f"  HTML report not written: {html}: {exc}"))
+    quoted = shlex.quote(str(store))
+    console.print(Text(f"  store: {store}  (again: zoomer-serve report --store {quoted}; "
+                       f"zoomer-serve analyze --store {quoted})"))
     ok = server_rc == 0 and collector_rc == 0 and result.unexpected == 0 and spans == result.total_calls
     if not ok:
-        console.print(f"[red]demo problem[/]: server exit {server_rc}, collector exit {collector_rc}, "
-                      f"{result.unexpected} unexpected statuses, {spans} spans for {result.total_calls} calls")
+        console.print(Text(f"demo problem: server exit {server_rc}, collector exit {collector_rc}, "
+                           f"{result.unexpected} unexpected statuses, {spans} spans for {result.total_calls} calls"))
+    console.close()
     return 0 if ok else 1

@@ -22,6 +22,7 @@ from rich.text import Text
 
 from zoomer_serve.analysis.findings import SEVERITIES
 from zoomer_serve.analysis.render import render_findings
+from zoomer_serve.cli_output import TableOutput, add_format_option
 
 _RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)(s|m|h|d)$")
 
@@ -45,7 +46,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``fleet`` subcommand (``fleet analyze``) to an ``argparse`` subparsers object."""
     p = subparsers.add_parser("fleet", help="analyse a fleet's profiling artifacts and span data in object storage",
                               description="Fleet-wide analysis of what many replicas uploaded (ZOOMER_ARTIFACTS_URL) "
-                              "and their collectors wrote (--parquet-url).")
+                              "and their collectors wrote (zoomer-serve collector --parquet-url).")
     sub = p.add_subparsers(dest="fleet_command", metavar="ACTION")
     a = sub.add_parser("analyze", help="analyse every trace under URL as a task, compare replicas with their peers",
                        description="List the Kineto trace artifacts and span data under URL, analyse each trace as a "
@@ -65,7 +66,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     a.add_argument("--out", default=None, help="where results go (default URL/fleet/<run id>)")
     a.add_argument("--drill-down", type=int, default=5, metavar="N",
                    help="outlier replicas whose first trace gets its own HTML report and timeline (default 5)")
-    a.add_argument("--json", action="store_true", help="print the whole report as JSON")
+    a.add_argument("--json", action="store_true",
+                   help="print the whole report as JSON (--format json prints the summary's tables); overrides --format")
+    add_format_option(a)
     a.add_argument("--html", default=None, metavar="FILE", help="also write the HTML report to this local file")
     a.add_argument("--rows", type=int, default=15, help="outliers shown in the summary (default 15)")
     a.add_argument("--fail-on", choices=SEVERITIES, default=None,
@@ -115,7 +118,9 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
                          .decode() + "\n")
         sys.stdout.flush()
     else:
-        render_fleet_summary(report, console or Console(), args.rows)
+        out = TableOutput(getattr(args, "format", "table"), console=console)
+        render_fleet_summary(report, out, args.rows)
+        out.close()
     if args.fail_on is not None:
         worst = SEVERITIES.index(args.fail_on)
         if any(SEVERITIES.index(f.severity) <= worst for f in report.findings):
@@ -123,7 +128,7 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
     return 0
 
 
-def render_fleet_summary(report: Any, console: Console, rows: int = 15) -> None:
+def render_fleet_summary(report: Any, console: Console | TableOutput, rows: int = 15) -> None:
     """The terminal view: counts, the ranked outliers, the findings, where the results are."""
     c = report.counts
     console.rule(Text(f"fleet {report.source}"))

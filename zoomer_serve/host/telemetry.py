@@ -61,7 +61,7 @@ def install_host_telemetry(config: HostConfig, recorder: RequestRecorder, meter_
         except Exception as exc:
             logger.warning("zoomer-serve: system metrics could not start, continuing without them: %r", exc)
     if config.request_cpu_time:
-        if _gevent_threads():
+        if gevent_patched_threads():
             logger.warning("zoomer-serve: gevent patched threading (greenlets share OS threads), so requests get "
                            "no per-request CPU time")
         else:
@@ -72,7 +72,9 @@ def install_host_telemetry(config: HostConfig, recorder: RequestRecorder, meter_
     return host
 
 
-def _gevent_threads() -> bool:
+def gevent_patched_threads() -> bool:
+    """Whether gevent monkey-patched ``threading`` in this process (greenlets then share OS threads, so a
+    thread's CPU clock cannot be split per request)."""
     import sys
 
     monkey = sys.modules.get("gevent.monkey")

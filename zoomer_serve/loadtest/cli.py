@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from zoomer_serve.cli_output import TableOutput, add_format_option
 from zoomer_serve.cli_types import positive_float, positive_int
 from zoomer_serve.config import ConfigError
 from zoomer_serve.loadtest.config import LoadTestOptions, add_arguments, grpc_target, to_locust_args
@@ -59,7 +60,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--run-time", type=positive_int, default=30, help="seconds of load (default 30)")
     p.add_argument("--locustfile", type=Path, default=DEFAULT_LOCUSTFILE,
                    help="locustfile (default: the packaged Ranker users, as in benchmarks/locustfile.py)")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON (locust's output goes to stderr)")
+    p.add_argument("--json", action="store_true",
+                   help="print the summary as JSON (locust's output goes to stderr; --format json prints the "
+                   "tables as shown); overrides --format")
+    add_format_option(p)
     add_arguments(p, prefix="--")
     p.set_defaults(func=run)
     return p
@@ -74,8 +78,8 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--target {options.target} (or ZOOMER_LOADTEST_TARGET) names the ProfilerControl of a "
                               "server given with --host; without --host the demo server started here is profiled "
                               "on its own admin port. Give --host too, or drop --target")
-    except ConfigError as exc:
-        print(f"zoomer-serve loadtest: {exc}", file=sys.stderr)
+    except ConfigError as exc:  # LoadTestOptions names locust's options (--zoomer-X): here they are --X
+        print(f"zoomer-serve loadtest: {str(exc).replace('--zoomer-', '--')}", file=sys.stderr)
         return 2
     if not args.locustfile.is_file():
         print(f"zoomer-serve loadtest: locustfile not found: {args.locustfile}", file=sys.stderr)
@@ -142,7 +146,7 @@ def _run_demo(args: argparse.Namespace, options: LoadTestOptions, plugin_json: P
     options = dataclasses.replace(options, store=store, profiles_dir=profiles)
     env = dict(os.environ, ZOOMER_ADMIN_TOKEN=os.environ.get("ZOOMER_ADMIN_TOKEN") or secrets.token_urlsafe(24))
     procs: list[subprocess.Popen[bytes]] = []
-    say = _say(args.json)
+    say = _say(_machine_readable(args))
     try:
         collector, col = start_zoomer_command(
             ["collector", "--store", str(store), "--grpc-port", "0", "--http-port", "0"], env, "embedded collector")
@@ -169,6 +173,12 @@ def _run_demo(args: argparse.Namespace, options: LoadTestOptions, plugin_json: P
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def _machine_readable(args: argparse.Namespace) -> bool:
+    """Whether stdout holds only the results (--json, --format markdown / csv / json): then locust's output
+    and our progress lines go to stderr."""
+    return bool(args.json) or getattr(args, "format", "table") != "table"
 
 
 def _say(json_mode: bool) -> Any:
@@ -200,7 +210,7 @@ def _run_against(args: argparse.Namespace, options: LoadTestOptions, host: str, 
     limit_s = args.run_time + options.stop_wait_s + 120
     try:
         locust = subprocess.run(locust_command(args, options, host, plugin_json), env=env,
-                                stdout=sys.stderr if args.json else None, timeout=limit_s)
+                                stdout=sys.stderr if _machine_readable(args) else None, timeout=limit_s)
         locust_rc = locust.returncode
     except subprocess.TimeoutExpired:  # subprocess.run killed it
         print(f"zoomer-serve loadtest: locust did not end within {limit_s:g} s; killed", file=sys.stderr)
@@ -219,26 +229,28 @@ def _run_against(args: argparse.Namespace, options: LoadTestOptions, host: str, 
         summary = with_store(summary, options.store)
     if options.summary_json is not None:
         summary.write_json(options.summary_json)
-    _print(summary, options, args.json)
+    _print(summary, options, args.json, getattr(args, "format", "table"))
     profile_ok = not options.profile or (summary.profile is not None and summary.profile.ok)
     return 0 if locust_rc == 0 and profile_ok and stopped_ok else 1
 
 
-def _print(summary: Any, options: LoadTestOptions, as_json: bool) -> None:
+def _print(summary: Any, options: LoadTestOptions, as_json: bool, format: str = "table") -> None:
     if as_json:
         sys.stdout.write(json.dumps(summary.to_dict(), indent=2) + "\n")
         sys.stdout.flush()
         return
-    from rich.console import Console
+    from rich.text import Text
 
     from zoomer_serve.loadtest.summary import render_summary
 
-    console = Console()
-    if not console.is_terminal:
-        console.width = max(console.width, 140)
-    render_summary(summary, console)
+    out = TableOutput(format)
+    render_summary(summary, out)
     if options.store is not None and summary.server is not None:
         from zoomer_serve.report import build_report, render_report
+        from zoomer_serve.report.render import next_steps
 
-        console.print()
-        render_report(build_report(options.store), console)
+        out.print()
+        render_report(build_report(options.store), out)
+        for line in next_steps(str(options.store)):
+            out.print(Text(line))
+    out.close()

@@ -169,11 +169,11 @@ def add_arguments(parser: Any, prefix: str = "--zoomer-") -> None:
         help="requests after spawning completed before profiling may start (default 0)")
     add("stable-cv", "ZOOMER_LOADTEST_STABLE_CV", type=float, default=None,
         help="also wait until locust's rolling median response time is stable: coefficient of variation of "
-             "the last --zoomer-stable-samples one-second samples at most this (default: off)")
+             f"the last {prefix}stable-samples one-second samples at most this (default: off)")
     add("stable-samples", "ZOOMER_LOADTEST_STABLE_SAMPLES", type=int, default=5,
         help="one-second samples the stability check looks at (default 5)")
     add("profile-requests", "ZOOMER_LOADTEST_PROFILE_REQUESTS", type=int, default=100,
-        help="requests the profiling session covers (default 100; 0: bounded by --zoomer-profile-duration-s only)")
+        help=f"requests the profiling session covers (default 100; 0: bounded by {prefix}profile-duration-s only)")
     add("profile-duration-s", "ZOOMER_LOADTEST_PROFILE_DURATION_S", type=float, default=None,
         help="profiling session length in seconds (default: bounded by requests; the server caps it)")
     add("cuda", "ZOOMER_LOADTEST_CUDA", choices=CUDA_CHOICES, default="auto",

@@ -102,7 +102,8 @@ def install(environment: Any, options: LoadTestOptions | None = None, *, client_
 def configure_client_telemetry() -> None:
     """Configure this process's zoomer-serve telemetry once (replacing any configured before): from the
     ``OTEL_*`` / ``ZOOMER_*`` variables (where the users' CLIENT spans go), with GPU telemetry off (a load
-    generator runs no GPU work) and service name :data:`DEFAULT_SERVICE_NAME` unless ``OTEL_SERVICE_NAME``
+    generator runs no GPU work), no per-request CPU time under gevent (said once, at debug level: greenlets
+    share OS threads, so a thread's CPU clock cannot be split per request) and service name :data:`DEFAULT_SERVICE_NAME` unless ``OTEL_SERVICE_NAME``
     or ``service.name`` in ``OTEL_RESOURCE_ATTRIBUTES`` names one."""
     global _telemetry_configured
     if _telemetry_configured:
@@ -111,23 +112,27 @@ def configure_client_telemetry() -> None:
     import os
 
     from zoomer_serve.config import ZoomerConfig
+    from zoomer_serve.host.telemetry import gevent_patched_threads
     from zoomer_serve.runtime import configure
 
     cfg = ZoomerConfig.from_env()
     named = bool(os.environ.get("OTEL_SERVICE_NAME")) or "service.name" in cfg.resource_attributes
-    configure(config=dataclasses.replace(cfg, gpu=dataclasses.replace(cfg.gpu, mode="off"),
+    host = cfg.host
+    if host.request_cpu_time and gevent_patched_threads():
+        logger.debug("zoomer-serve: locust's users are greenlets on shared OS threads (gevent), so their CLIENT "
+                     "spans carry no per-request CPU time; the server's spans do")
+        host = dataclasses.replace(host, request_cpu_time=False)
+    configure(config=dataclasses.replace(cfg, gpu=dataclasses.replace(cfg.gpu, mode="off"), host=host,
                                          service_name=cfg.service_name if named else DEFAULT_SERVICE_NAME))
     _telemetry_configured = True
 
 
 def wide_console() -> Any:
-    """A rich Console, at least 140 columns wide when the output is not a terminal (logs, pipes, CI)."""
-    from rich.console import Console
+    """Where the summary is printed: rich tables on stdout, as wide as their widest row when the output is
+    not a terminal (logs, pipes, CI), so that no name is cut (:class:`~zoomer_serve.cli_output.TableOutput`)."""
+    from zoomer_serve.cli_output import TableOutput
 
-    console = Console()
-    if not console.is_terminal:
-        console.width = max(console.width, 140)
-    return console
+    return TableOutput("table")
 
 
 @events.init_command_line_parser.add_listener

@@ -2,7 +2,8 @@
 
 The profiler is started with Kineto's ``profile_all_threads`` so that operators on every thread (the
 server's worker threads) are recorded, not only those of the thread that started it. Start and stop
-must run on the same thread (the controller's session thread does both).
+must run on the same thread (the controller's session thread does both). The lines Kineto writes to the
+process's stderr on each start and stop go to the log at debug level (:mod:`.native_stderr`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from zoomer_serve.profiling.config import SessionOptions
+from zoomer_serve.profiling.native_stderr import kineto_lines_to_log
 
 
 class CaptureError(RuntimeError):
@@ -82,7 +84,8 @@ class Capture:
                                              record_shapes=opts.record_shapes, profile_memory=opts.profile_memory,
                                              with_stack=opts.with_stack, with_flops=opts.with_flops,
                                              use_kineto=True, experimental_config=experimental)
-            prof.__enter__()
+            with kineto_lines_to_log():
+                prof.__enter__()
         except Exception as exc:
             raise CaptureError(f"torch.profiler did not start: {exc!r}") from exc
         self._prof = prof
@@ -95,7 +98,8 @@ class Capture:
     def stop(self) -> None:
         """Stop recording (with CUDA this synchronizes the device). Raises CaptureError."""
         try:
-            self._prof.__exit__(None, None, None)
+            with kineto_lines_to_log():
+                self._prof.__exit__(None, None, None)
         except Exception as exc:
             raise CaptureError(f"torch.profiler did not stop cleanly: {exc!r}") from exc
 

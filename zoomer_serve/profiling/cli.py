@@ -2,7 +2,9 @@
 running server. The token comes from ``ZOOMER_ADMIN_TOKEN``. Exit status 0 when the call was answered (also
 for ``not running``), 1 when it was refused or failed, or a session it waited for failed; 3
 (:data:`EXIT_ALREADY_RUNNING`) when ``start`` found a session already running (the reply is printed as usual;
-nothing was started)."""
+nothing was started). When a session finished with a trace (``stop``, ``start --wait``), the files it wrote
+and the ``zoomer-serve analyze`` command to run on them are printed after it (``files`` and ``next`` with
+``--json``)."""
 
 from __future__ import annotations
 
@@ -133,9 +135,48 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def session_files(info: Any) -> list[str]:
+    """The files a finished session wrote, as the server names them: the gzip Chrome trace, the per-request
+    summary beside it (``<session_id>.summary.json``), and, when that folder is readable here, any other
+    ``<session_id>.*`` file in it. Empty when the session wrote no trace."""
+    from pathlib import Path
+
+    from zoomer_serve.artifacts.session import SUMMARY_SUFFIX
+
+    if not info.trace_path:
+        return []
+    trace = Path(info.trace_path)
+    files = [trace, trace.with_name(info.session_id + SUMMARY_SUFFIX)]
+    try:
+        files += sorted(p for p in trace.parent.glob(f"{info.session_id}.*") if p not in files)
+    except OSError:
+        pass
+    return [str(f) for f in files]
+
+
+def analyze_command(info: Any) -> str | None:
+    """The ``zoomer-serve analyze`` command line for a finished session's trace (None without one)."""
+    import shlex
+
+    if not info.trace_path:
+        return None
+    return f"zoomer-serve analyze {shlex.quote(info.trace_path)}"
+
+
+def _next_steps(reply: Any) -> tuple[list[str], str | None]:
+    info = reply.session
+    if info is None or info.outcome != "done":
+        return [], None
+    return session_files(info), analyze_command(info)
+
+
 def _print(reply: Any, as_json: bool) -> int:
+    files, command = _next_steps(reply)
     if as_json:
-        print(json.dumps(_plain(reply), indent=2))
+        out = _plain(reply)
+        if files:
+            out |= {"files": files, "next": command}
+        print(json.dumps(out, indent=2))
     else:
         print(reply.message)
         for label, info in (("session", reply.session), ("last", reply.last)):
@@ -145,5 +186,11 @@ def _print(reply: Any, as_json: bool) -> int:
                       f"{' ' + info.outcome if info.outcome else ''}, {info.requests}/{info.max_requests} requests"
                       f"{', trace ' + info.trace_path if info.trace_path else ''}"
                       f"{', error: ' + info.error if info.error else ''}")
+        if files:
+            print("  files (on the server):")
+            for path in files:
+                print(f"    {path}")
+            print(f"  next: {command}   (add --store STORE for the requests, --html report.html for the HTML "
+                  "report)")
     failed = reply.session is not None and reply.session.outcome == "failed"
     return 1 if failed else 0

@@ -20,6 +20,9 @@ from zoomer_serve.report.model import BatchingStats, MethodStats, PhaseStats, Re
 
 NS_PER_MS = 1_000_000.0
 NS_PER_S = 1_000_000_000.0
+MIN_RATE_WINDOW_S = 1.0
+"""The shortest first-start to last-end window a request rate is given for, s: 50 requests within 23 ms are
+50 requests, not "2159.6 req/s" (shorter windows get no rate: None, shown as "-")."""
 
 
 class ReportError(RuntimeError):
@@ -137,7 +140,7 @@ def _method_stats(row: tuple[Any, ...], statuses: dict[str, int], phases: list[P
         service_name=service,
         method=method,
         count=int(n),
-        rate_per_s=n / window_s if window_s > 0 else None,
+        rate_per_s=n / window_s if window_s >= MIN_RATE_WINDOW_S else None,
         error_count=int(errors),
         error_rate=errors / n,
         server_error_count=int(server_errors),

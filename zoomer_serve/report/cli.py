@@ -1,4 +1,6 @@
-"""``zoomer-serve report``: summarize the collector's store (tables, or JSON with ``--json``).
+"""``zoomer-serve report``: summarize the collector's store (tables in ``--format`` table, markdown, csv or
+json: see :mod:`zoomer_serve.cli_output`; or the whole report model as JSON with ``--json``), then name the
+store and the ``zoomer-serve analyze`` command to run on it.
 
 Exit codes: 0 (also for an empty store, which prints "no requests recorded"), 2 when the store is missing
 or unreadable (message on stderr naming the path, no traceback).
@@ -12,11 +14,13 @@ import sys
 from typing import Any
 
 from rich.console import Console
+from rich.text import Text
 
+from zoomer_serve.cli_output import TableOutput, add_format_option
 from zoomer_serve.cli_types import non_negative_int
 from zoomer_serve.collector.store import default_store_path
 from zoomer_serve.report.build import ReportError, build_report
-from zoomer_serve.report.render import render_report
+from zoomer_serve.report.render import next_steps, render_report
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -30,7 +34,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--store", default=None,
                    help="DuckDB file, or a Parquet dataset the collector wrote (--parquet-url: a folder or URL such "
                    "as s3://bucket/prefix) (default: $ZOOMER_STORE or ./zoomer-data/zoomer.duckdb)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON instead of tables")
+    p.add_argument("--json", action="store_true",
+                   help="print the whole report model as one JSON object (every field; --format json prints the "
+                   "tables as shown); overrides --format")
+    add_format_option(p)
     p.add_argument("--slowest", type=non_negative_int, default=10, help="how many slowest traces to list (default 10)")
     p.set_defaults(func=run)
     return p
@@ -53,5 +60,9 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
         sys.stdout.write(json.dumps(report.to_dict(), indent=2) + "\n")
         sys.stdout.flush()
         return 0
-    render_report(report, console or Console())
+    out = TableOutput(getattr(args, "format", "table"), console=console)
+    render_report(report, out)
+    for line in next_steps(report.store_path):
+        out.print(Text(line))
+    out.close()
     return 0

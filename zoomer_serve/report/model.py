@@ -55,8 +55,8 @@ class MethodStats:
         service_name: resource ``service.name`` ("unknown_service" when absent).
         method: span attribute ``rpc.method``, else the span name.
         count: requests.
-        rate_per_s: requests per second over this method's first-start to last-end window (None if the
-            window is empty).
+        rate_per_s: requests per second over this method's first-start to last-end window (None when the
+            window is shorter than ``build.MIN_RATE_WINDOW_S``, 1 s: a rate needs a time span).
         error_count / error_rate: requests that did not succeed: span status ERROR, or an
             ``rpc.response.status_code`` that is present and not "OK" / "0" (client errors such as
             INVALID_ARGUMENT count); rate = error_count / count.

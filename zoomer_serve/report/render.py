@@ -6,8 +6,11 @@ as rich markup.
 
 from __future__ import annotations
 
+import shlex
+from typing import Any
+
 from rich import box
-from rich.console import Console, JustifyMethod
+from rich.console import JustifyMethod
 from rich.table import Table
 from rich.text import Text
 
@@ -109,14 +112,33 @@ def slowest_table(report: Report) -> Table | None:
     return table
 
 
-def render_report(report: Report, console: Console) -> None:
-    """Print ``report`` to ``console``: "no requests recorded" when empty, else the tables."""
+def window_text(seconds: float) -> str:
+    """A time span for a sentence: "2.5 s" from 1 s up, "23 ms" below (never "0.0 s")."""
+    if seconds >= 1.0:
+        return f"{seconds:.1f} s"
+    if seconds >= 0.001:
+        return f"{seconds * 1e3:.0f} ms"
+    return f"{seconds * 1e6:.0f} us"
+
+
+def next_steps(store_path: str) -> list[str]:
+    """The lines that say which store was read and the command that analyses it."""
+    store = shlex.quote(store_path)
+    return [f"store: {store_path}",
+            f"next: zoomer-serve analyze --store {store}   (findings; add --html report.html for the HTML report)"]
+
+
+def render_report(report: Report, console: Any) -> None:
+    """Print ``report`` to ``console`` (a rich Console, or a :class:`~zoomer_serve.cli_output.TableOutput`):
+    "no requests recorded" when empty, else a header line and the tables. The header gives the request
+    count and the window; per-method rates are only given for windows of at least 1 s (see
+    :data:`~zoomer_serve.report.build.MIN_RATE_WINDOW_S`)."""
     if report.empty:
         console.print(NO_REQUESTS)
         return
     window_s = ((report.window_end_ns or 0) - (report.window_start_ns or 0)) / 1e9
     header = Text.assemble((str(report.total_requests), "bold"), " requests, ",
-                           (str(report.total_errors), "bold"), f" errors over {window_s:.1f} s  ",
+                           (str(report.total_errors), "bold"), f" errors over {window_text(window_s)}  ",
                            f"({report.store_path})")
     console.print(header)
     for table in (methods_table(report), statuses_table(report), phases_table(report), batching_table(report),
