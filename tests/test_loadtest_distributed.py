@@ -8,16 +8,23 @@ from __future__ import annotations
 import json
 import re
 import signal
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from _example_processes import Program, free_port, start, telemetry_env
 
+from interceptors import ZoomerServerInterceptor
 from zoomer_serve.processes import start_zoomer_command, stop_process
 
 LOCUSTFILE = "benchmarks/locustfile.py"
+SLOW_LOCUSTFILE = "tests/_slow_locustfile.py"
 PREDICT = "zoomer.demo.v1.Ranker/Predict"
 PREDICT_STREAM = "zoomer.demo.v1.Ranker/PredictStream"
 SERVER_SERVICE = "zoomer-demo-ranker"
@@ -36,12 +43,12 @@ class Cluster:
 
 
 def run_cluster(master_args: list[str], env: dict[str, str], tmp_path: Path, host: str,
-                worker_locustfile: str = LOCUSTFILE, run_s: int = 4) -> Cluster:
+                worker_locustfile: str = LOCUSTFILE, run_s: int = 4, locustfile: str = LOCUSTFILE) -> Cluster:
     """``locust --master --headless --expect-workers 2`` and two ``locust --worker`` processes; waits for
     all three (generous limits: on a loaded 2-core machine each imports torch and the model's requests)."""
     port = free_port()
     summary_json = tmp_path / "summary.json"
-    master = start(["-m", "locust", "-f", LOCUSTFILE, "--master", "--headless", "--expect-workers", "2",
+    master = start(["-m", "locust", "-f", locustfile, "--master", "--headless", "--expect-workers", "2",
                     "--master-bind-host", "127.0.0.1", "--master-bind-port", str(port), "--host", host,
                     "--users", "4", "--spawn-rate", "4", "--run-time", f"{run_s}s", "--stop-timeout", "10",
                     "--only-summary", "--zoomer-quiet", "--zoomer-summary-json", str(summary_json), *master_args],
@@ -158,3 +165,40 @@ def test_workers_that_fail_make_the_master_fail_and_a_run_without_requests_is_ne
     assert [r for r in rows if r["name"] == "zoomer.profile"] == []
     assert [r for r in rows if r["kind"] == "SERVER"] == []
 
+
+
+@contextmanager
+def slow_server(telemetry: Any, latency_s: float) -> Iterator[str]:
+    """``/test.Slow/Call`` (raw bytes back after ``latency_s``) with the zoomer interceptor; its target."""
+    def call(request: bytes, context: grpc.ServicerContext) -> bytes:
+        time.sleep(latency_s)
+        return request
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16),
+                         interceptors=[ZoomerServerInterceptor(telemetry.recorder)])
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "test.Slow", {"Call": grpc.unary_unary_rpc_method_handler(call)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(None).wait(5)
+
+
+@pytest.mark.timeout(600)
+def test_calls_that_end_during_the_graceful_stop_are_in_the_masters_figures(collector: Any, telemetry: Any,
+                                                                           tmp_path: Path) -> None:
+    """With --stop-timeout, locust's workers let their calls in flight finish when the test ends; locust's
+    headless master waited only 0.5 s for their last reports, so the calls that ended later (here every
+    call in flight at the end: each takes 1.5 s) were missing from its figures. The master now collects
+    every worker's last report first."""
+    with slow_server(telemetry, latency_s=1.5) as target:
+        run = run_cluster(["--zoomer-no-profile"], telemetry_env(collector), tmp_path, target,
+                          worker_locustfile=SLOW_LOCUSTFILE, locustfile=SLOW_LOCUSTFILE)
+    assert run.master_rc == 0 and run.worker_rcs == [0, 0], run.master_output[-4000:]
+    assert run.summary is not None
+    client = {c["name"]: c for c in run.summary["client"]}
+    served = [r for r in collector.spans("SERVER") if r["attributes"]["rpc.method"] == "test.Slow/Call"]
+    assert client["test.Slow/Call"]["failures"] == 0
+    assert client["test.Slow/Call"]["count"] == len(served) > 0
