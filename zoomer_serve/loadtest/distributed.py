@@ -4,8 +4,9 @@ and workers (locust's distributed mode). Imports gevent; used by :mod:`zoomer_se
 - **Last reports.** When a test stops, the master asks every worker (custom message
   :data:`LAST_REPORT`) to stop its users (locust's ``--stop-timeout`` applies) and send its last statistics,
   and waits for each to confirm, at most ``stop_timeout`` + :data:`LAST_REPORT_GRACE_S` seconds. locust's own
-  headless quit waits 0.5 s for those statistics; on a loaded machine the requests of a worker's last
-  seconds were missing from the master's figures.
+  headless quit waits 0.5 s for those statistics: the calls that ended later (those a ``--stop-timeout``
+  lets finish, or any on a loaded machine) were missing from the master's figures, though the server
+  answered them.
 - **Failed workers.** A worker that had an unhandled error (its log has the traceback; e.g. a user class it
   does not have) says so in each statistics report it sends (key :data:`WORKER_FAILED`); the master logs it
   once per worker.
@@ -47,7 +48,6 @@ class RunCheck:
         self.environment = environment
         self.test_started = False
         self.failed_workers: dict[str, str] = {}
-        self.requests_by_worker: dict[str, int] = {}
         self._awaiting: set[str] = set()
 
     def attach(self) -> RunCheck:
@@ -81,9 +81,6 @@ class RunCheck:
 
     # -- master --------------------------------------------------------------------------------------------
     def _on_worker_report(self, client_id: str, data: dict[str, Any], **_: Any) -> None:
-        total = data.get("stats_total") or {}
-        self.requests_by_worker[client_id] = self.requests_by_worker.get(client_id, 0) + \
-            int(total.get("num_requests", 0))
         reason = data.get(WORKER_FAILED)
         if reason and client_id not in self.failed_workers:
             self.failed_workers[client_id] = str(reason)
