@@ -7,7 +7,8 @@
 The users (gRPC ``RankerGrpcUser``, Thrift ``RankerThriftUser``; ``--zoomer-transport`` picks one when none is
 named) and their request mix are in :mod:`zoomer_serve.loadtest.ranker_users`, so that ``zoomer-serve
 loadtest`` runs the same users from an installed package. Every ``--zoomer-*`` option is listed by
-``locust -f benchmarks/locustfile.py --help``. Your own locustfile: subclass
+``locust -f benchmarks/locustfile.py --help``. Distributed (``--master`` / ``--worker``): every process loads
+this file; give ``--zoomer-*`` options and user classes on the master only. Your own locustfile: subclass
 ``zoomer_serve.loadtest.plugin.GrpcUser`` (set ``stub_class``) or ``ThriftUser`` (set ``thrift_service``).
 """
 

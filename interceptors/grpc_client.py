@@ -175,16 +175,20 @@ class ClientCallTracer:
                counts: list[int | None], exc: BaseException | None = None) -> None:
         """End ``span`` (once) with the call's status and ``counts`` = [request messages, request bytes,
         response messages, response bytes] (None: unknown, not recorded). ``exc``: an exception the call
-        raised in the interceptor chain (recorded; UNKNOWN when no code is known)."""
+        raised in the interceptor chain: an ``Exception`` is recorded and, when no code is known, the call is
+        UNKNOWN; any other ``BaseException`` (gevent's ``GreenletExit`` when locust stops a user mid-call,
+        ``KeyboardInterrupt``, ``SystemExit``) means the caller gave the call up: CANCELLED."""
         if span is None or not span.is_open:
             return
         try:
             error_type = None
-            if exc is not None:
+            if isinstance(exc, Exception):
                 span.record_exception(exc)
                 if code is None:
                     code, details, error_type = grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}", \
                         type(exc).__qualname__
+            elif exc is not None and code is None:
+                code, details = grpc.StatusCode.CANCELLED, f"the caller gave up the call ({type(exc).__name__})"
             attrs = span.attributes
             for key, value in zip((REQUEST_MESSAGES, REQUEST_BYTES, RESPONSE_MESSAGES, RESPONSE_BYTES), counts):
                 if value is not None:

@@ -445,3 +445,21 @@ def test_a_trace_path_of_the_server_is_found_in_the_local_profiles_dir(tmp_path:
     assert readable_trace("/profiles/s_1.pt.trace.json.gz", local) == local / "s_1.pt.trace.json.gz"
     assert readable_trace("/profiles/s_2.pt.trace.json.gz", local) is None
     assert readable_trace(None, local) is None
+
+
+def test_calls_cut_off_when_locust_stops_its_users_have_cancelled_client_spans(collector: Any, telemetry: Any,
+                                                                                tmp_path: Path) -> None:
+    """Without a stop timeout locust kills its users mid-call (gevent's GreenletExit inside the call): the
+    request event and the CLIENT span of each such call say CANCELLED (the span said UNKNOWN before)."""
+    with traced_slow_server(telemetry, latency_s=0.3, workers=16) as target:
+        result = run_locust("interrupt", {"host": target, "users": 8, "min_started": 16, "run_s": 0.1},
+                            tmp_path, locust_env(collector))
+    event = result["events"]["grpc test.Slow/Call"]
+    cut = {trace_id for trace_id, error in event["calls"] if error is not None}
+    assert cut and all(error in (None, "GrpcStatusError(CANCELLED)") for _, error in event["calls"])
+    clients = {r["trace_id"]: r for r in collector.spans("CLIENT") if r["attributes"]["rpc.method"] == "test.Slow/Call"}
+    assert set(clients) == {trace_id for trace_id, _ in event["calls"]}
+    for trace_id, span in clients.items():
+        status = span["attributes"]["rpc.response.status_code"]
+        assert status == ("CANCELLED" if trace_id in cut else "OK"), (trace_id, span["attributes"])
+    assert {clients[t]["attributes"]["error.type"] for t in cut} == {"CANCELLED"}

@@ -43,7 +43,8 @@ class LoadTestOptions:
         target: ProfilerControl address ``host:port`` (``grpc://`` accepted); None: locust's ``--host``.
         profile: start one profiling session once the run is steady.
         warmup_s: seconds after spawning completed before the trigger may fire.
-        warmup_requests: requests (locust's count) after spawning completed before it may fire.
+        warmup_requests: requests (locust's count) after spawning completed before it may fire (it always
+            waits for at least one: a test that sends no request is never profiled).
         stable_cv: when set, also wait until the coefficient of variation of the last ``stable_samples``
             one-second samples of locust's rolling median response time (its ~10 s window) is at most this.
         profile_requests / profile_duration_s: the session's bounds (requests covered, seconds); the session
@@ -166,7 +167,8 @@ def add_arguments(parser: Any, prefix: str = "--zoomer-") -> None:
     add("warmup-s", "ZOOMER_LOADTEST_WARMUP_S", type=float, default=10.0,
         help="seconds after spawning completed before profiling may start (default 10)")
     add("warmup-requests", "ZOOMER_LOADTEST_WARMUP_REQUESTS", type=int, default=0,
-        help="requests after spawning completed before profiling may start (default 0)")
+        help="requests after spawning completed before profiling may start (default 0; profiling always "
+             "waits for at least one request)")
     add("stable-cv", "ZOOMER_LOADTEST_STABLE_CV", type=float, default=None,
         help="also wait until locust's rolling median response time is stable: coefficient of variation of "
              f"the last {prefix}stable-samples one-second samples at most this (default: off)")

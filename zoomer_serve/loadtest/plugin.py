@@ -6,9 +6,15 @@ On import it initialises grpcio's gevent integration (case C11, :mod:`zoomer_ser
 adds the ``--zoomer-*`` options to locust's command line (:mod:`zoomer_serve.loadtest.config`). When locust
 starts (its ``init`` event) every process configures zoomer-serve telemetry from the environment (the users'
 CLIENT spans) and the deciding process (a single process or the master) attaches the steady-state profiling
-trigger (:mod:`zoomer_serve.loadtest.trigger`). At the end (locust's ``quit`` event, after its own tables)
-that process prints one summary (:mod:`zoomer_serve.loadtest.summary`) and writes it to
-``--zoomer-summary-json``; every process flushes its telemetry.
+trigger (:mod:`zoomer_serve.loadtest.trigger`) and the run's checks (:mod:`zoomer_serve.loadtest.distributed`:
+a master collects every worker's last report when the test stops, and the deciding process exits 1 when a
+worker failed or no request was sent). At the end (locust's ``quit`` event, after its own tables) that
+process prints one summary (:mod:`zoomer_serve.loadtest.summary`) and writes it to ``--zoomer-summary-json``;
+every process flushes its telemetry.
+
+Distributed mode: load the same locustfile in the master and every worker. locust sends the master's parsed
+options (the ``--zoomer-*`` ones included) to the workers with each spawn message, and names the user
+classes each worker runs, so options and user classes are chosen on the master only.
 
 Library mode (an Environment built in code): call :func:`install` after creating the runner, run the test,
 stop the runner, then :meth:`LoadTestPlugin.finish`.
@@ -25,6 +31,7 @@ from locust import events
 
 from zoomer_serve.config import ConfigError
 from zoomer_serve.loadtest.config import LoadTestOptions, add_arguments
+from zoomer_serve.loadtest.distributed import RunCheck
 from zoomer_serve.loadtest.summary import (
     LoadTestSummary,
     client_stats,
@@ -60,6 +67,7 @@ class LoadTestPlugin:
         self.deciding = decides(environment.runner)
         self.trigger = SteadyStateProfiler(environment, options, client_factory)
         self.trigger.attach()
+        self.check = RunCheck(environment).attach()
         self.summary: LoadTestSummary | None = None
 
     def finish(self) -> LoadTestSummary | None:

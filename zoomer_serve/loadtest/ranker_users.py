@@ -8,7 +8,8 @@ drawn from a pool built once per process by :func:`zoomer_serve.demo.load.make_r
 about as much as the server's forward pass, so they are not built per call).
 
 Transport: ``--zoomer-transport grpc`` (default) or ``thrift`` keeps only that transport's user when no user
-class is named on the command line (``locust -f benchmarks/locustfile.py RankerThriftUser`` also works).
+class is named on the command line (``locust -f benchmarks/locustfile.py RankerThriftUser`` also works). With
+a master and workers, give either on the master only.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 from locust import between, events, task
 
 from zoomer_serve.loadtest.plugin import GrpcUser, ThriftUser
+from zoomer_serve.loadtest.trigger import decides
 
 BATCH_SIZES = (1, 4, 8, 16, 24, 32, 48, 64, 128)
 BATCH_WEIGHTS = (2, 4, 10, 14, 12, 10, 5, 3, 1)
@@ -107,8 +109,14 @@ def _add_transport(parser: Any, **_: Any) -> None:
 
 @events.init.add_listener
 def _keep_transport(environment: Any, **_: Any) -> None:
+    """Keep the users of ``--zoomer-transport`` in the process that decides which users run (a single process
+    or the master). A worker keeps every user class: the master names those it is to run in each spawn
+    message, and its own ``--zoomer-transport`` (the default, unless given on the worker too) may differ from
+    the master's, which reaches the worker only with that message."""
     parsed = environment.parsed_options
     if parsed is None or getattr(parsed, "user_classes", None) or not hasattr(parsed, "zoomer_transport"):
+        return
+    if not decides(environment.runner):
         return
     keep = [u for u in environment.user_classes if getattr(u, "transport", parsed.zoomer_transport)
             == parsed.zoomer_transport]

@@ -6,7 +6,8 @@ master/worker run (``MasterRunner``); workers never call the target's admin serv
 one session. The criterion, checked every 0.2 s once spawning has completed (``spawning_complete``):
 
 1. ``warmup_s`` seconds have passed since spawning completed, and
-2. locust counted ``warmup_requests`` requests since then (on a master: as the workers reported them), and
+2. locust counted ``warmup_requests`` requests since then, and at least one (on a master: as the workers
+   reported them, every 3 s; a test that sends no request is never profiled), and
 3. with ``stable_cv`` set: the coefficient of variation of the last ``stable_samples`` one-second samples of
    locust's rolling median response time (``StatsEntry.get_current_response_time_percentile(0.5)``, a ~10 s
    window) is at most ``stable_cv``.
@@ -173,7 +174,7 @@ class SteadyStateProfiler:
 
     def _ready(self, now: float) -> bool:
         opts = self.options
-        if now - self._t0 < opts.warmup_s or self._request_count() - self._n0 < opts.warmup_requests:
+        if now - self._t0 < opts.warmup_s or self._request_count() - self._n0 < self._requests_needed:
             return False
         if opts.stable_cv is None:
             return True
@@ -181,13 +182,17 @@ class SteadyStateProfiler:
         self.record.rolling_cv = cv
         return ok
 
+    @property
+    def _requests_needed(self) -> int:
+        return max(1, self.options.warmup_requests)
+
     def _warmup_progress(self, prefix: str) -> str:
         t0 = getattr(self, "_t0", None)
         if t0 is None:
             return prefix
         opts = self.options
         parts = [f"{time.monotonic() - t0:.1f} of {opts.warmup_s:g} s",
-                 f"{self._request_count() - self._n0} of {opts.warmup_requests} requests"]
+                 f"{self._request_count() - self._n0} of {self._requests_needed} requests"]
         if opts.stable_cv is not None:
             cv = "n/a" if self.record.rolling_cv is None else f"{self.record.rolling_cv:.3f}"
             parts.append(f"rolling-median CV {cv} (needs <= {opts.stable_cv:g} over {opts.stable_samples} "

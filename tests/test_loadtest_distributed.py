@@ -1,0 +1,204 @@
+"""locust's distributed mode with the zoomer plugin: a real master and two workers, each its own
+``locust`` process on 127.0.0.1 as a user starts them, against the demo Ranker (``zoomer-serve serve-demo``)
+exporting to the test's embedded collector; the workers' CLIENT spans go there too, each worker with its own
+``service.instance.id``. Options and user classes are given on the master only."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from _example_processes import Program, free_port, start, telemetry_env
+
+from interceptors import ZoomerServerInterceptor
+from zoomer_serve.processes import start_zoomer_command, stop_process
+
+LOCUSTFILE = "benchmarks/locustfile.py"
+SLOW_LOCUSTFILE = "tests/_slow_locustfile.py"
+PREDICT = "zoomer.demo.v1.Ranker/Predict"
+PREDICT_STREAM = "zoomer.demo.v1.Ranker/PredictStream"
+SERVER_SERVICE = "zoomer-demo-ranker"
+TOKEN = "distributed-test-token-3c1e"
+
+
+@dataclass
+class Cluster:
+    """A finished run: the exit codes and output of the master and of each worker, the master's summary."""
+
+    master_rc: int
+    master_output: str
+    worker_rcs: list[int]
+    worker_outputs: list[str]
+    summary: dict[str, Any] | None
+
+
+def run_cluster(master_args: list[str], env: dict[str, str], tmp_path: Path, host: str,
+                worker_locustfile: str = LOCUSTFILE, run_s: int = 4, locustfile: str = LOCUSTFILE) -> Cluster:
+    """``locust --master --headless --expect-workers 2`` and two ``locust --worker`` processes; waits for
+    all three (generous limits: on a loaded 2-core machine each imports torch and the model's requests)."""
+    port = free_port()
+    summary_json = tmp_path / "summary.json"
+    master = start(["-m", "locust", "-f", locustfile, "--master", "--headless", "--expect-workers", "2",
+                    "--master-bind-host", "127.0.0.1", "--master-bind-port", str(port), "--host", host,
+                    "--users", "4", "--spawn-rate", "4", "--run-time", f"{run_s}s", "--stop-timeout", "10",
+                    "--only-summary", "--zoomer-quiet", "--zoomer-summary-json", str(summary_json), *master_args],
+                   env)
+    workers = [start(["-m", "locust", "-f", worker_locustfile, "--worker", "--master-host", "127.0.0.1",
+                      "--master-port", str(port)], env) for _ in range(2)]
+    try:
+        master_rc = _wait(master, 300)
+        worker_rcs = [_wait(worker, 60) for worker in workers]
+    finally:
+        for program in (master, *workers):
+            if program.proc.poll() is None:
+                program.stop(signal.SIGKILL)
+    summary = json.loads(summary_json.read_text()) if summary_json.is_file() else None
+    return Cluster(master_rc, master.output, worker_rcs, [w.output for w in workers], summary)
+
+
+def _wait(program: Program, timeout_s: float) -> int:
+    """The exit code of ``program`` once it ends by itself (killed after ``timeout_s``: -9)."""
+    import subprocess
+
+    try:
+        return program.proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return program.stop(signal.SIGKILL)
+
+
+def start_server(collector: Any, transport: str, tmp_path: Path) -> tuple[Any, dict[str, Any]]:
+    env = telemetry_env(collector, SERVER_SERVICE, ZOOMER_ADMIN_TOKEN=TOKEN)
+    return start_zoomer_command(["serve-demo", "--port", "0", "--transport", transport, "--profiles-dir",
+                                 str(tmp_path / "profiles")], env, "demo model server", timeout_s=240)
+
+
+def counted_by_worker(rows: list[dict[str, Any]], methods: tuple[str, ...]) -> dict[str, dict[str, int]]:
+    """Per ``service.instance.id`` of the load generator: its CLIENT spans and the server's spans whose
+    parent is one of them, of ``methods``."""
+    clients = {(r["trace_id"], r["span_id"]): r for r in rows if r["kind"] == "CLIENT"
+               and r["attributes"].get("rpc.method") in methods}
+    counts: dict[str, dict[str, int]] = {}
+    for client in clients.values():
+        instance = client["resource_attributes"]["service.instance.id"]
+        counts.setdefault(instance, {"client": 0, "server": 0})["client"] += 1
+    for row in rows:
+        if row["kind"] == "SERVER" and row["service_name"] == SERVER_SERVICE and \
+                row["attributes"]["rpc.method"] in methods:
+            parent = clients[(row["trace_id"], row["parent_span_id"])]
+            counts[parent["resource_attributes"]["service.instance.id"]]["server"] += 1
+    return counts
+
+
+CASES = {
+    "grpc": ("grpc", [], {"grpc": (PREDICT, PREDICT_STREAM)}),
+    "thrift option on the master": ("thrift", ["--zoomer-transport", "thrift"], {"thrift": (PREDICT,)}),
+    "thrift user class named on the master": ("thrift", ["RankerThriftUser"], {"thrift": (PREDICT,)}),
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_master_and_two_workers_run_the_transport_chosen_on_the_master_and_count_what_the_server_served(
+        collector: Any, tmp_path: Path, case: str) -> None:
+    """The transport (option or user class) chosen on the master reaches both workers; what locust reports
+    equals what the server's spans count, in all and per method, and per worker (its CLIENT spans'
+    ``service.instance.id``)."""
+    transport, master_args, expected = CASES[case]
+    proc, ready = start_server(collector, transport, tmp_path)
+    try:
+        run = run_cluster([*master_args, "--zoomer-no-profile"], telemetry_env(collector), tmp_path,
+                          f"127.0.0.1:{ready['port']}")
+    finally:
+        assert stop_process(proc, 60) == 0
+    assert run.master_rc == 0, run.master_output[-4000:]
+    assert run.worker_rcs == [0, 0], [out[-2000:] for out in run.worker_outputs]
+    assert run.summary is not None
+    client = {(c["request_type"], c["name"]): c for c in run.summary["client"] if c["name"] != "Aggregated"}
+    methods = next(iter(expected.values()))
+    assert set(client) == {(kind, m) for kind, names in expected.items() for m in names}
+    assert all(c["count"] > 0 and c["failures"] == 0 for c in client.values()), client
+    rows = collector.spans()
+    served = [r for r in rows if r["kind"] == "SERVER" and r["service_name"] == SERVER_SERVICE]
+    assert {r["attributes"]["rpc.system.name"] for r in served} == {transport}
+    for (_, name), entry in client.items():
+        assert len([r for r in served if r["attributes"]["rpc.method"] == name]) == entry["count"], name
+    by_worker = counted_by_worker(rows, methods)
+    assert len(by_worker) == 2, by_worker  # both workers sent load
+    assert all(c["client"] == c["server"] > 0 for c in by_worker.values()), by_worker
+    assert sum(c["server"] for c in by_worker.values()) == sum(c["count"] for c in client.values())
+
+
+@pytest.mark.timeout(600)
+def test_workers_that_fail_make_the_master_fail_and_a_run_without_requests_is_never_profiled(
+        collector: Any, tmp_path: Path) -> None:
+    """Workers that lack the user class the master names fail at spawning (locust: KeyError, exit 2); the
+    master, which sent nothing, exits 1 naming them, and its steady-state trigger, whose warm-up time passed,
+    never starts a profiling session (it waits for a first request)."""
+    proc, ready = start_server(collector, "grpc", tmp_path)
+    try:
+        run = run_cluster(["RankerGrpcUser", "--zoomer-warmup-s", "0.5", "--zoomer-profile-requests", "5",
+                           "--zoomer-target", f"127.0.0.1:{ready['admin_port']}"],
+                          telemetry_env(collector, ZOOMER_ADMIN_TOKEN=TOKEN), tmp_path,
+                          f"127.0.0.1:{ready['port']}", worker_locustfile="examples/locust_own_service/locustfile.py")
+    finally:
+        assert stop_process(proc, 60) == 0
+    assert run.worker_rcs == [2, 2], [out[-2000:] for out in run.worker_outputs]
+    assert all("KeyError: 'RankerGrpcUser'" in out for out in run.worker_outputs)
+    assert run.master_rc == 1, run.master_output[-4000:]
+    assert len(re.findall(r"worker \S+ failed: an unhandled error", run.master_output)) == 2, run.master_output[-4000:]
+    assert "the run failed: 2 worker(s) failed; no request was sent (exit code 1)" in run.master_output
+    assert run.summary is not None
+    profile = run.summary["profile"]
+    assert profile["state"] == "warming" and "0 of 1 requests" in profile["reason"], profile
+    assert profile["session"] is None
+    rows = collector.spans()
+    assert [r for r in rows if r["name"] == "zoomer.profile"] == []
+    assert [r for r in rows if r["kind"] == "SERVER"] == []
+
+
+
+@contextmanager
+def slow_server(telemetry: Any, latency_s: float) -> Iterator[str]:
+    """``/test.Slow/Call`` (raw bytes back after ``latency_s``) with the zoomer interceptor; its target."""
+    def call(request: bytes, context: grpc.ServicerContext) -> bytes:
+        time.sleep(latency_s)
+        return request
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16),
+                         interceptors=[ZoomerServerInterceptor(telemetry.recorder)])
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "test.Slow", {"Call": grpc.unary_unary_rpc_method_handler(call)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(None).wait(5)
+
+
+@pytest.mark.timeout(600)
+def test_calls_that_end_during_the_graceful_stop_are_in_the_masters_figures(collector: Any, telemetry: Any,
+                                                                           tmp_path: Path) -> None:
+    """With --stop-timeout, locust's workers let their calls in flight finish when the test ends; locust's
+    headless master waited only 0.5 s for their last reports, so the calls that ended later (here every
+    call in flight at the end: each takes 1.5 s) were missing from its figures. The master now collects
+    every worker's last report first."""
+    with slow_server(telemetry, latency_s=1.5) as target:
+        run = run_cluster(["--zoomer-no-profile"], telemetry_env(collector), tmp_path, target,
+                          worker_locustfile=SLOW_LOCUSTFILE, locustfile=SLOW_LOCUSTFILE)
+    assert run.master_rc == 0 and run.worker_rcs == [0, 0], run.master_output[-4000:]
+    assert run.summary is not None
+    client = {c["name"]: c for c in run.summary["client"]}
+    served = [r for r in collector.spans("SERVER") if r["attributes"]["rpc.method"] == "test.Slow/Call"]
+    assert client["test.Slow/Call"]["failures"] == 0
+    assert client["test.Slow/Call"]["count"] == len(served) > 0

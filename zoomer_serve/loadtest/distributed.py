@@ -1,0 +1,123 @@
+"""What the locust plugin adds so that a run's figures and exit code tell the truth, above all with a master
+and workers (locust's distributed mode). Imports gevent; used by :mod:`zoomer_serve.loadtest.plugin`.
+
+- **Last reports.** When a test stops, the master asks every worker (custom message
+  :data:`LAST_REPORT`) to stop its users (locust's ``--stop-timeout`` applies) and send its last statistics,
+  and waits for each to confirm, at most ``stop_timeout`` + :data:`LAST_REPORT_GRACE_S` seconds. locust's own
+  headless quit waits 0.5 s for those statistics: the calls that ended later (those a ``--stop-timeout``
+  lets finish, or any on a loaded machine) were missing from the master's figures, though the server
+  answered them.
+- **Failed workers.** A worker that had an unhandled error (its log has the traceback; e.g. a user class it
+  does not have) says so in each statistics report it sends (key :data:`WORKER_FAILED`); the master logs it
+  once per worker.
+- **Exit code.** The deciding process (a single process or the master) exits 1 when a worker failed, or
+  when a test ran and no request was sent, whatever locust would have answered (it exits 0 when every
+  worker failed before sending anything).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import gevent
+
+logger = logging.getLogger("zoomer_serve.loadtest")
+
+LAST_REPORT = "zoomer_last_report"
+"""Custom message, master to worker: stop your users and send your last statistics."""
+LAST_REPORT_SENT = "zoomer_last_report_sent"
+"""Custom message, worker to master: my last statistics are sent (they travel before this message)."""
+WORKER_FAILED = "zoomer_worker_failed"
+"""Key of a worker's statistics report: why the worker failed (absent while it has not)."""
+LAST_REPORT_GRACE_S = 30.0
+"""Seconds the master waits for the last reports beyond locust's ``--stop-timeout``."""
+
+
+def _unhandled_error() -> bool:
+    import locust.log
+
+    return bool(locust.log.unhandled_greenlet_exception)
+
+
+class RunCheck:
+    """The checks above for one locust process; :meth:`attach` wires them to its runner's events."""
+
+    def __init__(self, environment: Any) -> None:
+        self.environment = environment
+        self.test_started = False
+        self.failed_workers: dict[str, str] = {}
+        self._awaiting: set[str] = set()
+
+    def attach(self) -> RunCheck:
+        from locust.runners import MasterRunner, WorkerRunner
+
+        runner, events = self.environment.runner, self.environment.events
+        if isinstance(runner, WorkerRunner):
+            events.report_to_master.add_listener(self._on_report_to_master)
+            runner.register_message(LAST_REPORT, lambda **_: gevent.spawn(self._send_last_report))
+            return self
+        if isinstance(runner, MasterRunner):
+            events.worker_report.add_listener(self._on_worker_report)
+            events.test_stop.add_listener(self._collect_last_reports)
+            runner.register_message(LAST_REPORT_SENT, self._on_last_report_sent)
+        events.test_start.add_listener(self._on_test_start)
+        events.quitting.add_listener(self._on_quitting)
+        return self
+
+    # -- worker --------------------------------------------------------------------------------------------
+    def _on_report_to_master(self, data: dict[str, Any], **_: Any) -> None:
+        if _unhandled_error():
+            data[WORKER_FAILED] = "an unhandled error (the worker's log has its traceback)"
+
+    def _send_last_report(self) -> None:
+        runner = self.environment.runner
+        try:
+            runner.stop()
+            runner._send_stats()  # locust's own report (private, but the only way to send one now)
+        finally:
+            runner.send_message(LAST_REPORT_SENT, {})
+
+    # -- master --------------------------------------------------------------------------------------------
+    def _on_worker_report(self, client_id: str, data: dict[str, Any], **_: Any) -> None:
+        reason = data.get(WORKER_FAILED)
+        if reason and client_id not in self.failed_workers:
+            self.failed_workers[client_id] = str(reason)
+            logger.error("zoomer-serve loadtest: worker %s failed: %s", client_id, reason)
+
+    def _on_last_report_sent(self, msg: Any, **_: Any) -> None:
+        self._awaiting.discard(msg.node_id)
+
+    def _collect_last_reports(self, **_: Any) -> None:
+        runner = self.environment.runner
+        self._awaiting = {client.id for client in runner.clients.all}
+        for client_id in sorted(self._awaiting):
+            runner.send_message(LAST_REPORT, {}, client_id)
+        limit_s = (self.environment.stop_timeout or 0) + LAST_REPORT_GRACE_S
+        deadline = time.monotonic() + limit_s
+        while self._awaiting & set(runner.clients) and time.monotonic() < deadline:
+            gevent.sleep(0.05)
+        missing = self._awaiting & set(runner.clients)
+        if missing:
+            logger.warning("zoomer-serve loadtest: no last report from %d worker(s) within %.0f s; the figures "
+                           "may miss their last requests", len(missing), limit_s)
+
+    # -- deciding process ----------------------------------------------------------------------------------
+    def _on_test_start(self, **_: Any) -> None:
+        self.test_started = True
+
+    def problems(self) -> list[str]:
+        """Why the run failed, in words (empty when it did not)."""
+        found = [f"{len(self.failed_workers)} worker(s) failed"] if self.failed_workers else []
+        if self.test_started and self.environment.runner.stats.total.num_requests == 0:
+            found.append("no request was sent")
+        return found
+
+    def _on_quitting(self, environment: Any, **_: Any) -> None:
+        problems = self.problems()
+        if not problems:
+            return
+        logger.error("zoomer-serve loadtest: the run failed: %s (exit code 1)", "; ".join(problems))
+        if not environment.process_exit_code:
+            environment.process_exit_code = 1
