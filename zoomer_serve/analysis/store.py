@@ -65,9 +65,10 @@ _REQUESTS_SQL = _UNIQUE + f"""
 SELECT trace_id, span_id, coalesce(attributes->>'$."{L.RPC_METHOD}"', name) AS method,
        coalesce(service_name, 'unknown_service') AS service,
        coalesce(service_instance_id, '') AS instance, start_ns, duration_ns,
-       coalesce(attributes->>'$."{L.RPC_STATUS}"', status_code) AS status,
-       (status_code = 'ERROR' OR coalesce(upper(attributes->>'$."{L.RPC_STATUS}"') NOT IN ('OK', '0'), false))
-           AS is_error,
+       coalesce(attributes->>'$."{L.RPC_STATUS}"', attributes->>'$."{L.RPC_STATUS_NEXT}"', status_code) AS status,
+       (status_code = 'ERROR' OR coalesce(upper(coalesce(attributes->>'$."{L.RPC_STATUS}"',
+                                                         attributes->>'$."{L.RPC_STATUS_NEXT}"'))
+                                          NOT IN ('OK', '0'), false)) AS is_error,
        CAST(attributes AS VARCHAR) AS attributes,
        (coalesce(attributes->>'$."{L.ERROR_TYPE}"', '') LIKE '%{L.OOM_ERROR_MARKER}%'
         OR coalesce(status_message, '') LIKE '%{L.OOM_ERROR_MARKER}%'
