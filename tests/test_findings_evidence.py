@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from zoomer_serve.analysis import analyze_store
+from zoomer_serve.analysis import analyze, analyze_store
 from zoomer_serve.analysis import labels as L
 from zoomer_serve.analysis.findings import (
     AT_STAKE_MEANING,
@@ -126,3 +126,14 @@ def test_cpu_bound_phase_advice_follows_the_device(collector: Any, gpu: bool) ->
     # preprocess ~6 ms of ~9.2 ms: over a quarter of the request time is at stake
     assert cpu.evidence["at_stake_share"] == pytest.approx(cpu.evidence["phase_share"]) and cpu.severity == "high"
     check_finding(cpu, gpu=gpu)
+
+
+@needs_traces
+def test_a_gpu_trace_analysed_with_the_store_says_the_service_has_a_gpu(collector: Any) -> None:
+    """A store without GPU telemetry, analysed together with a trace that ran kernels: the GPU advice applies."""
+    store = _cpu_bound_store(collector, gpu=False)
+    result = analyze([KINETO / "a100_cuda_event_sync.json.gz"], store)
+    assert result.store is not None and result.store.gpu is True
+    (cpu,) = [f for f in result.findings if f.id == "request.cpu-bound-phase"]
+    assert "The GPU waits while preprocess runs on the CPU" in cpu.recommendation
+    check_finding(cpu, gpu=True)
