@@ -154,6 +154,19 @@ def _rank(f: Finding) -> None:
     assert f.scope == f"rank {f.evidence['rank']}"
 
 
+def _straggler(f: Finding) -> None:
+    _rank(f)
+    ev = f.evidence
+    assert f"started {ev['last_count']} of {ev['matched_count']} collectives last" in f.summary
+    assert f"waited {ev['others_waited_us'] / 1e3:.1f} ms" in f.summary
+
+
+def _exposed(f: Finding) -> None:
+    _rank(f)
+    ev = f.evidence
+    assert f.summary.startswith(f"{ev['exposed_us'] / 1e3:.1f} ms of {ev['communication_us'] / 1e3:.1f} ms")
+
+
 def _replica_scope(f: Finding) -> None:
     assert f.scope.startswith(("replica ", "all replicas"))
 
@@ -172,8 +185,8 @@ CHECKS: dict[str, Callable[[Finding], None]] = {
     "batch.queue-wait": _queue_wait,
     "batch.under-filled": _under_filled,
     "batch.share-outlier": _share_outlier,
-    "collective.straggler": _rank,
-    "collective.exposed-communication": _rank,
+    "collective.straggler": _straggler,
+    "collective.exposed-communication": _exposed,
     "gpu.oom": _replica_scope,
     "gpu.alloc-retries": _replica_scope,
     "gpu.memory-fragmentation": _replica_scope,
