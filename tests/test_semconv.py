@@ -4,6 +4,7 @@ real OTLP to the embedded collector, with and without OTEL_SEMCONV_STABILITY_OPT
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -160,3 +161,16 @@ def test_every_exported_scope_carries_the_schema_url() -> None:
     points = RpcMetrics().data_points(0, 1, {"otel.sdk.exporter.span.exported": {(): 1}})
     metrics = ExportMetricsServiceRequest.FromString(encoder.encode_request(points))
     assert [sm.schema_url for rm in metrics.resource_metrics for sm in rm.scope_metrics] == [sc.SCHEMA_URL]
+
+
+def test_asking_for_exceptions_as_logs_is_answered_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """v1.40's exception log records need a log export zoomer-serve lacks: the opt-in is not silently ignored."""
+    from zoomer_serve.config import ZoomerConfig
+
+    caplog.set_level(logging.WARNING, logger="zoomer_serve")
+    ZoomerConfig.from_env({"OTEL_SEMCONV_EXCEPTION_SIGNAL_OPT_IN": "logs/dup"})
+    (record,) = [r for r in caplog.records if "EXCEPTION_SIGNAL" in r.getMessage()]
+    assert "exceptions stay span events" in record.getMessage()
+    caplog.clear()
+    ZoomerConfig.from_env({"OTEL_SEMCONV_EXCEPTION_SIGNAL_OPT_IN": ""})
+    assert not [r for r in caplog.records if "EXCEPTION_SIGNAL" in r.getMessage()]

@@ -18,6 +18,7 @@ environment. A bad value raises :class:`ConfigError` naming the variable and the
 | batch size | ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` | 512 spans |
 | batch delay | ``OTEL_BSP_SCHEDULE_DELAY`` (ms) | 5000 ms |
 | metric interval | ``OTEL_METRIC_EXPORT_INTERVAL`` (ms) | 60000 ms |
+| exceptions as logs | ``OTEL_SEMCONV_EXCEPTION_SIGNAL_OPT_IN`` = ``logs`` / ``logs/dup``: not supported (no log export), said in a warning; exceptions stay span events | span events |
 | RPC names | ``OTEL_SEMCONV_STABILITY_OPT_IN``: ``rpc`` the unreleased conventions' renames (``rpc.status_code``), ``rpc/dup`` every name (deprecated ones and size metrics too); see :mod:`zoomer_serve.semconv` | semantic conventions v1.44.0 |
 | SDK off | ``OTEL_SDK_DISABLED=true`` (as the spec says, any value but ``true`` is false; one other than ``false`` logs a warning) | false |
 | export mode | ``ZOOMER_EXPORT_MODE``: ``process`` (a helper process encodes and sends), ``thread``, ``none`` | ``process`` |
@@ -42,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from zoomer_serve import envvars
-from zoomer_serve.semconv import rpc_opt_in
+from zoomer_serve.semconv import EXCEPTION_SIGNAL_OPT_IN, exception_signal_note, rpc_opt_in
 
 if TYPE_CHECKING:
     from zoomer_serve.host.config import HostConfig
@@ -177,6 +178,9 @@ class ZoomerConfig:
         service = env.get("OTEL_SERVICE_NAME") or resource.get("service.name") or "zoomer-serve"
         sampler, ratio = _sampler_from_env(env)
         excluded = env.get("ZOOMER_EXCLUDED_METHODS")
+        note = exception_signal_note(env.get(EXCEPTION_SIGNAL_OPT_IN))
+        if note:
+            logger.warning("zoomer-serve: %s", note)
         return cls(
             service_name=service,
             resource_attributes=resource,

@@ -16,7 +16,8 @@ zoomer-serve does (docs/semantic-conventions.md has the page):
 - Exceptions: v1.40 defines the ``rpc.server.call.exception`` / ``rpc.client.call.exception`` events as log
   records and deprecates exception span events, but tells existing instrumentations to keep span events by
   default and offer ``OTEL_SEMCONV_EXCEPTION_SIGNAL_OPT_IN`` (``logs``, ``logs/dup``). zoomer-serve exports no
-  logs, so it keeps the ``exception`` span event (``exception.type`` / ``.message`` / ``.stacktrace``).
+  logs, so it keeps the ``exception`` span event (``exception.type`` / ``.message`` / ``.stacktrace``) and
+  answers those values with a warning (:func:`exception_signal_note`).
 
 The stability opt-in, as OpenTelemetry instrumentations read it (:func:`rpc_opt_in`):
 ``OTEL_SEMCONV_STABILITY_OPT_IN`` (comma-separated) containing ``rpc`` emits the names of the conventions'
@@ -94,6 +95,21 @@ def rpc_opt_in(value: str | None) -> OptIn:
     if "rpc" in items:
         return "next"
     return "default"
+
+
+EXCEPTION_SIGNAL_OPT_IN: Final = "OTEL_SEMCONV_EXCEPTION_SIGNAL_OPT_IN"
+
+
+def exception_signal_note(value: str | None) -> str | None:
+    """What to tell a user who set ``OTEL_SEMCONV_EXCEPTION_SIGNAL_OPT_IN`` to ``logs`` or ``logs/dup``
+    (exceptions as log records): zoomer-serve exports no logs, so exceptions stay span events. None when the
+    variable asks for nothing we do not do."""
+    items = {part.strip() for part in (value or "").split(",")}
+    asked = sorted(items & {"logs", "logs/dup"})
+    if not asked:
+        return None
+    return (f"{EXCEPTION_SIGNAL_OPT_IN}={value!r} asks for exceptions as log records; zoomer-serve exports no logs, "
+            "so exceptions stay span events ('exception', semantic conventions v1.44.0's default)")
 
 
 def status_attributes(status: str, opt_in: OptIn) -> dict[str, str]:
