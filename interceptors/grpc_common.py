@@ -3,12 +3,14 @@ and the server-side core (:class:`ServerCallTracer`, :class:`ServerInterceptorCo
 (:mod:`interceptors.grpc_server`) and the asyncio (:mod:`interceptors.grpc_aio`) server interceptors both
 run, so that both record exactly the same spans (and whatever request observers add to them).
 
-Semantic conventions followed: OpenTelemetry RPC and gRPC conventions as of semconv v1.40.0 (stable
-names): span name and ``rpc.method`` = ``pkg.Service/Method``, ``rpc.system.name`` = ``grpc``,
+Semantic conventions followed: OpenTelemetry RPC and gRPC conventions of the release named in
+:mod:`zoomer_serve.semconv` (v1.44.0): span name and ``rpc.method`` = ``pkg.Service/Method``, ``rpc.system.name`` = ``grpc``,
 ``rpc.response.status_code`` = the status code name (``OK``, ``INVALID_ARGUMENT``), ``error.type`` = the
 status code name for errors (or the exception type): on SERVER spans the codes in
-:data:`SERVER_ERROR_CODES`, on CLIENT spans every code but OK (:data:`CLIENT_ERROR_CODES`). With ``OTEL_SEMCONV_STABILITY_OPT_IN=rpc/dup``
-the older ``rpc.system``, ``rpc.service`` and ``rpc.grpc.status_code`` (int) are emitted too.
+:data:`SERVER_ERROR_CODES`, on CLIENT spans every code but OK (:data:`CLIENT_ERROR_CODES`); the peer as
+``network.peer.address`` / ``.port`` (``network.type`` and ``network.transport`` are no longer RPC
+attributes). With ``OTEL_SEMCONV_STABILITY_OPT_IN=rpc/dup`` the deprecated ``rpc.system``, ``rpc.service`` and
+``rpc.grpc.status_code`` (int) are emitted too.
 """
 
 from __future__ import annotations
@@ -88,8 +90,8 @@ def static_attributes(names: MethodNames, server_address: str | None, server_por
 
 class PeerParser:
     """Parses gRPC peer strings (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``, ``unix:/path``) into
-    ``network.peer.address``, ``network.peer.port``, ``network.type``, ``network.transport`` attributes;
-    results are cached (bounded)."""
+    ``network.peer.address`` and ``network.peer.port`` attributes (a Unix socket has its path, or "", and no
+    port); results are cached (bounded)."""
 
     def __init__(self) -> None:
         self._cache: dict[str, dict[str, Any]] = {}
@@ -110,12 +112,12 @@ def _parse_peer(peer: str) -> dict[str, Any]:
     if kind in ("ipv4", "ipv6"):
         host, _, port = rest.rpartition(":")
         host = host.strip("[]")
-        out: dict[str, Any] = {"network.peer.address": host, "network.type": kind, "network.transport": "tcp"}
+        out: dict[str, Any] = {"network.peer.address": host}
         if port.isdigit():
             out["network.peer.port"] = int(port)
         return out
     if kind == "unix":
-        return {"network.peer.address": rest, "network.transport": "unix"}
+        return {"network.peer.address": rest}
     return {"network.peer.address": peer}
 
 

@@ -602,13 +602,12 @@ def _app_error(span: RequestSpan, app_type: int, message: str) -> None:
 
 # -- peers ----------------------------------------------------------------------------------------------------------
 def peer_attributes(address: Any, family: int | None) -> dict[str, Any]:
-    """``network.peer.*`` / ``network.type`` / ``network.transport`` of a socket peer address."""
+    """``network.peer.address`` / ``.port`` of a socket peer address (a Unix socket: its path or "", no
+    port)."""
     if family == getattr(socket, "AF_UNIX", None):
-        return {"network.transport": "unix", "network.peer.address": address or ""}
+        return {"network.peer.address": address or ""}
     if isinstance(address, tuple) and len(address) >= 2:
-        kind = "ipv6" if family == socket.AF_INET6 else "ipv4"
-        return {"network.peer.address": str(address[0]), "network.peer.port": int(address[1]),
-                "network.type": kind, "network.transport": "tcp"}
+        return {"network.peer.address": str(address[0]), "network.peer.port": int(address[1])}
     return {}
 
 

@@ -10,6 +10,7 @@ import argparse
 import gzip
 import io
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,9 @@ from zoomer_serve.analysis.collectives import (
     overlap_per_rank,
     stragglers,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _finding_claims import checked_ids
 
 KINETO = Path(__file__).resolve().parents[2] / "shared" / "data" / "kineto"
 pytestmark = pytest.mark.skipif(not KINETO.is_dir(), reason=f"real Kineto traces not found at {KINETO}")
@@ -97,6 +101,7 @@ def test_the_delayed_rank_is_the_straggler(delayed: list[Path]) -> None:
     assert all(r["last"] == 0 and r["mean_lateness_us"] == 0.0 for r in table.rows()[1:])
     findings = [f for f in detect_collectives(traces) if f.id == "collective.straggler"]
     assert [f.scope for f in findings] == ["rank 2"] and findings[0].severity == "high"
+    checked_ids(detect_collectives(traces))
 
 
 @pytest.mark.slow

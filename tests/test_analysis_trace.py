@@ -26,6 +26,7 @@ from zoomer_serve.analysis import (
     request_gpu_time,
     request_label,
 )
+from zoomer_serve.analysis.findings import severity_for_share
 from zoomer_serve.analysis.kineto import TraceFormatError, load_trace_bytes
 from zoomer_serve.analysis.labels import parse_request_label
 from zoomer_serve.analysis.timeline import idle_gaps
@@ -344,14 +345,19 @@ def test_request_labels_round_trip_and_give_gpu_time_per_request(tmp_path: Path)
     [sync] = [e for e in doc["traceEvents"] if e.get("cat") == "cuda_runtime" and e["name"] in SYNC_APIS]
     found = by_id(detect_trace(t), "cuda.host-sync")[0]
     assert found.evidence["in_requests_count"] == 0 and found.evidence["requests_in_trace_count"] == len(steps)
-    assert found.severity == "medium"
-    # ... until a request range covers it: then it is, and the finding is high severity
+    assert found.severity == "medium" and found.evidence["at_stake_share"] == found.evidence["blocked_share"]
+    # ... until a request range covers it: then it is, and the share of the requests' time it blocked is at
+    # stake (the larger share sets the severity)
     doc["traceEvents"].append({"ph": "X", "cat": "user_annotation", "name": request_label(99, 99), "pid": sync["pid"],
                                "tid": sync["tid"], "ts": sync["ts"] - 5, "dur": sync["dur"] + 10, "args": {}})
     p.write_bytes(gzip.compress(json.dumps(doc).encode()))
     found = by_id(detect_trace(load_trace(p)), "cuda.host-sync")[0]
     assert found.evidence["in_requests_count"] == 1 and found.evidence["requests_with_sync_count"] == 1
-    assert found.severity == "high" and "inside 1 of 6 requests" in found.summary
+    assert "inside 1 of 6 requests" in found.summary
+    ev = found.evidence
+    assert ev["blocked_in_requests_us"] == pytest.approx(sync["dur"])
+    assert ev["at_stake_share"] == ev["blocked_request_share"] > ev["blocked_share"]
+    assert found.severity == severity_for_share(ev["blocked_request_share"])
 
 
 def test_a_request_with_ranges_on_two_threads_is_one_request() -> None:

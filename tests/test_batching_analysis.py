@@ -4,6 +4,7 @@ batches recorded through the real export pipeline, and a synthetic kernel trace 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,9 @@ from zoomer_serve.demo.model import build_model
 from zoomer_serve.demo.service import ServiceConfig, build_server
 from zoomer_serve.profiling.labels import batch_label, member_label
 from zoomer_serve.report import build_report
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _finding_claims import check_finding, checked_ids
 
 PREDICT = "zoomer.demo.v1.Ranker/Predict"
 
@@ -43,7 +47,9 @@ def test_two_clients_cannot_fill_batches_of_eight_an_under_filled_finding_and_th
         server.stop(None).wait(5)
     assert result.unexpected == 0
     collector.finish()
-    found = _ids(analyze_store(collector.store_path))
+    findings = analyze_store(collector.store_path)
+    checked_ids(findings, gpu=False)
+    found = _ids(findings)
     (under,) = found["batch.under-filled"]
     assert under.evidence["mean_fill"] <= 0.25 and under.evidence["max_size"] == 8
     assert under.evidence["cut_by_delay_share"] == 1.0 and under.evidence["max_delay_ms"] == 50.0
@@ -73,6 +79,7 @@ def test_requests_that_mostly_wait_for_their_batch_give_a_queue_wait_finding(col
             s.end()
     collector.finish()
     (wait,) = _ids(analyze_store(collector.store_path))["batch.queue-wait"]
+    check_finding(wait, gpu=False)
     assert wait.scope == "test-svc svc/Wait" and wait.severity == "high"
     assert wait.evidence["requests_count"] == 24 and wait.evidence["queue_wait_share"] > 0.9
     assert wait.evidence["cut_by_delay_share"] == 1.0 and wait.evidence["mean_fill"] == 0.25
@@ -96,6 +103,7 @@ def test_one_request_type_dominating_the_batches_is_a_share_outlier(collector, t
     _record_batches(telemetry, [[("svc/Big", 60), ("svc/Small", 2), ("svc/Small", 2), ("svc/Small", 2)]] * 12)
     collector.finish()
     (outlier,) = _ids(analyze_store(collector.store_path))["batch.share-outlier"]
+    check_finding(outlier, gpu=False)
     assert outlier.evidence["method"] == "svc/Big"
     assert abs(outlier.evidence["requests_share"] - 0.25) < 1e-9
     assert abs(outlier.evidence["time_share"] - 60 / 66) < 1e-6
@@ -106,6 +114,7 @@ def test_a_few_large_requests_of_one_method_are_share_outliers(collector, teleme
     _record_batches(telemetry, batches)
     collector.finish()
     (outlier,) = _ids(analyze_store(collector.store_path))["batch.share-outlier"]
+    check_finding(outlier, gpu=False)
     assert outlier.evidence["outliers_count"] == 4 and outlier.evidence["batched_requests_count"] == 48
     assert outlier.items[0]["items"] == 50
 
@@ -136,3 +145,4 @@ def test_kernels_of_small_batches_in_small_grids_are_a_finding(tmp_path: Path):
     assert small.evidence["batches_count"] == 4 and small.evidence["kernels_count"] == 12
     assert small.evidence["small_grid_time_share"] == 1.0 and small.evidence["occupancy_pct"] == 12.0
     assert small.evidence["sm_count"] == 132
+    check_finding(small)

@@ -61,3 +61,16 @@ def test_check_mode_flags_stale_files(tmp_path: Path, capsys: pytest.CaptureFixt
     (tmp_path / "ranker_pb2.pyi").write_text("# edited\n", encoding="utf-8")
     assert codegen.main(["--check", "--out", str(tmp_path)]) == 1
     assert "ranker_pb2.pyi" in capsys.readouterr().err
+
+
+def test_the_pprof_messages_are_generated_from_profile_proto() -> None:
+    """zoomer_serve/host/profile_pb2.py(i) are what ``python -m zoomer_serve.host.codegen`` writes (messages
+    only: no grpc module), and the message is perftools.profiles.Profile, as pprof readers expect."""
+    from zoomer_serve.host import codegen as host_codegen
+    from zoomer_serve.host import profile_pb2
+
+    assert host_codegen.stale_files() == []
+    assert host_codegen.GENERATED_NAMES == ("profile_pb2.py", "profile_pb2.pyi")
+    assert profile_pb2.Profile.DESCRIPTOR.full_name == "perftools.profiles.Profile"
+    fields = {f.name: f.number for f in profile_pb2.Profile.DESCRIPTOR.fields}
+    assert fields["sample"] == 2 and fields["string_table"] == 6 and fields["period"] == 12

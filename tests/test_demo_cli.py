@@ -6,11 +6,16 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import duckdb
 import pytest
 
+from zoomer_serve.analysis.store import detect_store, load_store
 from zoomer_serve.processes import wait_for_event
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _finding_claims import checked_ids
 
 
 @pytest.mark.slow
@@ -44,6 +49,10 @@ def test_demo_runs_the_whole_flow_and_every_call_becomes_a_span(tmp_path):
     # two phases: one forward pass per request, then the dynamic batcher (its valid requests ran in batches)
     assert by_service["zoomer-demo-ranker"] == 0 and by_service["zoomer-demo-ranker-batched"] > 0
     assert batch_spans > 0 and "Batching (requests that ran in batches)" in proc.stdout
+    # the demo runs on the CPU: its findings give no GPU advice and say what their evidence shows
+    data = load_store(store)
+    assert data.gpu is False
+    checked_ids(detect_store(data), gpu=False)
 
 
 @pytest.mark.parametrize("server", ["sync", "aio"])

@@ -790,6 +790,19 @@ def test_dockerfile_installs_cpu_torch_from_the_pytorch_index_before_the_project
     assert Version(args["TORCH_VERSION"]) in SpecifierSet(requirement)
 
 
+def test_torch_range_admits_2_15_and_dev_installs_stay_light() -> None:
+    """torch 2.15 is admitted (and the torch CI holds); Holistic Trace Analysis, which pulls jupyterlab, pandas
+    and plotly, is only in the ``hta`` extra (as ``traceinsight``), never in ``dev``."""
+    requirement = SpecifierSet(pyproject_field(r'^\s*"torch([^"]+)",'))
+    assert Version("2.15.0") in requirement and Version("2.15.3") in requirement and Version("2.4.0") in requirement
+    assert Version("2.16.0") not in requirement
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    extras = dict(re.findall(r"^(\w+) = \[\n(.*?)^\]", text, flags=re.M | re.S))
+    dev = extras["dev"].lower()
+    assert not any(name in dev for name in ("traceinsight", "holistictraceanalysis", "jupyter", "notebook"))
+    assert '"traceinsight>=' in extras["hta"]
+
+
 def test_dockerfile_base_image_is_pinned_and_the_default_command_is_the_compose_one(
         services: dict[str, Any]) -> None:
     base = dockerfile_args()["PYTHON_IMAGE"]

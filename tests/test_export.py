@@ -204,7 +204,7 @@ def test_environment_is_read_as_opentelemetry_defines_it():
     assert cfg.export.metrics_endpoint == "http://metrics:9999/v1/metrics"
     assert cfg.export.headers == {"api-key": "s3cr=t"}
     assert cfg.export.timeout_ms == 2500
-    assert cfg.semconv_rpc_dup is True
+    assert cfg.semconv_rpc_dup is True and cfg.export.semconv_rpc == "dup"
     assert cfg.excluded_methods == ("a.B/*", "c.D/E")
     assert ZoomerConfig.from_env({"OTEL_SERVICE_NAME": "svc", "OTEL_RESOURCE_ATTRIBUTES": "service.name=x"}
                                  ).service_name == "svc"
@@ -223,7 +223,11 @@ def test_rpc_histograms_use_upper_inclusive_buckets_and_bound_cardinality(monkey
         return (1, 2, 0, False, 1, None, method, kind, 0, int(duration_s * 1e9), 0, None, attrs, None, None,
                 None, r.F_REQUEST)
 
-    m = rpc_metrics.RpcMetrics()
+    plain = rpc_metrics.RpcMetrics()  # v1.44.0: the size histograms are deprecated, not emitted
+    plain.record(rec(0.001, size=100))
+    req = ExportMetricsServiceRequest.FromString(plain.encode({"service.name": "s"}, "zs", "1", 10, 20, {}))
+    assert [x.name for x in req.resource_metrics[0].scope_metrics[0].metrics] == ["rpc.server.call.duration"]
+    m = rpc_metrics.RpcMetrics(size_metrics=True)  # OTEL_SEMCONV_STABILITY_OPT_IN=rpc/dup
     for d in (0.001, 0.005, 0.0051, 20.0):
         m.record(rec(d, size=100))
     m.record(rec(0.5, kind=r.KIND_CLIENT))

@@ -6,6 +6,8 @@ whole."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from _collector_fixtures import query, running_collector
 from _never_lost import note
@@ -108,8 +110,9 @@ def test_spans_with_1mb_attributes_between_ordinary_ones_never_stop_export(tmp_p
 
 
 def _cap_records(n_methods: int, calls_per_method: int = 1) -> list[tuple]:
-    """Unsampled server request records of ``n_methods`` methods (with request and response sizes): each
-    method makes three attribute sets (call duration, request size, response size)."""
+    """Unsampled server request records of ``n_methods`` methods (with request and response sizes): with the
+    size histograms on (``OTEL_SEMCONV_STABILITY_OPT_IN=rpc/dup``, the worst case) each method makes three
+    attribute sets (call duration, request size, response size)."""
     out: list[tuple] = []
     recorder = RequestRecorder(sink=out.append, sampler=Sampler("always_off"), otel_context=False)
     for i in range(n_methods):
@@ -127,7 +130,7 @@ def test_metric_points_pack_into_requests_within_the_bound_and_keep_every_point(
     """C14: :meth:`MetricsRequestEncoder.pack` splits the points into requests of at most the bound; the
     requests together carry every point once, each metric's points under its own name and unit; a point too
     large for any request is left out and counted."""
-    metrics = rpc_metrics.RpcMetrics()
+    metrics = rpc_metrics.RpcMetrics(size_metrics=True)
     for rec in _cap_records(400):
         metrics.record(rec)
     points = metrics.data_points(10, 20, {rpc_metrics.SPAN_EXPORTED: {(): 7, (("error.type", "rejected"),): 1}})
@@ -149,7 +152,7 @@ def test_metric_points_pack_into_requests_within_the_bound_and_keep_every_point(
         expected.extend((metric.name, metric.unit, dp.SerializeToString()) for dp in data.data_points)
     assert sorted(seen) == sorted(expected) and len(expected) == 400 * 3 + 2
 
-    big = rpc_metrics.RpcMetrics()
+    big = rpc_metrics.RpcMetrics(size_metrics=True)
     big.record(_cap_records(1)[0][:r.R_ATTRS] + ({"rpc.method": "m" * 70_000, "rpc.system.name": "grpc"},)
                + _cap_records(1)[0][r.R_ATTRS + 1:])
     for rec in _cap_records(3):
@@ -166,13 +169,14 @@ def test_rpc_metrics_at_their_attribute_set_cap_arrive_whole_at_a_4mib_collector
     embedded collector limited to 4 MiB, and every point is stored: one row per attribute set, every call
     counted."""
     records = _cap_records(3400)
-    probe = rpc_metrics.RpcMetrics()
+    probe = rpc_metrics.RpcMetrics(size_metrics=True)
     for rec in records:
         probe.record(rec)
     assert len(probe._points) >= rpc_metrics._MAX_ATTRIBUTE_SETS and probe.dropped_attribute_sets > 0
     assert len(probe.encode({"service.name": "c14"}, "zoomer_serve", "1", 10, 20, {})) > 4 * MiB
     with running_collector(tmp_path, max_message_bytes=4 * MiB) as collector:
-        stats = _export(_collector_config(collector, protocol), [records[:1700], records[1700:]])
+        stats = _export(replace(_collector_config(collector, protocol), semconv_rpc="dup"),
+                        [records[:1700], records[1700:]])
     store = tmp_path / "store.duckdb"
     rows = dict(query(store, "SELECT metric_name, count(*) FROM metric_points WHERE metric_name LIKE 'rpc.server.%' "
                              "GROUP BY metric_name"))
@@ -190,7 +194,7 @@ def test_rpc_metrics_at_the_cap_go_out_in_requests_within_the_bound():
     none over 3 MiB, carrying every point once)."""
     records = _cap_records(3400)
     with ScriptedOtlp("grpc") as receiver:
-        stats = _export(receiver.export_config(), [records])
+        stats = _export(replace(receiver.export_config(), semconv_rpc="dup"), [records])
     requests = receiver.requests("metrics")
     assert len(requests) >= 2 and max(req.size for req in requests) <= DEFAULT_MAX_REQUEST_BYTES
     rpc_points = 0

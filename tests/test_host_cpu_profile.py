@@ -6,13 +6,16 @@ cannot attach and no fallback is allowed; the ``zoomer.profile`` span in the rea
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,11 +40,13 @@ from zoomer_serve.host import (
 )
 from zoomer_serve.host import names as n
 from zoomer_serve.host.config import DEFAULT_RATE_HZ
+from zoomer_serve.host.pprof import read_pprof
 from zoomer_serve.host.speedscope import IDLE_SUFFIX
 from zoomer_serve.processes import wait_for_event
 from zoomer_serve.profiling import ProfilerConfig, ProfilerController, SessionOptions
 from zoomer_serve.profiling.capture import profiler_active
 from zoomer_serve.profiling.client import ProfilerClient
+from zoomer_serve.profiling.labels import THREAD_REQUESTS
 
 SLOW_ITERATIONS = 40_000
 SERVER_SLOW_ITERATIONS = 200_000  # the py-spy test's server: about 30 ms of the slow function per request
@@ -122,11 +127,40 @@ def check_profile_files(attrs: dict[str, Any], session_id: str, folder: Path) ->
     lines = collapsed.read_text().splitlines()
     assert lines and all(line.rsplit(" ", 1)[1].isdigit() for line in lines)
     assert sum(int(line.rsplit(" ", 1)[1]) for line in lines) == attrs[n.CPU_SAMPLES] > 0
+    check_pprof(attrs, session_id, folder)
     shares = list(zip(attrs[n.CPU_TOP_SELF_SHARE], attrs[n.CPU_TOP_TOTAL_SHARE]))
     assert shares and all(0 < own <= total <= 1 for own, total in shares)
     assert attrs[n.CPU_TOP_SELF_SHARE] == sorted(attrs[n.CPU_TOP_SELF_SHARE], reverse=True)
     return any(f";{SLOW_FUNCTION} (zoomer_serve/demo/service.py:" in line
                and not line.split(";", 1)[0].endswith(IDLE_SUFFIX) for line in lines)
+
+
+def check_pprof(attrs: dict[str, Any], session_id: str, folder: Path) -> Any:
+    """The pprof file is beside the others and holds the collapsed file's samples, each labelled with its
+    thread, and with all three request labels or none. Returns the profile."""
+    path = Path(attrs[n.CPU_PPROF_PATH])
+    assert path == (folder / f"{session_id}.cpu.pb.gz").resolve()
+    profile = read_pprof(path)
+    strings = profile.string_table
+    assert strings[0] == "" and [strings[t.type] for t in profile.sample_type] == ["samples", "cpu"]
+    assert sum(s.value[0] for s in profile.sample) == attrs[n.CPU_SAMPLES]
+    assert all(s.value[1] == s.value[0] * profile.period for s in profile.sample)
+    locations = {loc.id for loc in profile.location}
+    for sample in profile.sample:
+        assert sample.location_id and set(sample.location_id) <= locations
+        keys = [strings[label.key] for label in sample.label]
+        assert keys[0] == "thread" and keys[1:] in ([], ["trace_id", "span_id", "rpc.method"])
+    return profile
+
+
+def pprof_requests(profile: Any) -> Counter[tuple[str, str, str]]:
+    """Samples per (trace_id, span_id, rpc.method) label triple."""
+    out: Counter[tuple[str, str, str]] = Counter()
+    for sample in profile.sample:
+        labels = {profile.string_table[lb.key]: profile.string_table[lb.str] for lb in sample.label}
+        if "trace_id" in labels:
+            out[(labels["trace_id"], labels["span_id"], labels["rpc.method"])] += sample.value[0]
+    return out
 
 
 def slow_function_row(attrs: dict[str, Any]) -> dict[str, Any]:
@@ -217,8 +251,8 @@ def test_py_spy_profiles_the_session_and_analyze_names_the_cpu_bound_function(co
     assert attrs[n.CPU_TOP_FUNCTION][0] == SLOW_FUNCTION, (attrs[n.CPU_SAMPLES], list(zip(
         attrs[n.CPU_TOP_FUNCTION], attrs[n.CPU_TOP_SELF_SHARE])))
     assert sorted(p.name for p in folder.iterdir() if p.is_file()) == sorted(
-        f"{info.session_id}{suffix}" for suffix in (".cpu.collapsed.txt", ".cpu.speedscope.json", ".pt.trace.json.gz",
-                                                    ".summary.json"))
+        f"{info.session_id}{suffix}" for suffix in (".cpu.collapsed.txt", ".cpu.pb.gz", ".cpu.speedscope.json",
+                                                    ".pt.trace.json.gz", ".summary.json"))
 
     findings = [f for f in analyze_store(collector.store_path) if f.id == "request.cpu-bound-phase"]
     assert len(findings) == 1
@@ -258,9 +292,17 @@ def test_without_py_spy_the_in_process_sampler_profiles_and_the_reason_is_said_o
     said = [rec for rec in caplog.records if "py-spy cannot sample" in rec.getMessage()]
     assert len(said) == 1 and "no-such-py-spy" in said[0].getMessage()
     caught = []
+    labelled = 0
+    server = {(r["trace_id"], r["span_id"]): r["attributes"].get("rpc.method") for r in rows if r["kind"] == "SERVER"}
     for info in (first, second):
         attrs = profile_span(rows, info.session_id)
         assert attrs[n.CPU_SAMPLER] == "in-process"
+        # the in-process sampler labels the samples it took inside admitted requests with those requests: each
+        # label names a request span of the store, with its method (admitted requests still running when the
+        # profiler stopped are labelled too, though the span links only the covered ones)
+        requests = pprof_requests(read_pprof(Path(attrs[n.CPU_PPROF_PATH])))
+        assert all(server.get((t, s)) == m for t, s, m in requests), (requests, len(server))
+        labelled += sum(requests.values())
         assert "py-spy binary was not found" in attrs[n.CPU_UNAVAILABLE]
         assert attrs[n.CPU_DROPPED_SAMPLES] == 0
         caught.append(check_profile_files(attrs, info.session_id, folder))
@@ -269,6 +311,8 @@ def test_without_py_spy_the_in_process_sampler_profiles_and_the_reason_is_said_o
         idle = [p for p in data["profiles"] if p["name"].endswith(IDLE_SUFFIX)]
         assert idle and all(p["samples"] for p in idle)
     assert any(caught), "the slow preprocessing was in no session's busy samples"
+    assert labelled > 0, "no sample was tied to a covered request"
+    assert not THREAD_REQUESTS  # every request range that marked a thread cleared it
 
 
 @pytest.mark.slow
@@ -377,3 +421,59 @@ def test_in_process_sampler_separates_a_busy_thread_from_a_waiting_one(tmp_path:
     assert summary.idle_samples > 0 and sampler.dropped == 0
     assert not any("Event.wait" in line for line in lines)
     assert os.path.getsize(path) > 0
+
+
+def _labelled_speedscope() -> dict[str, Any]:
+    """Two threads; thread 1's samples partly inside request 0, thread 2's inside request 1; an idle profile."""
+    frames = [{"name": "main", "file": "/srv/app/main.py", "line": 1},
+              {"name": "walk", "file": "/srv/app/tree.py", "line": 10},
+              {"name": "Event.wait", "file": "/usr/lib/python3.11/threading.py", "line": 600}]
+    return {"shared": {"frames": frames}, "zoomer.requests": [["a" * 32, "b" * 16, "svc.S/One"],
+                                                              ["c" * 32, "d" * 16, "svc.S/Two"]],
+            "profiles": [
+                {"type": "sampled", "name": 'Thread 1 "MainThread"', "samples": [[0, 1, 1], [0, 1], [0], [0, 1]],
+                 "weights": [0.03, 0.01, 0.01, 0.02], "zoomer.requests": [0, 0, -1, -1]},
+                {"type": "sampled", "name": 'Thread 2 "worker"', "samples": [[0, 1]], "weights": [0.02],
+                 "zoomer.requests": [1]},
+                {"type": "sampled", "name": 'Thread 3 "waiter"' + IDLE_SUFFIX, "samples": [[2]], "weights": [0.05]},
+            ]}
+
+
+def test_pprof_holds_the_collapsed_samples_with_their_thread_and_request(tmp_path: Path) -> None:
+    """The in-process sampler's request table becomes trace_id / span_id / rpc.method labels on the samples
+    taken inside the request; the others carry only their thread; idle samples are left out, as from the
+    collapsed file; stacks are leaf first."""
+    from zoomer_serve.host.cpu_postprocess import run
+
+    path = tmp_path / "p.speedscope.json"
+    path.write_text(json.dumps(_labelled_speedscope()))
+    pprof = tmp_path / "p.cpu.pb.gz"
+    assert run(path, tmp_path / "c.txt", tmp_path / "s.json", 100.0, 5, [], pprof) == 0
+    collapsed = (tmp_path / "c.txt").read_text().splitlines()
+    profile = read_pprof(pprof)
+    assert sum(s.value[0] for s in profile.sample) == sum(int(x.rsplit(" ", 1)[1]) for x in collapsed) == 9
+    assert profile.period == 10_000_000 and profile.string_table[profile.default_sample_type] == "cpu"
+    assert pprof_requests(profile) == {("a" * 32, "b" * 16, "svc.S/One"): 4, ("c" * 32, "d" * 16, "svc.S/Two"): 2}
+    functions = {f.id: profile.string_table[f.name] for f in profile.function}
+    names = {loc.id: functions[loc.line[0].function_id] for loc in profile.location}
+    rows = sorted(([profile.string_table[lb.str] for lb in s.label][0], [names[i] for i in s.location_id],
+                   s.value[0]) for s in profile.sample)
+    assert rows == [('Thread 1 "MainThread"', ["main"], 1), ('Thread 1 "MainThread"', ["walk", "main"], 1),
+                    ('Thread 1 "MainThread"', ["walk", "main"], 2), ('Thread 1 "MainThread"', ["walk", "walk", "main"], 3),
+                    ('Thread 2 "worker"', ["walk", "main"], 2)]
+    assert "Event.wait" not in functions.values()
+
+
+def test_go_tool_pprof_reads_the_file(tmp_path: Path) -> None:
+    go = shutil.which("go")
+    if go is None:
+        pytest.skip("go is not installed here: `go tool pprof` cannot be run (the protobuf reading above stands)")
+    from zoomer_serve.host.pprof import build_profile, write_pprof
+
+    path = tmp_path / "p.cpu.pb.gz"
+    write_pprof(path, build_profile(_labelled_speedscope(), 100.0))
+    done = subprocess.run([go, "tool", "pprof", "-raw", str(path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "svc.S/One" in done.stdout and "walk" in done.stdout
+    tags = subprocess.run([go, "tool", "pprof", "-tags", str(path)], capture_output=True, text=True, timeout=300)
+    assert tags.returncode == 0 and "trace_id" in tags.stdout and "rpc.method" in tags.stdout

@@ -1,4 +1,4 @@
-"""The Kineto capture on the torch versions pyproject.toml admits (torch>=2.4,<2.15)."""
+"""The Kineto capture on the torch versions pyproject.toml admits (torch>=2.4,<2.16)."""
 
 from __future__ import annotations
 

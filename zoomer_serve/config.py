@@ -18,7 +18,8 @@ environment. A bad value raises :class:`ConfigError` naming the variable and the
 | batch size | ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` | 512 spans |
 | batch delay | ``OTEL_BSP_SCHEDULE_DELAY`` (ms) | 5000 ms |
 | metric interval | ``OTEL_METRIC_EXPORT_INTERVAL`` (ms) | 60000 ms |
-| old RPC names too | ``OTEL_SEMCONV_STABILITY_OPT_IN`` containing ``rpc/dup`` | off |
+| exceptions as logs | ``OTEL_SEMCONV_EXCEPTION_SIGNAL_OPT_IN`` = ``logs`` / ``logs/dup``: not supported (no log export), said in a warning; exceptions stay span events | span events |
+| RPC names | ``OTEL_SEMCONV_STABILITY_OPT_IN``: ``rpc`` the unreleased conventions' renames (``rpc.status_code``), ``rpc/dup`` every name (deprecated ones and size metrics too); see :mod:`zoomer_serve.semconv` | semantic conventions v1.44.0 |
 | SDK off | ``OTEL_SDK_DISABLED=true`` (as the spec says, any value but ``true`` is false; one other than ``false`` logs a warning) | false |
 | export mode | ``ZOOMER_EXPORT_MODE``: ``process`` (a helper process encodes and sends), ``thread``, ``none`` | ``process`` |
 | span limits | ``OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT``, ``OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT``, ``OTEL_ATTRIBUTE_COUNT_LIMIT``, ``OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT``, ``OTEL_SPAN_EVENT_COUNT_LIMIT``, ``OTEL_SPAN_LINK_COUNT_LIMIT``, ``OTEL_EVENT_ATTRIBUTE_COUNT_LIMIT``, ``OTEL_LINK_ATTRIBUTE_COUNT_LIMIT`` (see :class:`SpanLimits`) | none for lengths, 128 for counts |
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from zoomer_serve import envvars
+from zoomer_serve.semconv import EXCEPTION_SIGNAL_OPT_IN, exception_signal_note, rpc_opt_in
 
 if TYPE_CHECKING:
     from zoomer_serve.host.config import HostConfig
@@ -83,6 +85,8 @@ class ExportConfig:
     # Every OTLP request (traces and metrics) is at most this long, uncompressed: well under the OpenTelemetry
     # Collector's default gRPC receive limit (4 MiB). ZOOMER_EXPORT_MAX_REQUEST_BYTES.
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    # -- which RPC names (zoomer_serve.semconv.rpc_opt_in): "default" (v1.44.0), "next" or "dup" ---------------
+    semconv_rpc: str = "default"
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
@@ -174,13 +178,16 @@ class ZoomerConfig:
         service = env.get("OTEL_SERVICE_NAME") or resource.get("service.name") or "zoomer-serve"
         sampler, ratio = _sampler_from_env(env)
         excluded = env.get("ZOOMER_EXCLUDED_METHODS")
+        note = exception_signal_note(env.get(EXCEPTION_SIGNAL_OPT_IN))
+        if note:
+            logger.warning("zoomer-serve: %s", note)
         return cls(
             service_name=service,
             resource_attributes=resource,
             sampler=sampler,
             sampler_ratio=ratio,
             export=_export_from_env(env),
-            semconv_rpc_dup="rpc/dup" in _csv(env.get("OTEL_SEMCONV_STABILITY_OPT_IN", "")),
+            semconv_rpc_dup=rpc_opt_in(env.get("OTEL_SEMCONV_STABILITY_OPT_IN")) == "dup",
             excluded_methods=tuple(_csv(excluded)) if excluded is not None else DEFAULT_EXCLUDED_METHODS,
             sdk_disabled=otel_bool(env, "OTEL_SDK_DISABLED"),
             gpu=_gpu_config(env),
@@ -327,4 +334,5 @@ def _export_from_env(env: Mapping[str, str]) -> ExportConfig:
         mode=(env.get("ZOOMER_EXPORT_MODE") or "process").strip().lower(),
         max_request_bytes=envvars.integer(env, "ZOOMER_EXPORT_MAX_REQUEST_BYTES", DEFAULT_MAX_REQUEST_BYTES,
                                           ConfigError, minimum=MIN_REQUEST_BYTES),
+        semconv_rpc=rpc_opt_in(env.get("OTEL_SEMCONV_STABILITY_OPT_IN")),
     )

@@ -123,9 +123,13 @@ def analyze(traces: Sequence[str | os.PathLike[str]] | None = None,
         result.collective_tables = collective_tables(loaded)
         findings.extend(detect_collectives(loaded, result.collective_tables))
     if store_path is not None:
+        from zoomer_serve.analysis.render import has_gpu_work
         from zoomer_serve.analysis.store import detect_store, load_store, request_percentiles
 
         data = load_store(store_path)
+        # a trace analysed with the store that ran GPU work says the service has a GPU, even where the store has
+        # no GPU telemetry (GPU advice follows the device: docs/analysis.md)
+        data.gpu = data.gpu or any(has_gpu_work(r.trace) for r in result.traces)
         result.store = data
         result.store_tables = {"request_percentiles": request_percentiles(data)}
         findings.extend(detect_store(data))

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from zoomer_serve.analysis.findings import Finding
+from zoomer_serve.analysis.findings import AT_STAKE, Finding, severity_for_share
 from zoomer_serve.batching import names as bn
 
 if TYPE_CHECKING:
@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 
 # batch.queue-wait: summed queue wait / summed request duration of a method's batched requests
 QUEUE_WAIT_SHARE = 0.5
-QUEUE_WAIT_HIGH_SHARE = 0.75
 MIN_BATCHED_REQUESTS = 20
 # batch.under-filled: mean fill below this, with at least this share of batches cut by the delay
 UNDER_FILL = 0.5
@@ -151,7 +150,7 @@ def detect_batching(data: StoreData) -> list[Finding]:
         return []
     batches = load_batches(data)
     out = detect_queue_wait(data, members, batches)
-    out.extend(detect_under_filled(data, batches))
+    out.extend(detect_under_filled(data, batches, members))
     out.extend(detect_share_outliers(data, members, batches))
     return out
 
@@ -191,14 +190,14 @@ def detect_queue_wait(data: StoreData, members: list[_Member], batches: list[Bat
                else "their batches waited to fill")
         out.append(Finding(
             id="batch.queue-wait", title=f"Queue wait dominates the latency of {method}",
-            severity="high" if share >= QUEUE_WAIT_HIGH_SHARE else "medium",
+            severity=severity_for_share(share),
             summary=(f"{len(group)} batched requests spent {share:.0%} of their time waiting for a batch "
                      f"(queue wait p50 {np.quantile(waits_ms, 0.5):.2f} ms, p99 {np.quantile(waits_ms, 0.99):.2f} ms; "
                      f"latency p50 {np.quantile(latency, 0.5):.2f} ms); {why}."),
             evidence={"requests_count": len(group), "queue_wait_share": share,
                       "queue_wait_p50_ms": float(np.quantile(waits_ms, 0.5)),
                       "queue_wait_p99_ms": float(np.quantile(waits_ms, 0.99)),
-                      "latency_p50_ms": float(np.quantile(latency, 0.5)), **cuts},
+                      "latency_p50_ms": float(np.quantile(latency, 0.5)), **cuts, AT_STAKE: share},
             items=[{"trace_id": data.requests["trace_id"][m.row], "queue_wait_ms": m.wait_ns / NS_PER_MS,
                     "duration_ms": m.duration_ms, "batch_id": m.batch_id}
                    for m in sorted(group, key=lambda m: -m.wait_ns)[:MAX_ITEMS]],
@@ -210,9 +209,13 @@ def detect_queue_wait(data: StoreData, members: list[_Member], batches: list[Bat
     return out
 
 
-def detect_under_filled(data: StoreData, batches: list[BatchRow]) -> list[Finding]:
-    """``batch.under-filled`` per service and queue (see the module docstring)."""
+def detect_under_filled(data: StoreData, batches: list[BatchRow], members: list[_Member] | None = None) -> list[Finding]:
+    """``batch.under-filled`` per service and queue (see the module docstring). The time at stake is the queue
+    wait of the requests in batches cut by the delay, as a share of those requests' time."""
     out = []
+    by_batch: dict[str, list[_Member]] = defaultdict(list)
+    for m in members or []:
+        by_batch[m.batch_id].append(m)
     groups: dict[tuple[str, str], list[BatchRow]] = defaultdict(list)
     for b in batches:
         groups[(b.service, b.queue)].append(b)
@@ -231,19 +234,24 @@ def detect_under_filled(data: StoreData, batches: list[BatchRow]) -> list[Findin
         needed_ms = max_size / rate * 1000 if rate and not math.isnan(rate) else math.nan
         arithmetic = (f" Requests arrived at {rate:.0f}/s: filling {max_size} takes about {needed_ms:.1f} ms of "
                       f"arrivals, against a {delay:g} ms delay." if not math.isnan(per_delay) else "")
+        cut = [m for b in group if b.cut_reason == bn.CUT_DELAY for m in by_batch.get(b.span_id, ())]
+        cut_time_ms = sum(m.duration_ms for m in cut)
+        at_stake = sum(m.wait_ns for m in cut) / NS_PER_MS / cut_time_ms if cut_time_ms > 0 else 0.0
+        toward = (f"raise the delay toward the {needed_ms:.1f} ms it takes the load to fill a batch"
+                  if not math.isnan(per_delay) else "raise the delay")
         out.append(Finding(
             id="batch.under-filled", title=f"Batches of {queue} are mostly under-filled",
-            severity="medium" if cuts["mean_fill"] < UNDER_FILL / 2 else "low",
+            severity=severity_for_share(at_stake),
             summary=(f"{len(group)} batches filled {cuts['mean_fill']:.0%} of their maximum {max_size} on average; "
                      f"{cuts['cut_by_delay_share']:.0%} were cut by the delay.{arithmetic}"),
             evidence={**cuts, "max_size": max_size, "arrival_rate_per_s": rate,
-                      "requests_per_delay": per_delay, "fill_time_ms": needed_ms},
+                      "requests_per_delay": per_delay, "fill_time_ms": needed_ms, AT_STAKE: at_stake},
             items=[{"batch_id": b.span_id, "size": b.size, "fill": b.fill, "cut_reason": b.cut_reason}
                    for b in group[:MAX_ITEMS]],
-            recommendation=("The batches run nearly empty, so the GPU does the fixed work of a forward pass for few "
-                            "requests. If the latency budget allows, raise the delay toward the fill time above; "
-                            "otherwise the replica gets too little load for its batch size: send it more clients "
-                            "(fewer replicas), or lower the maximum size to what the load fills."),
+            recommendation=("The batches run nearly empty, so each forward pass does its fixed work for few "
+                            f"requests. If the latency budget allows, {toward}; otherwise the replica gets too "
+                            "little load for its batch size: send it more clients (fewer replicas), or lower the "
+                            "maximum size to what the load fills."),
             source=str(data.path), scope=f"{service} {queue}"))
     return out
 
@@ -284,12 +292,14 @@ def _dominant_method(data: StoreData, batches: list[list[_Member]], service: str
         return None
     items = [{"method": k, "requests_share": count[k] / n, "time_share": time_share[k] / total}
              for k, _ in sorted(time_share.items(), key=lambda kv: -kv[1])[:MAX_ITEMS]]
+    at_stake = time_frac - req_frac
     return Finding(
-        id="batch.share-outlier", title=f"{method} dominates the batches of {queue}", severity="medium",
+        id="batch.share-outlier", title=f"{method} dominates the batches of {queue}",
+        severity=severity_for_share(at_stake),
         summary=(f"In {len(batches)} mixed batches, {method} is {req_frac:.0%} of the requests but takes "
                  f"{time_frac:.0%} of the batch time (by the share rule)."),
         evidence={"method": method, "requests_share": req_frac, "time_share": time_frac,
-                  "batches_count": len(batches)},
+                  "batches_count": len(batches), AT_STAKE: at_stake},
         items=items,
         recommendation=(f"{method} requests are much larger than the others they share batches with: every request "
                         "in those batches waits for them. Give them a queue (and batch size) of their own, or cap "
@@ -306,15 +316,19 @@ def _large_requests(data: StoreData, batches: list[list[_Member]], service: str,
     if not outliers or len(outliers) < OUTLIER_MIN_SHARE_OF_MEMBERS * n:
         return None
     outliers.sort(key=lambda mr: -mr[1])
+    total = sum(m.share for ms in batches for m in ms)
+    median_of = {id(m): float(np.median([o.share for o in ms])) for ms in batches for m in ms}
+    at_stake = sum(m.share - median_of[id(m)] for m, _ in outliers) / total if total > 0 else 0.0
     items = [{"trace_id": data.requests["trace_id"][m.row], "method": m.method, "items": m.items, "share": m.share,
               "times_batch_median": ratio, "batch_id": m.batch_id} for m, ratio in outliers[:MAX_ITEMS]]
     return Finding(
-        id="batch.share-outlier", title=f"Large requests dominate their batches in {queue}", severity="low",
+        id="batch.share-outlier", title=f"Large requests dominate their batches in {queue}",
+        severity=severity_for_share(at_stake),
         summary=(f"{len(outliers)} of {n} batched requests ({len(outliers) / n:.0%}) took at least "
                  f"{OUTLIER_RATIO:g}x the median share of their batch; the largest {items[0]['times_batch_median']:.1f}x "
                  f"({items[0]['items']} items)."),
         evidence={"outliers_count": len(outliers), "batched_requests_count": n,
-                  "outlier_ratio_threshold": OUTLIER_RATIO},
+                  "outlier_ratio_threshold": OUTLIER_RATIO, AT_STAKE: at_stake},
         items=items,
         recommendation=("A few large requests set the time of the batches they join. Bucket requests by size (one "
                         "queue per size class), cap the items per request, or count the batch's maximum in items so "
@@ -325,6 +339,7 @@ def _large_requests(data: StoreData, batches: list[list[_Member]], service: str,
 # -- trace ---------------------------------------------------------------------------------------------------
 def detect_small_batches(trace: KinetoTrace) -> list[Finding]:
     """``batch.small-for-gpu``: kernels launched inside batch ranges (see the module docstring)."""
+    from zoomer_serve.analysis.trace_detectors import kernel_groups
     from zoomer_serve.profiling.labels import parse_batch_label
 
     a = trace.annotations
@@ -355,24 +370,22 @@ def detect_small_batches(trace: KinetoTrace) -> list[Finding]:
     small_share = float(dur[small].sum()) / total if total > 0 else 0.0
     if not (occupancy < SMALL_OCCUPANCY_PCT or small_share >= SMALL_GRID_SHARE):
         return []
-    kinds: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
-    for name, d, grid in zip(k["name"][ksel], dur, k["grid_blocks"][ksel]):
-        row = kinds[str(name)]
-        row[0] += 1
-        row[1] += float(d)
-        row[2] = max(row[2], float(grid))
-    items = [{"kernel": n[:200], "count": int(v[0]), "total_us": v[1], "grid_blocks": int(v[2])}
-             for n, v in sorted(kinds.items(), key=lambda kv: -kv[1][1])[:MAX_ITEMS]]
+    weak = small | (known & (np.nan_to_num(occ, nan=100.0) < SMALL_OCCUPANCY_PCT))
+    at_stake = float(dur[weak].sum()) / total if total > 0 else 0.0
+    grids = k["grid_blocks"][ksel]
+    items = [{"kernel": g.kernel, "variants": g.variants, "count": g.count, "total_us": g.total_us,
+              "grid_blocks": int(grids[g.indices].max())}
+             for g in kernel_groups([str(n) for n in k["name"][ksel]], dur.tolist())[:MAX_ITEMS]]
     occ_text = f"{occupancy:.0f}%" if not math.isnan(occupancy) else "unknown"
     return [Finding(
         id="batch.small-for-gpu", title="Batches too small to keep the GPU busy",
-        severity="medium" if small_share >= SMALL_GRID_SHARE else "low",
+        severity=severity_for_share(at_stake),
         summary=(f"The {int(ksel.sum())} kernels of {len(ranges)} batches ran at {occ_text} estimated achieved "
                  f"occupancy (kernel-time weighted); {small_share:.0%} of their time in grids smaller than the "
                  f"GPU's {sms} SMs."),
         evidence={"batches_count": len(ranges), "kernels_count": int(ksel.sum()), "kernel_time_us": total,
                   "occupancy_pct": None if math.isnan(occupancy) else occupancy,
-                  "small_grid_time_share": small_share, "sm_count": sms},
+                  "small_grid_time_share": small_share, "sm_count": sms, AT_STAKE: at_stake},
         items=items,
         recommendation=("Each batch gives the GPU too little work per kernel: raise the batcher's maximum size "
                         "(and the delay it may wait, within the latency budget) so batches carry more rows, or "

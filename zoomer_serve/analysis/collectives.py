@@ -23,7 +23,7 @@ from collections import defaultdict
 import numpy as np
 
 from zoomer_serve.analysis.breakdown import time_breakdown
-from zoomer_serve.analysis.findings import Finding
+from zoomer_serve.analysis.findings import AT_STAKE, Finding, severity_for_share
 from zoomer_serve.analysis.kernels import kernel_kinds
 from zoomer_serve.analysis.kineto import KinetoTrace
 from zoomer_serve.analysis.table import Table
@@ -189,15 +189,18 @@ def detect_collectives(traces: list[KinetoTrace], tables: dict[str, Table] | Non
         if r["matched"] < STRAGGLER_MIN_MATCHED or r["last_share"] < STRAGGLER_LAST_SHARE \
                 or r["mean_lateness_us"] < STRAGGLER_MIN_LATENESS_US:
             continue
-        severity = "high" if r["last_share"] >= 0.9 else "medium"
+        collective_us = sum(by_rank.values())
+        at_stake = r["others_waited_us"] / collective_us if collective_us > 0 else 0.0
         out.append(Finding(
-            id="collective.straggler", title=f"Rank {r['rank']} makes the other ranks wait", severity=severity,
+            id="collective.straggler", title=f"Rank {r['rank']} makes the other ranks wait",
+            severity=severity_for_share(at_stake),
             summary=(f"Rank {r['rank']} started {r['last']} of {r['matched']} collectives last "
                      f"({r['last_share']:.0%}), on average {r['mean_lateness_us'] / 1e3:.2f} ms after the first "
                      f"rank; the other ranks waited {r['others_waited_us'] / 1e3:.1f} ms for it in all."),
             evidence={"rank": r["rank"], "matched_count": r["matched"], "last_count": r["last"],
                       "last_share": r["last_share"], "mean_lateness_us": r["mean_lateness_us"],
-                      "max_lateness_us": r["max_lateness_us"], "others_waited_us": r["others_waited_us"]},
+                      "max_lateness_us": r["max_lateness_us"], "others_waited_us": r["others_waited_us"],
+                      "collective_us": collective_us, AT_STAKE: at_stake},
             recommendation=("Look at what this rank does before its collectives that the others do not: more data "
                             "or longer sequences in its batches (balance them), slower data loading or host work, "
                             "a slower or throttled GPU, or a busier host. Compare its profiler steps with another "
@@ -208,13 +211,16 @@ def detect_collectives(traces: list[KinetoTrace], tables: dict[str, Table] | Non
         if comm <= 0 or r["communication_share"] < EXPOSED_MIN_COMM_SHARE or \
                 r["exposed_us"] / comm < EXPOSED_SHARE:
             continue
+        at_stake = r["communication_share"] * r["exposed_us"] / comm
         out.append(Finding(
             id="collective.exposed-communication",
-            title=f"Communication on rank {r['rank']} mostly not overlapped with computation", severity="low",
+            title=f"Communication on rank {r['rank']} mostly not overlapped with computation",
+            severity=severity_for_share(at_stake),
             summary=(f"{r['exposed_us'] / 1e3:.1f} ms of {comm / 1e3:.1f} ms of communication on rank {r['rank']} "
                      f"(device {r['device']}) ran while no computation did ({1 - r['hidden_share']:.0%})."),
             evidence={"rank": r["rank"], "communication_us": comm, "exposed_us": r["exposed_us"],
-                      "hidden_share": r["hidden_share"], "communication_share": r["communication_share"]},
+                      "hidden_share": r["hidden_share"], "communication_share": r["communication_share"],
+                      AT_STAKE: at_stake},
             recommendation=("Overlap communication with computation: bucket gradients (DDP bucket_cap_mb), "
                             "launch collectives asynchronously on their own stream, or prefetch parameters "
                             "(FSDP forward/backward prefetch)."),

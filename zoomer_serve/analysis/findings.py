@@ -9,6 +9,25 @@ from typing import Any
 SEVERITIES = ("high", "medium", "low", "info")
 """Severity levels, most severe first."""
 
+AT_STAKE = "at_stake_share"
+"""The evidence key every finding carries: the share (0..1) of time at stake, as :data:`AT_STAKE_MEANING`
+defines it per detector. The severity follows from it alone (:func:`severity_for_share`)."""
+
+SEVERITY_THRESHOLDS = (("high", 0.25), ("medium", 0.05), ("low", 0.005))
+"""The one rule for severity: a finding is ``high`` when at least 25% of the time in question is at stake,
+``medium`` from 5%, ``low`` from 0.5%, ``info`` below (documented in docs/analysis.md, "Severity")."""
+
+
+def severity_for_share(share: float) -> str:
+    """The severity of a finding whose share of time at stake is ``share`` (0..1; NaN counts as 0), by
+    :data:`SEVERITY_THRESHOLDS`."""
+    if not share or math.isnan(share):
+        return "info"
+    for severity, threshold in SEVERITY_THRESHOLDS:
+        if share >= threshold:
+            return severity
+    return "info"
+
 
 @dataclass(frozen=True)
 class Finding:
@@ -85,3 +104,28 @@ DETECTOR_IDS = {
     "collective.exposed-communication": "communication that computation does not hide on a rank",
 }
 """Every detector id with what it looks for."""
+
+
+AT_STAKE_MEANING = {
+    "gpu.low-utilization": "idle time / the device's window (first to last GPU operation)",
+    "gpu.launch-bound": "time the GPU waited on the host and on launches / the device's window",
+    "cuda.host-sync": "time the CPU blocked in synchronising calls / the CPU-side window, or / the request "
+                      "ranges' time when the calls fell inside requests (the larger)",
+    "cuda.pageable-copy": "pageable copy time / GPU busy time (kernels, copies, memsets)",
+    "gpu.fp32-no-tensor-cores": "time of the float32 kernels without tensor cores / the device's kernel time",
+    "gpu.low-occupancy": "time of the low-occupancy kernels / the device's kernel time",
+    "gpu.memory-fragmentation": "reserved but unused bytes / reserved bytes (memory, not time)",
+    "gpu.alloc-retries": "requests that stalled on a retry / sampled requests",
+    "gpu.oom": "requests that failed with out-of-memory / the replica's requests",
+    "request.cpu-bound-phase": "the phase's time / the requests' time",
+    "request.tail-latency": "time the slowest 1% spent above the median / the method's request time",
+    "request.slow-replica": "time the replica's requests spent above the other replicas' median / the method's "
+                            "request time",
+    "batch.queue-wait": "queue wait / the batched requests' time",
+    "batch.under-filled": "queue wait in batches cut by the delay / the time of their requests",
+    "batch.share-outlier": "batch time the outliers take beyond their share of requests / the batches' time",
+    "batch.small-for-gpu": "kernel time of batches in small grids or at low occupancy / the batches' kernel time",
+    "collective.straggler": "time the other ranks waited for this rank / the ranks' collective time",
+    "collective.exposed-communication": "communication not hidden by computation / the rank's window",
+}
+"""What ``at_stake_share`` measures for each detector (see :func:`severity_for_share`)."""

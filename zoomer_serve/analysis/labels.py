@@ -57,10 +57,12 @@ REQUEST_LABEL_PREFIX = _profiling.REQUEST_LABEL_PREFIX
 
 OOM_ERROR_MARKER = "OutOfMemoryError"  # in error.type (torch.OutOfMemoryError) or an exception event
 PROFILE_SESSION_ID = "zoomer.profile.session_id"
+PROFILE_KERNEL_COUNT = "zoomer.profile.kernel.count"
 
 # The names the store analysis reads, taken from the modules that write them (the one place for each
 # string), on first use: reading a trace needs none of them, nor the GPU and host telemetry they live in.
 _FROM = {
+    "GPU_DEVICES": ("zoomer_serve.telemetry.names", "GPU_DEVICES"),
     "GPU_MEMORY_ALLOCATED": ("zoomer_serve.telemetry.names", "MEM_ALLOCATED_END"),
     "GPU_MEMORY_RESERVED": ("zoomer_serve.telemetry.names", "MEM_RESERVED_END"),
     "GPU_MEMORY_PEAK": ("zoomer_serve.telemetry.names", "MEM_PEAK"),
@@ -103,6 +105,7 @@ PHASE_POSTPROCESS = "postprocess"
 SERVICE_INSTANCE_ID = "service.instance.id"
 RPC_METHOD = "rpc.method"
 RPC_STATUS = "rpc.response.status_code"
+RPC_STATUS_NEXT = "rpc.status_code"  # its name under OTEL_SEMCONV_STABILITY_OPT_IN=rpc (zoomer_serve.semconv)
 ERROR_TYPE = "error.type"
 
 

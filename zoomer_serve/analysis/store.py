@@ -25,9 +25,10 @@ import duckdb
 import numpy as np
 
 from zoomer_serve.analysis import labels as L
-from zoomer_serve.analysis.findings import Finding
+from zoomer_serve.analysis.findings import AT_STAKE, Finding, severity_for_share
 from zoomer_serve.analysis.table import Table
 from zoomer_serve.artifacts.storage import StorageError, is_url
+from zoomer_serve.batching.names import QUEUE_PHASE
 from zoomer_serve.collector.parquet import open_source
 from zoomer_serve.collector.store import StoreError
 
@@ -64,9 +65,10 @@ _REQUESTS_SQL = _UNIQUE + f"""
 SELECT trace_id, span_id, coalesce(attributes->>'$."{L.RPC_METHOD}"', name) AS method,
        coalesce(service_name, 'unknown_service') AS service,
        coalesce(service_instance_id, '') AS instance, start_ns, duration_ns,
-       coalesce(attributes->>'$."{L.RPC_STATUS}"', status_code) AS status,
-       (status_code = 'ERROR' OR coalesce(upper(attributes->>'$."{L.RPC_STATUS}"') NOT IN ('OK', '0'), false))
-           AS is_error,
+       coalesce(attributes->>'$."{L.RPC_STATUS}"', attributes->>'$."{L.RPC_STATUS_NEXT}"', status_code) AS status,
+       (status_code = 'ERROR' OR coalesce(upper(coalesce(attributes->>'$."{L.RPC_STATUS}"',
+                                                         attributes->>'$."{L.RPC_STATUS_NEXT}"'))
+                                          NOT IN ('OK', '0'), false)) AS is_error,
        CAST(attributes AS VARCHAR) AS attributes,
        (coalesce(attributes->>'$."{L.ERROR_TYPE}"', '') LIKE '%{L.OOM_ERROR_MARKER}%'
         OR coalesce(status_message, '') LIKE '%{L.OOM_ERROR_MARKER}%'
@@ -107,6 +109,11 @@ SELECT coalesce(service_name, 'unknown_service') AS service, attributes->>'$."{L
        CAST(links AS VARCHAR) AS links, CAST(attributes AS VARCHAR) AS attributes
 FROM uspans WHERE name = '{L.PROFILE_SPAN}' AND attributes->>'$."{L.CPU_TOP_FUNCTION}"' IS NOT NULL
 ORDER BY start_ns
+"""
+
+_GPU_SEEN_SQL = _UNIQUE + f"""
+SELECT count(*) FROM (SELECT 1 FROM uspans
+WHERE {_attr_present(L.GPU_DEVICES)} OR coalesce({_attr_int(L.PROFILE_KERNEL_COUNT)}, 0) > 0 LIMIT 1)
 """
 
 _METRICS_SQL = f"""
@@ -164,6 +171,10 @@ class StoreData:
             ``ooms`` (0 when absent).
         gpu_metrics: ``hw.gpu.*`` metric points: ``metric``, ``instance``, ``hw_id``, ``time_ns``, ``value``.
         cpu_profiles: one :class:`CpuProfile` per ``zoomer.profile`` span that carries a CPU profile's top-N.
+        gpu: whether the service ran on a GPU, as the store tells it: a span carries GPU memory attributes
+            (``zoomer.gpu.*``, written only when CUDA is available), a profiling session recorded kernels
+            (``zoomer.profile.kernel.count`` > 0), or there are ``hw.gpu.*`` metric points. Detectors give GPU
+            advice only when it is true.
     """
 
     path: Path | str
@@ -172,6 +183,7 @@ class StoreData:
     memory: Table
     gpu_metrics: Table
     cpu_profiles: list[CpuProfile] = field(default_factory=list)
+    gpu: bool = False
     _attrs: list[dict[str, Any]] | None = field(default=None, repr=False, init=False)
     _parsed: np.ndarray | None = field(default=None, repr=False, init=False)
 
@@ -215,6 +227,7 @@ def load_store(store_path: str | os.PathLike[str]) -> StoreData:
         mem = con.execute(_MEMORY_SQL).fetchall()
         met = con.execute(_METRICS_SQL).fetchall() if "metric_points" in tables else []
         cpu = con.execute(_CPU_PROFILES_SQL).fetchall()
+        gpu_spans = con.execute(_GPU_SEEN_SQL).fetchone()
     except duckdb.Error as exc:
         raise StoreAnalysisError(f"cannot read {path}: {exc}") from exc
     finally:
@@ -247,7 +260,8 @@ def load_store(store_path: str | os.PathLike[str]) -> StoreData:
         [(r[0], r[1], r[2], int(r[3]), float(r[4])) for r in met], units={"time_ns": "ns"},
         dtypes={"metric": object, "instance": object, "hw_id": object, "time_ns": np.int64, "value": np.float64})
     profiles = [p for p in (_cpu_profile(*row) for row in cpu) if p is not None]
-    return StoreData(path, requests, phases, memory, metrics, profiles)
+    gpu = bool(len(memory) or len(metrics) or (gpu_spans and gpu_spans[0]))
+    return StoreData(path, requests, phases, memory, metrics, profiles, gpu)
 
 
 def _i(value: Any, default: int) -> int:
@@ -301,6 +315,20 @@ def _scope(service: str, method: str, instance: str | None = None) -> str:
     return f"{s} @ {instance}" if instance else s
 
 
+_TIME_SUFFIXES = ("_ns", "_us", "_ms", "_s")
+"""Attributes whose names end so hold times (queue wait, CPU time): outcomes of a slow request, not traits
+that explain it; the phases stand for them."""
+OUTSIDE_PHASES = "(outside phases)"
+
+
+def _largest_part(phases: dict[str, np.ndarray], durations: np.ndarray, j: int) -> tuple[str, float]:
+    """The phase in which request ``j`` (an index into ``durations`` and the phase arrays) spent most time, or
+    :data:`OUTSIDE_PHASES` when the time outside its phases is larger; with that time in ms."""
+    parts = {p: float(v[j]) for p, v in phases.items()}
+    parts[OUTSIDE_PHASES] = max(float(durations[j]) - sum(parts.values()), 0.0)
+    return max(parts.items(), key=lambda kv: kv[1])
+
+
 def _traits(data: StoreData, rows: np.ndarray, slow: np.ndarray) -> list[dict[str, Any]]:
     """What the slow requests (indices into ``rows``) share, as list of trait dicts, strongest first."""
     traits: list[dict[str, Any]] = []
@@ -315,7 +343,7 @@ def _traits(data: StoreData, rows: np.ndarray, slow: np.ndarray) -> list[dict[st
     for a in attrs:
         keys.update(a.keys())
     for key, c in keys.items():
-        if key in (L.RPC_METHOD, L.REQUEST_CPU_TIME) or c < n_all * 0.5:
+        if key in (L.RPC_METHOD, L.REQUEST_CPU_TIME) or key.endswith(_TIME_SUFFIXES) or c < n_all * 0.5:
             continue
         values = [a.get(key) for a in attrs]
         sample = next((v for v in values if v is not None), None)
@@ -355,13 +383,15 @@ def _traits(data: StoreData, rows: np.ndarray, slow: np.ndarray) -> list[dict[st
         traits.append({"trait": "first requests of their replica (warm-up)", "kind": "warmup",
                        "share_of_slow": share_first, "share_of_all": float(first.mean()),
                        "lift": share_first / max(float(first.mean()), 1e-9)})
-    # phases: which phase grows most in the slow requests
+    # phases: which phase grows most in the slow requests, named only when it is also where most of the slow
+    # requests spend their time (their largest part)
     phases = _phase_matrix(data, rows)
     if phases:
         excess = {p: float(np.median(v[slow]) - np.median(v)) for p, v in phases.items()}
         p, ex = max(excess.items(), key=lambda kv: kv[1])
         total_excess = float(np.median(req["duration_ms"][rows][slow]) - np.median(req["duration_ms"][rows]))
-        if ex > 0 and total_excess > 0 and ex >= 0.5 * total_excess:
+        largest = Counter(_largest_part(phases, req["duration_ms"][rows], j)[0] for j in slow)
+        if ex > 0 and total_excess > 0 and largest[p] * 2 > len(slow):
             traits.append({"trait": f"more time in phase {p} (+{ex:.1f} ms at the median)", "kind": "phase",
                            "phase": p, "excess_ms": ex, "share_of_excess": ex / total_excess, "lift": ex / total_excess})
     traits.sort(key=lambda t: -float(t.get("lift", 0)))
@@ -384,26 +414,25 @@ def detect_tail_latency(data: StoreData) -> list[Finding]:
         slow = np.flatnonzero(d >= p99)
         traits = _traits(data, rows, slow)
         phases = _phase_matrix(data, rows)
-        order = np.argsort(-d, kind="stable")[:MAX_ITEMS]
+        order = np.argsort(-d, kind="stable")[:max(MAX_ITEMS, len(slow))]
         items = []
         for j in order:
             i = rows[j]
             item: dict[str, Any] = {"trace_id": req["trace_id"][i], "duration_ms": float(d[j]),
-                                    "instance": req["instance"][i], "status": req["status"][i]}
+                                    "slowest_1pct": bool(d[j] >= p99), "instance": req["instance"][i],
+                                    "status": req["status"][i]}
             if phases:
-                top = max(phases.items(), key=lambda kv: kv[1][j])
-                item["largest_phase"] = top[0]
-                item["largest_phase_ms"] = float(top[1][j])
+                item["largest_phase"], item["largest_phase_ms"] = _largest_part(phases, d, int(j))
             items.append(item)
-        severity = "high" if ratio >= 10 else "medium" if ratio >= 5 else "low"
+        at_stake = float((d[slow] - p50).sum() / d.sum()) if d.sum() > 0 else 0.0
         shared = "; ".join(t["trait"] for t in traits[:3]) or "no common trait found"
         out.append(Finding(
-            id="request.tail-latency", title=f"Tail latency of {method}", severity=severity,
+            id="request.tail-latency", title=f"Tail latency of {method}", severity=severity_for_share(at_stake),
             summary=(f"p99 {p99:.1f} ms is {ratio:.1f}x the median {p50:.1f} ms over {len(rows)} requests; the "
                      f"slowest {len(slow)} share: {shared}."),
             evidence={"requests_count": int(len(rows)), "p50_ms": p50, "p90_ms": p90, "p99_ms": p99,
                       "max_ms": float(d.max()), "p99_over_p50": ratio, "slow_requests_count": int(len(slow)),
-                      "shared_traits": traits},
+                      "shared_traits": traits, AT_STAKE: at_stake},
             items=items, recommendation=_tail_advice(traits), source=str(data.path), scope=_scope(service, method)))
     return out
 
@@ -417,7 +446,12 @@ def _tail_advice(traits: list[dict[str, Any]]) -> str:
                        "noisy neighbours.")
     t = traits[0]
     if t["kind"] == "attribute" and t["key"] == "service.instance.id":
-        return base + "The slow requests come mostly from one replica: see request.slow-replica for it."
+        return base + (f"The slow requests come mostly from replica {t['value']}: compare its host and load with the "
+                       "other replicas'.")
+    if t["kind"] == "phase" and t["phase"] == QUEUE_PHASE:
+        return base + ("The tail waits in the batching queue: the batches ahead of these requests were busy or "
+                       "the queue was longer than one batch; add capacity (replicas, a larger maximum batch) or "
+                       "shed load before the queue grows.")
     if t["kind"] == "phase":
         return base + (f"The tail is spent in phase {t['phase']}: profile that phase on the slow requests "
                        "(input sizes, cache misses, contention).")
@@ -450,6 +484,7 @@ def detect_slow_replicas(data: StoreData) -> list[Finding]:
         if len(stats) < 2:
             continue
         fleet = float(np.median([s["p50_ms"] for s in stats]))
+        method_ms = float(req["duration_ms"][rows].sum())
         for s in stats:
             others = float(np.median([o["p50_ms"] for o in stats if o is not s]))
             if others <= 0:
@@ -459,23 +494,26 @@ def detect_slow_replicas(data: StoreData) -> list[Finding]:
                 continue
             phase_diff = _phase_difference(data, s["_rows"], np.concatenate([o["_rows"] for o in stats if o is not s]))
             items = [{k: v for k, v in o.items() if k != "_rows"} for o in sorted(stats, key=lambda o: -o["p50_ms"])]
+            mine = req["duration_ms"][s["_rows"]]
+            at_stake = float(np.clip(mine - others, 0, None).sum()) / method_ms if method_ms > 0 else 0.0
             where = (f"; phase {phase_diff['phase']} takes {phase_diff['replica_ms']:.1f} ms there vs "
                      f"{phase_diff['others_ms']:.1f} ms elsewhere") if phase_diff else ""
             out.append(Finding(
                 id="request.slow-replica", title=f"Slow replica {s['instance']} for {method}",
-                severity="high" if ratio >= 3 else "medium",
+                severity=severity_for_share(at_stake),
                 summary=(f"Replica {s['instance']} answers {method} with median {s['p50_ms']:.1f} ms, {ratio:.1f}x "
                          f"the other replicas' {others:.1f} ms (fleet median {fleet:.1f} ms, {len(stats)} "
                          f"replicas){where}."),
                 evidence={"instance": s["instance"], "p50_ms": s["p50_ms"], "p99_ms": s["p99_ms"],
                           "others_p50_ms": others, "fleet_p50_ms": fleet, "ratio": ratio,
                           "replicas_count": len(stats), "requests_count": s["requests"],
-                          "phase_difference": phase_diff},
+                          "phase_difference": phase_diff, AT_STAKE: at_stake},
                 items=items,
                 recommendation=("Compare this replica's host with the others: CPU throttling or noisy neighbours, "
-                                "GPU clocks / thermal throttling or a different GPU (hw.gpu.* metrics), driver, "
-                                "library or configuration versions (thread counts, torch.compile cache, batch "
-                                "settings), and its load balancer weight. Drain and restart it if it stays an "
+                                + ("GPU clocks / thermal throttling or a different GPU (hw.gpu.* metrics), "
+                                   if data.gpu else "")
+                                + "driver, library or configuration versions (thread counts, torch.compile cache, "
+                                "batch settings), and its load balancer weight. Drain and restart it if it stays an "
                                 "outlier."),
                 source=str(data.path), scope=_scope(service, method, s["instance"])))
     return out
@@ -515,12 +553,13 @@ def detect_cpu_bound_phases(data: StoreData) -> list[Finding]:
             ratio = mean / fwd_mean if fwd_mean > 0 else math.inf
             if ratio < PHASE_RATIO:
                 continue
-            severity = "high" if ratio >= 5 else "medium" if ratio >= 2 else "low"
             cpu = _cpu_evidence(data, rows[has_fwd], service)
+            share = mean / total if total > 0 else math.nan
             evidence = {"phase": name, "phase_mean_ms": mean, "forward_mean_ms": fwd_mean, "ratio": ratio,
-                        "request_mean_ms": total, "phase_share": mean / total if total > 0 else math.nan,
+                        "request_mean_ms": total, "phase_share": share,
                         "requests_count": int(has_fwd.sum()),
-                        "phase_p99_ms": float(np.quantile(v[has_fwd], 0.99)), **cpu}
+                        "phase_p99_ms": float(np.quantile(v[has_fwd], 0.99)), **cpu, "gpu": data.gpu,
+                        AT_STAKE: share}
             hot = cpu.get("cpu_top_functions") or []
             named = (f" The CPU profile of profiling session {cpu['cpu_profile_sessions'][0]} (covering "
                      f"{cpu['cpu_profile_requests_count']} of these requests) spends {hot[0]['self_share']:.0%} "
@@ -530,7 +569,7 @@ def detect_cpu_bound_phases(data: StoreData) -> list[Finding]:
                       f"{int(has_fwd.sum())} requests)." if "request_cpu_share" in cpu else "")
             out.append(Finding(
                 id="request.cpu-bound-phase", title=f"{name} outweighs the forward pass in {method}",
-                severity=severity,
+                severity=severity_for_share(share),
                 summary=(f"{name} takes {mean:.2f} ms per request on average, {ratio:.1f}x the forward pass "
                          f"({fwd_mean:.2f} ms) and {mean / total:.0%} of the request time ({int(has_fwd.sum())} "
                          f"requests).{named}{on_cpu}"),
@@ -539,13 +578,24 @@ def detect_cpu_bound_phases(data: StoreData) -> list[Finding]:
                        for p, x in sorted(phases.items(), key=lambda kv: -kv[1][has_fwd].mean())],
                 recommendation=((f"Start with {hot[0]['function']} ({hot[0]['location']}), the hottest Python "
                                  "function while these requests ran. " if hot else "")
-                                + f"The GPU waits while {name} runs on the CPU. Vectorise it (tensor ops instead of "
-                                "Python loops), move it to a pool of worker processes or threads that overlaps "
-                                "with the forward pass of other requests, batch it, cache repeated work "
-                                "(tokenisation, feature lookups), or move it onto the GPU; for postprocess, keep "
-                                "results on the GPU until one copy at the end."),
+                                + _phase_advice(name, data.gpu)),
                 source=str(data.path), scope=_scope(service, method)))
     return out
+
+
+def _phase_advice(phase: str, gpu: bool) -> str:
+    """What to do about a CPU phase that outweighs the forward pass: with a GPU, the GPU idles meanwhile; on a
+    CPU-only service the phase and the model share the same cores."""
+    common = ("Vectorise it (tensor ops instead of Python loops), batch it, and cache repeated work "
+              "(tokenisation, feature lookups)")
+    if not gpu:
+        return (f"The model runs on the CPU too, so {phase} takes cores from the forward passes of other "
+                f"requests. {common}; moving it to worker processes helps only while cores are idle (it frees the "
+                "GIL, not CPU time).")
+    where = ("keep results on the GPU until one copy at the end" if phase == L.PHASE_POSTPROCESS
+             else "move it onto the GPU")
+    return (f"The GPU waits while {phase} runs on the CPU. {common}, move it to a pool of worker processes or "
+            f"threads that overlaps with the forward pass of other requests, or {where}.")
 
 
 def _cpu_evidence(data: StoreData, rows: np.ndarray, service: str) -> dict[str, Any]:
@@ -602,12 +652,14 @@ def detect_gpu_memory(data: StoreData) -> list[Finding]:
         oom_count = int(mem["ooms"][msel].sum())
         if oom_requests or oom_count:
             ids = req["trace_id"][req["oom"] & rsel][:MAX_ITEMS].tolist()
+            n_rsel = int(rsel.sum())
+            oom_share = oom_requests / n_rsel if n_rsel else 1.0
             out.append(Finding(
-                id="gpu.oom", title=f"CUDA out of memory on {scope}", severity="high",
+                id="gpu.oom", title=f"CUDA out of memory on {scope}", severity=severity_for_share(oom_share),
                 summary=(f"{oom_requests} requests failed with CUDA out-of-memory and the allocator counted "
                          f"{oom_count} OOMs on {scope}."),
                 evidence={"oom_requests_count": oom_requests, "num_ooms": oom_count,
-                          "requests_count": int(rsel.sum())},
+                          "requests_count": int(rsel.sum()), AT_STAKE: oom_share},
                 items=[{"trace_id": t} for t in ids],
                 recommendation=("Bound the memory a request can need: cap batch size and sequence length, bucket "
                                 "shapes, run under torch.inference_mode(), and leave headroom for the caching "
@@ -617,13 +669,14 @@ def detect_gpu_memory(data: StoreData) -> list[Finding]:
         retries = int(mem["alloc_retries"][msel].sum())
         if retries:
             n_req = int((mem["alloc_retries"][msel] > 0).sum())
+            retry_share = n_req / max(int(msel.sum()), 1)
             out.append(Finding(
                 id="gpu.alloc-retries", title=f"Allocator retries on {scope}",
-                severity="high" if n_req >= max(1, int(msel.sum()) // 100) else "medium",
+                severity=severity_for_share(retry_share),
                 summary=(f"cudaMalloc failed and was retried after flushing the cache {retries} times, during "
                          f"{n_req} of {int(msel.sum())} sampled requests on {scope}."),
                 evidence={"alloc_retries": retries, "requests_with_retries_count": n_req,
-                          "sampled_requests_count": int(msel.sum())},
+                          "sampled_requests_count": int(msel.sum()), AT_STAKE: retry_share},
                 items=[{"trace_id": t, "alloc_retries": int(r)} for t, r in
                        zip(mem["trace_id"][msel].tolist(), mem["alloc_retries"][msel].tolist()) if r][:MAX_ITEMS],
                 recommendation=("Each retry synchronises the device and frees every cached block: the requests "
@@ -646,13 +699,13 @@ def detect_gpu_memory(data: StoreData) -> list[Finding]:
         if ratio >= FRAGMENTATION_RATIO and r_max - used >= FRAGMENTATION_MIN_BYTES:
             out.append(Finding(
                 id="gpu.memory-fragmentation", title=f"Reserved GPU memory far above what tensors use on {scope}",
-                severity="high" if ratio >= 3 else "medium",
+                severity=severity_for_share((r_max - used) / r_max),
                 summary=(f"The caching allocator reserves up to {r_max / 2**30:.2f} GiB but tensors peak at "
                          f"{used / 2**30:.2f} GiB ({ratio:.1f}x); at request end reserved is {alloc_ratio:.1f}x "
                          f"allocated (median over {int(ok.sum())} requests)."),
                 evidence={"reserved_max_bytes": r_max, "peak_allocated_bytes": used, "reserved_over_peak": ratio,
                           "reserved_over_allocated_median": alloc_ratio, "unused_reserved_bytes": r_max - used,
-                          "samples_count": int(ok.sum())},
+                          "samples_count": int(ok.sum()), AT_STAKE: (r_max - used) / r_max},
                 items=[],
                 recommendation=("Cached blocks that cannot be reused for new sizes pile up (fragmentation), "
                                 "typically with varying input shapes. Set "

@@ -1,19 +1,24 @@
 """Detectors over a Kineto trace. Each takes a :class:`KinetoTrace` and returns a list of
-:class:`~zoomer_serve.analysis.findings.Finding` (empty when the pattern is absent). Thresholds are module
-constants, named where they are used; :func:`detect_trace` runs them all."""
+:class:`~zoomer_serve.analysis.findings.Finding` (empty when the pattern is absent). Thresholds for whether a
+detector fires are module constants, named where they are used; the severity follows from the share of time
+at stake (:func:`~zoomer_serve.analysis.findings.severity_for_share`). Kernels appear once per name as the
+report shows it (:func:`~zoomer_serve.analysis.render.short_kernel_name`), with the number of distinct full
+names (``variants``). :func:`detect_trace` runs them all."""
 
 from __future__ import annotations
 
 import re
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
-from zoomer_serve.analysis.findings import Finding
-from zoomer_serve.analysis.kernels import kernel_kinds
+from zoomer_serve.analysis.findings import AT_STAKE, Finding, severity_for_share
+from zoomer_serve.analysis.kernels import kernel_kind, kernel_kinds
 from zoomer_serve.analysis.kineto import KinetoTrace
 from zoomer_serve.analysis.labels import parse_request_label
+from zoomer_serve.analysis.render import short_kernel_name
 from zoomer_serve.analysis.timeline import (
     SHORT_KERNEL_US,
     gpu_utilization,
@@ -22,9 +27,7 @@ from zoomer_serve.analysis.timeline import (
     launch_index,
 )
 
-# gpu.low-utilization: utilization (busy / window) below these is high / medium / low severity.
-UTILIZATION_HIGH = 0.3
-UTILIZATION_MEDIUM = 0.6
+# gpu.low-utilization: fires for a utilization (busy / window) below this.
 UTILIZATION_LOW = 0.8
 # gpu.launch-bound
 LAUNCH_MIN_KERNELS = 50
@@ -33,9 +36,6 @@ LAUNCH_EXCEEDS_SHARE = 0.3
 # gpu.low-occupancy: "est. achieved occupancy %" below this, for kernels taking at least this share.
 LOW_OCCUPANCY_PCT = 25.0
 LOW_OCCUPANCY_MIN_SHARE = 0.10
-# gpu.fp32-no-tensor-cores: share of GPU kernel time for medium / high severity.
-FP32_MEDIUM_SHARE = 0.05
-FP32_HIGH_SHARE = 0.20
 MAX_ITEMS = 10
 
 SYNC_CALLS = frozenset({
@@ -78,6 +78,36 @@ def _src(trace: KinetoTrace) -> str:
     return str(trace.path)
 
 
+@dataclass
+class KernelGroup:
+    """Kernels that the report shows under one name: ``kernel`` (the full name of the variant with most time,
+    cut at 200 characters), ``variants`` (distinct full names), ``count``, ``total_us``, ``indices``
+    (positions in the input)."""
+
+    kernel: str
+    variants: int
+    count: int
+    total_us: float
+    indices: list[int]
+
+
+def kernel_groups(names: list[str], durations: list[float]) -> list[KernelGroup]:
+    """Kernels grouped by the name the report shows (:func:`short_kernel_name`), most time first: two
+    instantiations of one template (``vectorized_elementwise_kernel<4, ...>`` and ``<2, ...>``) are one row,
+    not two that read alike."""
+    by_key: dict[str, list[int]] = {}
+    for i, name in enumerate(names):
+        by_key.setdefault(short_kernel_name(name), []).append(i)
+    out = []
+    for idx in by_key.values():
+        per_name: dict[str, float] = {}
+        for i in idx:
+            per_name[names[i]] = per_name.get(names[i], 0.0) + durations[i]
+        out.append(KernelGroup(max(per_name, key=lambda n: per_name[n])[:200], len(per_name), len(idx),
+                               float(sum(per_name.values())), idx))
+    return sorted(out, key=lambda g: (-g.total_us, g.kernel))
+
+
 class _Enclosing:
     """The CPU ops (``aten::...``) that contain a given CPU-side event, per thread."""
 
@@ -109,7 +139,8 @@ class _Enclosing:
 
 class _Requests:
     """Request annotations (zoomer.request/<trace_id>/<span_id>) per thread; ``count``: the requests they are
-    of (a request whose work ran in executor threads has a range on each)."""
+    of (a request whose work ran in executor threads has a range on each); ``time_us``: the ranges' summed
+    duration (thread time inside requests)."""
 
     def __init__(self, trace: KinetoTrace) -> None:
         a = trace.annotations
@@ -122,6 +153,7 @@ class _Requests:
                 self.ranges.setdefault((int(a["pid"][i]), int(a["tid"][i])), []).append(
                     (float(a["ts"][i]), float(a["ts"][i] + a["dur"][i]), ids[0]))
         self.count = len(requests)
+        self.time_us = sum(e - s for ranges in self.ranges.values() for s, e, _ in ranges)
 
     def request_of(self, pid: int, tid: int, ts: float) -> str | None:
         for s, e, trace_id in self.ranges.get((pid, tid), ()):
@@ -140,7 +172,6 @@ def detect_low_utilization(trace: KinetoTrace) -> list[Finding]:
         if row["stream"] != -1 or row["utilization"] >= UTILIZATION_LOW or row["window_us"] <= 0:
             continue
         u = row["utilization"]
-        severity = "high" if u < UTILIZATION_HIGH else "medium" if u < UTILIZATION_MEDIUM else "low"
         if gaps is None:
             gaps = idle_gaps(trace)
         dev_gaps = gaps.take(gaps["device"] == row["device"])
@@ -156,12 +187,12 @@ def detect_low_utilization(trace: KinetoTrace) -> list[Finding]:
             "utilization_share": u, "window_us": row["window_us"], "busy_us": row["busy_us"], "idle_us": idle,
             "host_wait_us": split["host_wait"], "kernel_wait_us": split["kernel_wait"],
             "other_idle_us": split["other"], "gaps_over_1ms_count": long_gaps,
-            "longest_gap_us": row["longest_gap_us"], "gpu_ops_count": row["ops"],
+            "longest_gap_us": row["longest_gap_us"], "gpu_ops_count": row["ops"], AT_STAKE: 1.0 - u,
         }
         share = split[dominant] / idle if idle > 0 else 0.0
         out.append(Finding(
             id="gpu.low-utilization", title=f"GPU {row['device']} busy only {u:.0%} of the time",
-            severity=severity,
+            severity=severity_for_share(1.0 - u),
             summary=(f"Device {row['device']} ran GPU work for {_fmt_us(row['busy_us'])} of a "
                      f"{_fmt_us(row['window_us'])} window ({u:.1%}); {share:.0%} of the idle time is "
                      f"{dominant.replace('_', ' ')}, {long_gaps} gaps last over 1 ms (longest "
@@ -212,25 +243,28 @@ def detect_launch_bound(trace: KinetoTrace) -> list[Finding]:
         window = u.get("window_us", 0.0) or 0.0
         wait = (u.get("host_wait_us", 0.0) or 0.0) + (u.get("kernel_wait_us", 0.0) or 0.0)
         wait_share = wait / window if window > 0 else 0.0
-        severity = "high" if wait_share >= 0.3 else "medium" if wait_share >= 0.1 else "low"
         names = kl["name"][sel][short]
-        counts = Counter(names.tolist())
         sdur = dur[short]
+        sld = ld[short]
+        groups = sorted(kernel_groups([str(n) for n in names], sdur.tolist()), key=lambda g: (-g.count, g.kernel))
         items = []
-        for name, c in counts.most_common(MAX_ITEMS):
-            m = names == name
-            items.append({"kernel": name[:200], "count": c, "median_us": float(np.median(sdur[m])),
-                          "median_launch_us": float(np.nanmedian(ld[short][m])) if np.any(~np.isnan(ld[short][m]))
+        for g in groups[:MAX_ITEMS]:
+            launches = sld[g.indices]
+            items.append({"kernel": g.kernel, "kind": kernel_kind(g.kernel), "variants": g.variants,
+                          "count": g.count, "median_us": float(np.median(sdur[g.indices])),
+                          "median_launch_us": float(np.nanmedian(launches)) if np.any(~np.isnan(launches))
                           else None})
+        elementwise = sum(1 for it in items if it["kind"] == "elementwise")
         evidence = {
             "kernels_count": n, "short_kernels_count": int(short.sum()), "short_share": short_share,
             "short_threshold_us": SHORT_KERNEL_US, "launch_exceeds_kernel_share": exceeds_share,
             "kernel_median_us": float(np.median(dur)), "launch_median_us": float(np.nanmedian(ld)),
             "launch_total_us": float(np.nansum(ld)), "short_kernel_total_us": float(sdur.sum()),
-            "launch_wait_share": wait_share,
+            "launch_wait_share": wait_share, AT_STAKE: wait_share,
         }
         out.append(Finding(
-            id="gpu.launch-bound", title=f"Launch-bound work on GPU {int(dev)}", severity=severity,
+            id="gpu.launch-bound", title=f"Launch-bound work on GPU {int(dev)}",
+            severity=severity_for_share(wait_share),
             summary=(f"{short_share:.0%} of {n} kernels run under {SHORT_KERNEL_US:g} us (median "
                      f"{evidence['kernel_median_us']:.1f} us) and {exceeds_share:.0%} of the launch calls took longer "
                      f"than their kernels ran (median launch call {evidence['launch_median_us']:.1f} us); the GPU waited on "
@@ -238,8 +272,10 @@ def detect_launch_bound(trace: KinetoTrace) -> list[Finding]:
             evidence=evidence, items=items,
             recommendation=("Launch overhead dominates these kernels. Capture the steady-state forward pass as a "
                             "CUDA graph (torch.compile(model, mode=\"reduce-overhead\") or torch.cuda.CUDAGraph) "
-                            "so the whole sequence is one launch, let torch.compile fuse the elementwise chains "
-                            "listed below, or batch more requests per forward pass."),
+                            "so the whole sequence is one launch"
+                            + (f", let torch.compile fuse the {elementwise} elementwise kernels among the listed "
+                               "ones (kind elementwise) into their neighbours" if elementwise else "")
+                            + ", or batch more requests per forward pass."),
             source=_src(trace), scope=f"device {int(dev)}"))
     return out
 
@@ -263,6 +299,7 @@ def detect_host_syncs(trace: KinetoTrace) -> list[Finding]:
     by_cause: Counter[tuple[str, str, str]] = Counter()
     blocked_by_cause: dict[tuple[str, str, str], float] = {}
     in_requests = 0
+    blocked_in_requests = 0.0
     request_ids: set[str] = set()
     for i in idx:
         api = str(base[i])
@@ -277,6 +314,7 @@ def detect_host_syncs(trace: KinetoTrace) -> list[Finding]:
         rid = requests.request_of(pid, tid, ts) if requests.count else None
         if rid is not None:
             in_requests += 1
+            blocked_in_requests += dur
             request_ids.add(rid)
     blocked = float(rt["dur"][idx].sum())
     items = [{"cpu_op": outer, "innermost_op": inner, "api": api, "count": c,
@@ -284,12 +322,8 @@ def detect_host_syncs(trace: KinetoTrace) -> list[Finding]:
              for (outer, inner, api), c in by_cause.most_common(MAX_ITEMS)]
     window = float((rt["ts"] + rt["dur"]).max() - rt["ts"].min())
     blocked_share = blocked / window if window > 0 else 0.0
-    if in_requests:
-        severity = "high"
-    elif len(idx) >= 10 or blocked_share >= 0.05:
-        severity = "medium"
-    else:
-        severity = "low"
+    request_share = blocked_in_requests / requests.time_us if requests.time_us > 0 else 0.0
+    at_stake = max(blocked_share, request_share)
     item_like = sum(c for (o, i_, _), c in by_cause.items()
                     if any(p in o or p in i_ for p in ("item", "_local_scalar_dense", "is_nonzero", "nonzero")))
     evidence = {
@@ -297,13 +331,15 @@ def detect_host_syncs(trace: KinetoTrace) -> list[Finding]:
         "blocked_us_by_api": {k: float(v) for k, v in blocked_by_api.items()}, "blocked_us": blocked,
         "blocked_share": blocked_share, "in_requests_count": in_requests,
         "requests_with_sync_count": len(request_ids), "requests_in_trace_count": requests.count,
-        "item_like_count": item_like,
+        "item_like_count": item_like, "blocked_in_requests_us": blocked_in_requests,
+        "blocked_request_share": request_share, AT_STAKE: at_stake,
     }
-    where = (f"; {in_requests} inside {len(request_ids)} of {requests.count} requests" if requests.count
-             else "")
+    where = (f"; {in_requests} inside {len(request_ids)} of {requests.count} requests, "
+             f"{_pct(request_share)} of their time" if requests.count else "")
     apis = ", ".join(f"{k} x{v}" for k, v in by_api.most_common())
     return [Finding(
-        id="cuda.host-sync", title="CPU blocks on the GPU (host-device synchronisation)", severity=severity,
+        id="cuda.host-sync", title="CPU blocks on the GPU (host-device synchronisation)",
+        severity=severity_for_share(at_stake),
         summary=(f"{len(idx)} synchronising CUDA calls ({apis}) blocked the CPU for {_fmt_us(blocked)} "
                  f"({_pct(blocked_share)} of the CPU-side window){where}; {item_like} came from .item()-style "
                  f"scalar reads."),
@@ -354,20 +390,14 @@ def detect_pageable_copies(trace: KinetoTrace) -> list[Finding]:
     total_time = float(m["dur"][idx].sum())
     busy = float(trace.kernels["dur"].sum() + m["dur"].sum())
     time_share = total_time / busy if busy > 0 else 0.0
-    htod = by_dir.get("HtoD", {}).get("count", 0)
-    if htod and (time_share >= 0.10 or total_bytes >= 100 << 20):
-        severity = "high"
-    elif htod:
-        severity = "medium"
-    else:
-        severity = "low"
     items = [{"direction": d, "cpu_op": op, "api": api, "count": c} for (d, op, api), c in causes.most_common(MAX_ITEMS)]
     dirs = ", ".join(f"{d} x{int(v['count'])} ({v['bytes'] / 1e6:.1f} MB, {v['bandwidth_gbps']:.2f} GB/s)"
                      for d, v in sorted(by_dir.items()))
     evidence = {"copies_count": int(len(idx)), "bytes": total_bytes, "time_us": total_time,
-                "gpu_time_share": time_share, "by_direction": by_dir}
+                "gpu_time_share": time_share, "by_direction": by_dir, AT_STAKE: time_share}
     return [Finding(
-        id="cuda.pageable-copy", title="Copies to or from pageable host memory", severity=severity,
+        id="cuda.pageable-copy", title="Copies to or from pageable host memory",
+        severity=severity_for_share(time_share),
         summary=(f"{len(idx)} copies involve pageable host memory: {dirs}; {_fmt_us(total_time)} of GPU copy "
                  f"time ({_pct(time_share)} of GPU work)."),
         evidence=evidence, items=items,
@@ -400,17 +430,11 @@ def detect_fp32_without_tensor_cores(trace: KinetoTrace) -> list[Finding]:
         total = float(k["dur"][dsel].sum())
         t = float(k["dur"][sel].sum())
         share = t / total if total > 0 else 0.0
-        severity = "high" if share >= FP32_HIGH_SHARE else "medium" if share >= FP32_MEDIUM_SHARE else "low"
-        names = k["name"][sel]
-        durs = k["dur"][sel]
         kinds_sel = kinds[sel]
-        agg: dict[str, list[float]] = {}
-        for n, d, kd in zip(names.tolist(), durs.tolist(), kinds_sel.tolist()):
-            a = agg.setdefault(n, [0, 0.0, kd])
-            a[0] += 1
-            a[1] += d
-        items = [{"kernel": n[:200], "kind": a[2], "count": int(a[0]), "total_us": a[1]}
-                 for n, a in sorted(agg.items(), key=lambda x: -x[1][1])[:MAX_ITEMS]]
+        groups = kernel_groups([str(n) for n in k["name"][sel]], k["dur"][sel].tolist())
+        distinct = len(np.unique(k["name"][sel]))
+        items = [{"kernel": g.kernel, "kind": str(kinds_sel[g.indices[0]]), "variants": g.variants,
+                  "count": g.count, "total_us": g.total_us} for g in groups[:MAX_ITEMS]]
         p = props.get(int(dev), {})
         major = int(p.get("computeMajor", 0) or 0)
         gpu = p.get("name", f"device {int(dev)}")
@@ -430,12 +454,12 @@ def detect_fp32_without_tensor_cores(trace: KinetoTrace) -> list[Finding]:
         count = int(sel.sum())
         out.append(Finding(
             id="gpu.fp32-no-tensor-cores", title=f"float32 GEMM/convolution kernels without tensor cores on GPU {int(dev)}",
-            severity=severity,
-            summary=(f"{count} kernels of {len(agg)} kinds ran float32 matrix math on CUDA cores: "
+            severity=severity_for_share(share),
+            summary=(f"{count} kernels of {len(groups)} kinds ran float32 matrix math on CUDA cores: "
                      f"{_fmt_us(t)}, {_pct(share)} of GPU kernel time."),
-            evidence={"kernels_count": count, "distinct_kernels_count": len(agg), "time_us": t,
+            evidence={"kernels_count": count, "distinct_kernels_count": distinct, "time_us": t,
                       "kernel_time_share": share, "compute_capability": f"{major}.{p.get('computeMinor', 0)}",
-                      "gpu": gpu},
+                      "gpu": gpu, AT_STAKE: share},
             items=items, recommendation=advice, source=_src(trace), scope=f"device {int(dev)}"))
     return out
 
@@ -462,9 +486,13 @@ def detect_low_occupancy(trace: KinetoTrace) -> list[Finding]:
             continue
         sms = int(props.get(int(dev), {}).get("numSms", 0) or 0)
         agg: dict[str, dict[str, float]] = {}
+        full: dict[str, dict[str, float]] = {}
         idx = np.flatnonzero(low)
         for i in idx:
-            n = str(k["name"][i])
+            name = str(k["name"][i])
+            n = short_kernel_name(name)
+            variants = full.setdefault(n, {})
+            variants[name] = variants.get(name, 0.0) + float(k["dur"][i])
             a = agg.setdefault(n, {"count": 0, "total_us": 0.0, "occupancy": 0.0, "grid_blocks": 0,
                                    "block_threads": 0, "registers_per_thread": 0, "shared_memory": 0,
                                    "blocks_per_sm": 0.0})
@@ -475,21 +503,22 @@ def detect_low_occupancy(trace: KinetoTrace) -> list[Finding]:
                 a[col] = max(a[col], float(k[col][i]))
         items = []
         for n, a in sorted(agg.items(), key=lambda x: -x[1]["total_us"])[:MAX_ITEMS]:
-            items.append({"kernel": n[:200], "count": int(a["count"]), "total_us": a["total_us"],
+            items.append({"kernel": max(full[n], key=lambda v: full[n][v])[:200], "variants": len(full[n]),
+                          "count": int(a["count"]), "total_us": a["total_us"],
                           "occupancy_pct": a["occupancy"] / a["total_us"] if a["total_us"] else None,
                           "grid_blocks": int(a["grid_blocks"]), "block_threads": int(a["block_threads"]),
                           "registers_per_thread": int(a["registers_per_thread"]),
                           "shared_memory_bytes": int(a["shared_memory"]), "blocks_per_sm": a["blocks_per_sm"],
                           "likely_limit": _occupancy_limit(a, sms)})
         limits = Counter(it["likely_limit"] for it in items)
-        severity = "medium" if share >= 0.25 else "low"
         out.append(Finding(
-            id="gpu.low-occupancy", title=f"Low-occupancy kernels on GPU {int(dev)}", severity=severity,
-            summary=(f"{len(idx)} kernels ({len(agg)} kinds) ran below {LOW_OCCUPANCY_PCT:.0f}% estimated "
+            id="gpu.low-occupancy", title=f"Low-occupancy kernels on GPU {int(dev)}",
+            severity=severity_for_share(share),
+            summary=(f"{len(idx)} kernels ({len(full)} kinds) ran below {LOW_OCCUPANCY_PCT:.0f}% estimated "
                      f"achieved occupancy for {_fmt_us(t)}, {_pct(share)} of GPU kernel time; most common limit: "
                      f"{limits.most_common(1)[0][0] if limits else 'unknown'}."),
             evidence={"kernels_count": int(len(idx)), "time_us": t, "kernel_time_share": share,
-                      "occupancy_threshold_pct": LOW_OCCUPANCY_PCT, "sm_count": sms},
+                      "occupancy_threshold_pct": LOW_OCCUPANCY_PCT, "sm_count": sms, AT_STAKE: share},
             items=items,
             recommendation=("Low occupancy leaves SMs without enough warps to hide memory latency. For kernels "
                             "whose grid has fewer blocks than the GPU has SMs, give each launch more work (larger "

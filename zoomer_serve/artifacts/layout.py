@@ -6,7 +6,7 @@ Layout (hive-style folder names, values percent-encoded, :func:`~zoomer_serve.ar
         <session_id>.pt.trace.json.gz                  Kineto trace
         <session_id>.pt.trace.json.gz.manifest.json    its manifest
         <session_id>.summary.json (+ .manifest.json)   per-request kernel summary of the session
-        <session_id>.cpu.speedscope.json (+ ...)       Python CPU profile (and .cpu.collapsed.txt)
+        <session_id>.cpu.speedscope.json (+ ...)       Python CPU profile (and .cpu.collapsed.txt, .cpu.pb.gz)
         <name>.pickle (+ ...)                          a memory snapshot (pytorch.org/memory_viz)
 
 The date is the UTC day the session started. A manifest is written after its artifact, so a manifest that
@@ -41,6 +41,7 @@ KINDS: dict[str, str] = {
     ".summary.json": "session_summary",
     ".cpu.speedscope.json": "cpu_profile",
     ".cpu.collapsed.txt": "cpu_profile_collapsed",
+    ".cpu.pb.gz": "cpu_profile_pprof",
     ".pickle": "memory_snapshot",
 }
 """File name suffix -> artifact kind; any other file is kind ``other``."""

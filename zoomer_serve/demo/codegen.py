@@ -44,10 +44,11 @@ def make_imports_relative(source: str) -> str:
     return _ABSOLUTE_IMPORT.sub(r"from . import \1 as \2", source)
 
 
-def protoc_generate(proto_dir: Path, proto_name: str, generated_names: tuple[str, str, str],
+def protoc_generate(proto_dir: Path, proto_name: str, generated_names: tuple[str, ...],
                     out_dir: Path) -> list[Path]:
     """Run protoc on ``proto_dir/proto_name`` and write ``generated_names`` (``*_pb2.py``, ``*_pb2.pyi``,
-    ``*_pb2_grpc.py``) to ``out_dir``, the grpc module's imports made package-relative.
+    and for a proto with services ``*_pb2_grpc.py``) to ``out_dir``, the grpc module's imports made
+    package-relative. Two names: messages only, no grpc module.
 
     Returns the written paths in ``generated_names`` order.
     Raises ImportError if grpcio-tools is not installed, CodegenError if protoc fails.
@@ -61,7 +62,7 @@ def protoc_generate(proto_dir: Path, proto_name: str, generated_names: tuple[str
         f"-I{_grpc_tools_include()}",
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
-        f"--grpc_python_out={out_dir}",
+        *([f"--grpc_python_out={out_dir}"] if len(generated_names) > 2 else []),
         str(proto_dir / proto_name),
     ]
     code = protoc.main(args)
@@ -71,6 +72,8 @@ def protoc_generate(proto_dir: Path, proto_name: str, generated_names: tuple[str
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise CodegenError(f"protoc did not write {', '.join(missing)}")
+    if len(paths) < 3:
+        return paths
     grpc_path = paths[2]
     source = grpc_path.read_text(encoding="utf-8")
     rewritten = make_imports_relative(source)

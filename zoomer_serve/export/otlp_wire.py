@@ -39,6 +39,7 @@ from zoomer_serve.recording.records import (
     R_TRACE_ID,
     R_TRACE_STATE,
 )
+from zoomer_serve.semconv import SCHEMA_URL
 
 _pack_q = struct.Struct("<Q").pack
 _pack_d = struct.Struct("<d").pack
@@ -134,9 +135,11 @@ class SpanEncoder:
         self._resource_field = _ld(0x0A, resource)  # ResourceSpans.resource
         scope = _ld(0x0A, scope_name.encode()) + _ld(0x12, scope_version.encode())
         self._scope_field = _ld(0x0A, scope)  # ScopeSpans.scope
+        self._schema_field = _ld(0x1A, SCHEMA_URL.encode())  # ScopeSpans.schema_url: the conventions followed
         # bytes of a request around its spans, at most (resource, scope, two enclosing fields); each span adds
         # its own length and at most FIELD_FRAMING_BYTES (see encode_request)
-        self.request_overhead = len(self._resource_field) + len(self._scope_field) + 2 * FIELD_FRAMING_BYTES
+        self.request_overhead = (len(self._resource_field) + len(self._scope_field) + len(self._schema_field)
+                                 + 2 * FIELD_FRAMING_BYTES)
         self._attr_cache: dict[tuple[str, type, Any], bytes] = {}
         self._key_cache: dict[str, bytes] = {}
         self._name_cache: dict[tuple[str, int], bytes] = {}
@@ -299,6 +302,6 @@ class SpanEncoder:
     def encode_request(self, spans: Iterable[bytes]) -> bytes:
         """Wrap encoded spans into one ``ExportTraceServiceRequest`` (one resource, one scope). Its length is at
         most :attr:`request_overhead` plus, per span, the span's length and :data:`FIELD_FRAMING_BYTES`."""
-        scope_spans = self._scope_field + b"".join(_ld_tag(b"\x12", s) for s in spans)
+        scope_spans = self._scope_field + b"".join(_ld_tag(b"\x12", s) for s in spans) + self._schema_field
         resource_spans = self._resource_field + _ld(0x12, scope_spans)
         return _ld(0x0A, resource_spans)

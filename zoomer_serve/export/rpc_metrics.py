@@ -4,9 +4,12 @@ Instruments (semantic conventions for RPC, stable names), cumulative temporality
 
 - ``rpc.server.call.duration`` / ``rpc.client.call.duration``: histogram, unit ``s``, buckets
   0.005 … 10 s as the conventions advise; attributes ``rpc.system.name``, ``rpc.method``,
-  ``rpc.response.status_code``, ``error.type`` (when an error), ``server.address``, ``server.port``.
+  ``rpc.response.status_code`` (``rpc.status_code`` under the opt-in, :mod:`zoomer_serve.semconv`),
+  ``error.type`` (when an error), ``server.address``, ``server.port``.
 - ``rpc.server.request.size`` / ``rpc.server.response.size`` (and ``rpc.client.*``): histogram, unit
-  ``By``, the uncompressed protobuf (or Thrift) payload bytes of all messages of one call.
+  ``By``, the uncompressed protobuf (or Thrift) payload bytes of all messages of one call; deprecated by
+  semantic conventions v1.40, so only with ``OTEL_SEMCONV_STABILITY_OPT_IN=rpc/dup`` (the spans carry
+  ``zoomer.rpc.request.bytes`` / ``.response.bytes`` always).
 - ``zoomer.batch.queue_wait.duration`` (histogram, unit ``s``) and ``zoomer.batch.size`` (histogram, unit
   ``{request}``): for a request that ran in a batch (:mod:`zoomer_serve.batching`), its queue wait and the size of
   its batch, with the attributes of the call-duration histogram.
@@ -38,6 +41,7 @@ from typing import Any
 from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
+from zoomer_serve import semconv as sc
 from zoomer_serve.batching import names as batch_names
 from zoomer_serve.export.otlp_wire import FIELD_FRAMING_BYTES, encode_key_value, length_delimited
 from zoomer_serve.recording import records as r
@@ -46,8 +50,8 @@ DURATION_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0
 SIZE_BUCKETS_BYTES = (0, 100, 1000, 10_000, 100_000, 1_000_000, 10_000_000, 100_000_000)
 QUEUE_WAIT_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-METRIC_ATTRIBUTE_KEYS = ("rpc.system.name", "rpc.method", "rpc.response.status_code", "error.type",
-                         "server.address", "server.port")
+METRIC_ATTRIBUTE_KEYS = (sc.RPC_SYSTEM_NAME, sc.RPC_METHOD, sc.RPC_RESPONSE_STATUS_CODE, sc.RPC_STATUS_CODE,
+                         sc.ERROR_TYPE, sc.SERVER_ADDRESS, sc.SERVER_PORT)
 REQUEST_BYTES = "zoomer.rpc.request.bytes"
 RESPONSE_BYTES = "zoomer.rpc.response.bytes"
 _MAX_ATTRIBUTE_SETS = 10_000  # bounded: a flood of distinct methods cannot grow memory forever
@@ -87,9 +91,12 @@ class HistogramPoint:
 class RpcMetrics:
     """Aggregates the RPC histograms of request records; :meth:`encode` builds the OTLP export request."""
 
-    def __init__(self) -> None:
+    def __init__(self, size_metrics: bool = False) -> None:
+        """``size_metrics``: also the request / response size histograms, which semantic conventions v1.40
+        deprecated (emitted with ``OTEL_SEMCONV_STABILITY_OPT_IN=rpc/dup``)."""
         # (metric name, attribute key tuple) -> point; attribute key tuples follow METRIC_ATTRIBUTE_KEYS
         self._points: dict[tuple[str, tuple[Any, ...]], HistogramPoint] = {}
+        self.size_metrics = size_metrics
         self.dropped_attribute_sets = 0
 
     def record(self, rec: tuple[Any, ...]) -> None:
@@ -102,12 +109,13 @@ class RpcMetrics:
         attrs = rec[r.R_ATTRS]
         key = tuple(map(attrs.get, METRIC_ATTRIBUTE_KEYS))
         self._point(names[0], key, DURATION_BUCKETS_S).record((rec[r.R_END_NS] - rec[r.R_START_NS]) / 1e9)
-        req_bytes = attrs.get(REQUEST_BYTES)
-        if req_bytes is not None:
-            self._point(names[1], key, SIZE_BUCKETS_BYTES).record(req_bytes)
-        resp_bytes = attrs.get(RESPONSE_BYTES)
-        if resp_bytes is not None:
-            self._point(names[2], key, SIZE_BUCKETS_BYTES).record(resp_bytes)
+        if self.size_metrics:
+            req_bytes = attrs.get(REQUEST_BYTES)
+            if req_bytes is not None:
+                self._point(names[1], key, SIZE_BUCKETS_BYTES).record(req_bytes)
+            resp_bytes = attrs.get(RESPONSE_BYTES)
+            if resp_bytes is not None:
+                self._point(names[2], key, SIZE_BUCKETS_BYTES).record(resp_bytes)
         wait_ns = attrs.get(_QUEUE_WAIT)
         if wait_ns is not None:
             self._point(_METRIC_QUEUE_WAIT, key, QUEUE_WAIT_BUCKETS_S).record(wait_ns / 1e9)
@@ -187,7 +195,9 @@ class MetricsRequestEncoder:
         self._resource_field = length_delimited(0x0A, resource_body)  # ResourceMetrics.resource
         scope = length_delimited(0x0A, scope_name.encode()) + length_delimited(0x12, scope_version.encode())
         self._scope_field = length_delimited(0x0A, scope)  # ScopeMetrics.scope
-        self.request_overhead = len(self._resource_field) + len(self._scope_field) + 2 * FIELD_FRAMING_BYTES
+        self._schema_field = length_delimited(0x1A, sc.SCHEMA_URL.encode())  # ScopeMetrics.schema_url
+        self.request_overhead = (len(self._resource_field) + len(self._scope_field) + len(self._schema_field)
+                                 + 2 * FIELD_FRAMING_BYTES)
 
     def encode_request(self, points: Sequence[MetricPoint]) -> bytes:
         """The request with ``points``; consecutive points of the same :class:`MetricHead` share one
@@ -196,7 +206,7 @@ class MetricsRequestEncoder:
         for head, group in itertools.groupby(points, key=operator.itemgetter(0)):
             data = b"".join(length_delimited(0x0A, dp) for _, dp in group) + head.suffix
             metrics.append(length_delimited(0x12, head.prefix + length_delimited(head.data_tag, data)))
-        scope_metrics = self._scope_field + b"".join(metrics)  # ScopeMetrics: scope, metrics (field 2)
+        scope_metrics = self._scope_field + b"".join(metrics) + self._schema_field  # scope, metrics, schema_url
         return length_delimited(0x0A, self._resource_field + length_delimited(0x12, scope_metrics))
 
     def pack(self, points: Sequence[MetricPoint], max_bytes: int) -> tuple[list[list[MetricPoint]], int]:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from zoomer_serve import semconv as sc
 from zoomer_serve.config import ExportConfig, SpanLimits
 from zoomer_serve.export.otlp_wire import FIELD_FRAMING_BYTES, SpanEncoder
 from zoomer_serve.export.rpc_metrics import (
@@ -128,7 +129,8 @@ class ExportWorker:
         self._pending_bytes = 0  # their total length
         self._span_room = cfg.max_request_bytes - self._encoder.request_overhead  # for spans and their framing
         self._last_flush = time.monotonic()
-        self._metrics = RpcMetrics()
+        self._metrics = RpcMetrics(size_metrics=cfg.semconv_rpc == "dup")
+        self._status_rename = cfg.semconv_rpc != "default"
         self._metrics_encoder = MetricsRequestEncoder(resource, SCOPE_NAME, version)
         self._metrics_lock = threading.Lock()
         self._metrics_start_ns = time.time_ns()
@@ -186,6 +188,9 @@ class ExportWorker:
                 self._export_metrics(now + self.cfg.timeout_ms / 1000)
 
     def _ingest(self, batch: list[tuple[Any, ...]]) -> None:
+        if self._status_rename:
+            for rec in batch:
+                _opt_in_names(rec[r.R_ATTRS], self.cfg.semconv_rpc)
         with self._metrics_lock:
             for rec in batch:
                 try:
@@ -373,3 +378,12 @@ class ExportWorker:
                 batch.set()  # shutdown flushes right after
             elif batch:
                 self._ingest(batch)
+
+
+def _opt_in_names(attrs: dict[str, Any] | None, opt_in: str) -> None:
+    """The status attribute under ``OTEL_SEMCONV_STABILITY_OPT_IN`` (:func:`zoomer_serve.semconv.status_attributes`):
+    done here, off the request path, for every adapter at once."""
+    if not attrs or sc.RPC_RESPONSE_STATUS_CODE not in attrs:
+        return
+    status = attrs.pop(sc.RPC_RESPONSE_STATUS_CODE) if opt_in == "next" else attrs[sc.RPC_RESPONSE_STATUS_CODE]
+    attrs.update(sc.status_attributes(status, "next" if opt_in == "next" else "dup"))

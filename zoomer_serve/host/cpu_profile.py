@@ -22,7 +22,11 @@ Files (``<session_id>`` as the kernel trace's, in the profiles folder):
 - ``<session_id>.cpu.speedscope.json``: speedscope JSON, one sampled profile per thread (open it at
   https://www.speedscope.app or with the ``speedscope`` CLI);
 - ``<session_id>.cpu.collapsed.txt``: collapsed stacks (``thread;outer (file:line);...;inner (file:line) count``)
-  for ``flamegraph.pl``, speedscope, or any flame graph tool.
+  for ``flamegraph.pl``, speedscope, or any flame graph tool;
+- ``<session_id>.cpu.pb.gz``: the same samples as pprof (``go tool pprof``, Pyroscope, Perfetto), labelled
+  with ``thread`` and, for the in-process sampler, the ``trace_id``, ``span_id`` and ``rpc.method`` of the
+  covered request each sample's thread ran (py-spy's samples cannot be tied to requests: see
+  :mod:`zoomer_serve.host.pprof`).
 
 A niced child process (:mod:`zoomer_serve.host.cpu_postprocess`) reads the speedscope file and writes the
 collapsed stacks and the top-N summary, so a large profile costs the server neither its interpreter lock nor
@@ -48,6 +52,7 @@ from typing import Any
 
 from zoomer_serve.host import names as n
 from zoomer_serve.host.config import HostConfig
+from zoomer_serve.host.pprof import PPROF_SUFFIX
 from zoomer_serve.host.speedscope import (
     IDLE_SUFFIX,
     CpuProfileSummary,
@@ -56,6 +61,7 @@ from zoomer_serve.host.speedscope import (
     write_speedscope,
 )
 from zoomer_serve.processes import PACKAGE_ROOT, run_module
+from zoomer_serve.profiling.labels import THREAD_REQUESTS
 
 logger = logging.getLogger("zoomer_serve.host")
 SPEEDSCOPE_SUFFIX = ".cpu.speedscope.json"
@@ -105,17 +111,21 @@ class CpuProfileRun:
             return self.attributes
         final = self.folder / f"{self.session_id}{SPEEDSCOPE_SUFFIX}"
         collapsed = self.folder / f"{self.session_id}{COLLAPSED_SUFFIX}"
+        pprof = self.folder / f"{self.session_id}{PPROF_SUFFIX}"
         partial = self.folder / f".{final.name}.partial"
         collapsed_partial = self.folder / f".{collapsed.name}.partial"
+        pprof_partial = self.folder / f".{pprof.name}.partial"
         digest = self.folder / f".{self.session_id}.cpu.summary.json.partial"
         try:
             self.sampler.write(partial)
-            summary, empty = self._profiler.postprocess(partial, collapsed_partial, digest)
+            summary, empty = self._profiler.postprocess(partial, collapsed_partial, digest, pprof_partial)
             os.replace(partial, final)
             self.attributes[n.CPU_PATH] = str(final.resolve())
             if not empty:
                 os.replace(collapsed_partial, collapsed)
                 self.attributes[n.CPU_COLLAPSED_PATH] = str(collapsed.resolve())
+                os.replace(pprof_partial, pprof)
+                self.attributes[n.CPU_PPROF_PATH] = str(pprof.resolve())
             self.attributes.update(summary_attributes(summary, self.sampler.records_idle))
             self.attributes.update(self.sampler.extra_attributes())
         except Exception as exc:  # SamplerUnavailable / OSError / ValueError, or a bug: the session goes on
@@ -123,7 +133,7 @@ class CpuProfileRun:
             logger.warning("zoomer-serve: no CPU profile for session %s: %s", self.session_id,
                            self.attributes[n.CPU_ERROR])
         finally:
-            for leftover in (partial, collapsed_partial, digest):
+            for leftover in (partial, collapsed_partial, pprof_partial, digest):
                 leftover.unlink(missing_ok=True)
         return self.attributes
 
@@ -203,14 +213,16 @@ class CpuProfiler:
                                fallback)
             return None
 
-    def postprocess(self, speedscope: Path, collapsed: Path, digest: Path) -> tuple[CpuProfileSummary, bool]:
-        """Run :mod:`zoomer_serve.host.cpu_postprocess`; returns the summary and whether the profile had no
-        active sample. Raises RuntimeError with the child's message on failure."""
+    def postprocess(self, speedscope: Path, collapsed: Path, digest: Path, pprof: Path | None = None
+                    ) -> tuple[CpuProfileSummary, bool]:
+        """Run :mod:`zoomer_serve.host.cpu_postprocess` (writing the pprof file too when ``pprof`` is given);
+        returns the summary and whether the profile had no active sample. Raises RuntimeError with the
+        child's message on failure."""
         from zoomer_serve.host.cpu_postprocess import EXIT_EMPTY
 
         strip = [a for p in (*sys.path, PACKAGE_ROOT) if p and os.path.isabs(p) for a in ("--strip", p)]
         args = [str(speedscope), str(collapsed), str(digest), "--rate-hz", str(self.config.cpu_profile_rate_hz),
-                "--top", str(self.config.cpu_profile_top), *strip]
+                "--top", str(self.config.cpu_profile_top), *strip, *(["--pprof", str(pprof)] if pprof else [])]
         try:
             done = run_module("zoomer_serve.host.cpu_postprocess", args, POSTPROCESS_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -394,7 +406,8 @@ class InProcessSampler:
         self.max_stacks = max_stacks
         self.samples = 0
         self.dropped = 0
-        self._stacks: dict[tuple[int, bool, tuple[int, ...]], int] = {}
+        # (thread, active, its request or None, stack) -> samples
+        self._stacks: dict[tuple[int, bool, tuple[str, str, str] | None, tuple[int, ...]], int] = {}
         self._codes: dict[int, CodeType] = {}
         self._threads: dict[int, tuple[str, int | None]] = {}
         self._cpu: dict[int, int] = {}
@@ -467,7 +480,7 @@ class InProcessSampler:
         if f is not None:
             codes.append(0)  # the root side was cut: a [truncated] frame
         codes.reverse()
-        key = (ident, active, tuple(codes))
+        key = (ident, active, THREAD_REQUESTS.get(ident), tuple(codes))
         count = self._stacks.get(key)
         if count is None and len(self._stacks) >= self.max_stacks:
             self.dropped += 1
@@ -499,7 +512,8 @@ class InProcessSampler:
         index: dict[int, int] = {}
         frames: list[Frame] = []
         profiles: dict[tuple[int, bool], SampledProfile] = {}
-        for (ident, active, stack), count in self._stacks.items():
+        table: dict[tuple[str, str, str], int] = {}
+        for (ident, active, request, stack), count in self._stacks.items():
             key = (ident, active)
             prof = profiles.get(key)
             if prof is None:
@@ -515,9 +529,10 @@ class InProcessSampler:
                 indices.append(i)
             prof.stacks.append(tuple(indices))
             prof.counts.append(count)
+            prof.requests.append(table.setdefault(request, len(table)) if request is not None else -1)
         ordered = sorted(profiles.values(), key=lambda p: (p.name.endswith(IDLE_SUFFIX), -sum(p.counts), p.name))
         write_speedscope(path, frames, ordered, self.rate_hz, "zoomer-serve CPU profile",
-                         "zoomer-serve in-process sampler")
+                         "zoomer-serve in-process sampler", requests=list(table))
 
     def extra_attributes(self) -> dict[str, Any]:
         return {n.CPU_DROPPED_SAMPLES: self.dropped}

@@ -34,6 +34,9 @@ CPU_PATH = "zoomer.profile.cpu.path"
 """The speedscope JSON file (absolute path)."""
 CPU_COLLAPSED_PATH = "zoomer.profile.cpu.collapsed_path"
 """The collapsed-stacks text file (``frame;frame;... count`` per line, root first) for flame graph tools."""
+CPU_PPROF_PATH = "zoomer.profile.cpu.pprof_path"
+"""The pprof file (``.cpu.pb.gz``: gzip of a ``perftools.profiles.Profile``, the collapsed file's samples with
+``thread`` and, where known, ``trace_id`` / ``span_id`` / ``rpc.method`` labels; :mod:`zoomer_serve.host.pprof`)."""
 CPU_SAMPLES = "zoomer.profile.cpu.samples"
 """Active samples (a thread running Python or native code on a CPU); the shares below are of these."""
 CPU_IDLE_SAMPLES = "zoomer.profile.cpu.idle_samples"
@@ -53,7 +56,8 @@ CPU_TOP_SELF_SHARE = "zoomer.profile.cpu.top.self_share"
 CPU_TOP_TOTAL_SHARE = "zoomer.profile.cpu.top.total_share"
 """Share (0..1) of active samples with the function anywhere on the stack (own time plus callees)."""
 
-CPU_ATTRIBUTES = (CPU_SAMPLER, CPU_UNAVAILABLE, CPU_ERROR, CPU_RATE_HZ, CPU_PATH, CPU_COLLAPSED_PATH, CPU_SAMPLES,
+CPU_ATTRIBUTES = (CPU_SAMPLER, CPU_UNAVAILABLE, CPU_ERROR, CPU_RATE_HZ, CPU_PATH, CPU_COLLAPSED_PATH, CPU_PPROF_PATH,
+                  CPU_SAMPLES,
                   CPU_IDLE_SAMPLES, CPU_THREADS, CPU_SAMPLER_ERRORS, CPU_DROPPED_SAMPLES, CPU_TOP_FUNCTION, CPU_TOP_LOCATION,
                   CPU_TOP_SELF_SHARE, CPU_TOP_TOTAL_SHARE)
 

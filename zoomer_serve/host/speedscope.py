@@ -40,11 +40,19 @@ class Frame:
 
 @dataclass
 class SampledProfile:
-    """One thread's samples: ``stacks`` (frame indices, root first) with ``counts`` (samples of each)."""
+    """One thread's samples: ``stacks`` (frame indices, root first) with ``counts`` (samples of each) and, when
+    the sampler knows them, ``requests``: per stack the index of its request in the file's request table
+    (:data:`REQUESTS_KEY`), -1 for none."""
 
     name: str
     stacks: list[tuple[int, ...]] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
+    requests: list[int] = field(default_factory=list)
+
+
+REQUESTS_KEY = "zoomer.requests"
+"""Our key in a speedscope file (speedscope ignores it): at the top, the request table (``[trace_id, span_id,
+rpc.method]`` rows); in a profile, one table index per sample (-1: no request)."""
 
 
 @dataclass(frozen=True)
@@ -81,16 +89,24 @@ class CpuProfileSummary:
 
 
 def write_speedscope(path: Path, frames: Sequence[Frame], profiles: Iterable[SampledProfile], rate_hz: float,
-                     name: str, exporter: str) -> None:
-    """Write a speedscope file: each profile's stacks weighted ``count / rate_hz`` seconds."""
+                     name: str, exporter: str, requests: Sequence[tuple[str, str, str]] = ()) -> None:
+    """Write a speedscope file: each profile's stacks weighted ``count / rate_hz`` seconds; with ``requests``
+    (``(trace_id, span_id, rpc.method)`` rows) the request table and each profile's per-sample indices into it
+    under :data:`REQUESTS_KEY`."""
     out_profiles = []
     for p in profiles:
         weights = [c / rate_hz for c in p.counts]
-        out_profiles.append({"type": "sampled", "name": p.name, "unit": "seconds", "startValue": 0.0,
-                             "endValue": sum(weights), "samples": [list(s) for s in p.stacks], "weights": weights})
-    data = {"$schema": SCHEMA, "shared": {"frames": [{"name": f.name, "file": f.file, "line": f.line}
-                                                     for f in frames]},
-            "profiles": out_profiles, "name": name, "activeProfileIndex": 0, "exporter": exporter}
+        profile: dict[str, Any] = {"type": "sampled", "name": p.name, "unit": "seconds", "startValue": 0.0,
+                                   "endValue": sum(weights), "samples": [list(s) for s in p.stacks],
+                                   "weights": weights}
+        if requests and p.requests:
+            profile[REQUESTS_KEY] = p.requests
+        out_profiles.append(profile)
+    data: dict[str, Any] = {"$schema": SCHEMA, "shared": {"frames": [{"name": f.name, "file": f.file, "line": f.line}
+                                                                     for f in frames]},
+                            "profiles": out_profiles, "name": name, "activeProfileIndex": 0, "exporter": exporter}
+    if requests:
+        data[REQUESTS_KEY] = [list(row) for row in requests]
     path.write_text(json.dumps(data, separators=(",", ":")), encoding="utf-8")
 
 

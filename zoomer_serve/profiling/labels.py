@@ -18,6 +18,7 @@ The batch's work belongs to its members, divided by those weights
 from __future__ import annotations
 
 import re
+import threading
 
 REQUEST_LABEL_PREFIX = "zoomer.request/"
 _LABEL = re.compile(r"zoomer\.request/([0-9a-f]{32})/([0-9a-f]{16})")
@@ -75,3 +76,28 @@ def parse_member_label(name: str) -> tuple[int, int, int, int] | None:
     if match is None:
         return None
     return int(match.group(1), 16), int(match.group(2), 16), int(match.group(3), 16), int(match.group(4))
+
+
+THREAD_REQUESTS: dict[int, tuple[str, str, str]] = {}
+"""While a profiling session runs: thread ident (``threading.get_ident()``) -> ``(trace_id, span_id, rpc.method)``
+(ids as lowercase hex) of the covered request whose range is open on that thread. Set and cleared with the
+request's range (:func:`enter_thread_request`), read by the in-process CPU sampler to label its samples. A
+dict set and a pop per range, under the interpreter lock: no lock of its own."""
+
+
+def enter_thread_request(trace_id: int, span_id: int, method: str) -> tuple[int, tuple[str, str, str] | None]:
+    """Mark this thread as running the request; returns the token for :func:`exit_thread_request` (the
+    request it replaces, if one was open here)."""
+    ident = threading.get_ident()
+    previous = THREAD_REQUESTS.get(ident)
+    THREAD_REQUESTS[ident] = (f"{trace_id:032x}", f"{span_id:016x}", method)
+    return ident, previous
+
+
+def exit_thread_request(token: tuple[int, tuple[str, str, str] | None]) -> None:
+    """Undo :func:`enter_thread_request` (restore what it replaced)."""
+    ident, previous = token
+    if previous is None:
+        THREAD_REQUESTS.pop(ident, None)
+    else:
+        THREAD_REQUESTS[ident] = previous

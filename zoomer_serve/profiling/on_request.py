@@ -111,12 +111,18 @@ def token_allows(admin: AdminConfig, value: str | bytes | None, loopback: bool) 
 
 
 def from_loopback(span: RequestSpan) -> bool:
-    """Whether the request came over a Unix socket or from a loopback address (``network.peer.address``)."""
+    """Whether the request came over a Unix socket or from a loopback address (``network.peer.address``): a
+    peer without a port whose address is a path (``/run/app.sock``), an abstract name (``@name``) or empty
+    (an unnamed Unix socket) came over a Unix socket; TCP peers are IP addresses with a port."""
     attrs = span.attributes
-    if attrs.get("network.transport") == "unix":
+    peer = attrs.get("network.peer.address")
+    if peer is None:
+        return False
+    peer = str(peer)
+    if "network.peer.port" not in attrs and (peer == "" or peer.startswith(("/", "@"))):
         return True
     try:
-        address = ipaddress.ip_address(str(attrs.get("network.peer.address", "")).strip("[]"))
+        address = ipaddress.ip_address(peer.strip("[]"))
     except ValueError:
         return False
     mapped = getattr(address, "ipv4_mapped", None)

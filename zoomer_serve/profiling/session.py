@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from zoomer_serve.profiling.config import SessionOptions
-from zoomer_serve.profiling.labels import request_label
+from zoomer_serve.profiling.labels import enter_thread_request, exit_thread_request, request_label
 from zoomer_serve.recording import RequestSpan, internal_error
 from zoomer_serve.recording import records as r
 
@@ -196,7 +196,7 @@ class Session:
         t0 = time.thread_time_ns()
         if not self.covers(span) or next(self._admitted) >= self.max_requests:
             return
-        join = RequestRange(request_label(span.trace_id, span.span_id))
+        join = RequestRange(request_label(span.trace_id, span.span_id), (span.trace_id, span.span_id, span.name))
         try:
             rf = join.enter()
         except Exception as exc:
@@ -306,21 +306,27 @@ class RequestRange:
     """A covered request's ``record_function`` range (named ``label``), as a thread join of its span
     (:meth:`~zoomer_serve.recording.recorder.RequestSpan.add_thread_join`): the session opens it on the
     request's thread, and the request's phases open it on any other thread they run on. ``enter`` raises
-    what torch raises; ``exit`` never raises (failures are counted)."""
+    what torch raises; ``exit`` never raises (failures are counted). With ``request`` (``(trace_id, span_id,
+    rpc.method)``) it also marks the thread as running the request for the CPU sampler
+    (:data:`~zoomer_serve.profiling.labels.THREAD_REQUESTS`) while the range is open."""
 
-    __slots__ = ("label",)
+    __slots__ = ("label", "request")
 
-    def __init__(self, label: str) -> None:
+    def __init__(self, label: str, request: tuple[int, int, str] | None = None) -> None:
         self.label = label
+        self.request = request
 
     def enter(self) -> Any:
         import torch
 
         rf = torch.profiler.record_function(self.label)
         rf.__enter__()
-        return rf
+        return rf, (enter_thread_request(*self.request) if self.request is not None else None)
 
-    def exit(self, rf: Any) -> None:
+    def exit(self, token: Any) -> None:
+        rf, marked = token
+        if marked is not None:
+            exit_thread_request(marked)
         try:
             rf.__exit__(None, None, None)
         except Exception as exc:

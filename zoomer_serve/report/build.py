@@ -39,10 +39,12 @@ req AS (
     SELECT trace_id, span_id, start_ns, end_ns, duration_ns,
            coalesce(service_name, 'unknown_service') AS service_name,
            coalesce(attributes->>'$."rpc.method"', name) AS method,
-           coalesce(attributes->>'$."rpc.response.status_code"', status_code) AS status,
+           coalesce(attributes->>'$."rpc.response.status_code"', attributes->>'$."rpc.status_code"', status_code)
+               AS status,
            status_code = 'ERROR' AS is_server_error,
            (status_code = 'ERROR'
-            OR coalesce(upper(attributes->>'$."rpc.response.status_code"') NOT IN ('OK', '0'), false)
+            OR coalesce(upper(coalesce(attributes->>'$."rpc.response.status_code"',
+                                       attributes->>'$."rpc.status_code"')) NOT IN ('OK', '0'), false)
            ) AS is_error
     FROM uspans WHERE kind = 'SERVER'
 )
