@@ -40,6 +40,8 @@ NAMESPACES = ("zoomer.", "rpc.", "hw.", "network.", "server.", "error.", "except
               "container.")
 """Prefixes of the names the scan looks for (OpenTelemetry semantic-convention namespaces and ours)."""
 
+_REMOVED = "removed from RPC spans by the semantic conventions (`zoomer_serve.semconv.REMOVED`): never emitted"
+
 NOT_EMITTED: dict[str, str] = {
     "zoomer.duckdb": "a file name (the default store)",
     "zoomer.internal.dropped": "an internal key of span records; the encoder turns it into dropped counts",
@@ -53,6 +55,11 @@ NOT_EMITTED: dict[str, str] = {
     "container.id": "read from other processes' resources by the fleet job",
     "process.parent_pid": "read from other processes' resources by the fleet job",
     "service.version": "only in the fleet job's synthetic test data",
+    "network.type": _REMOVED,
+    "network.transport": _REMOVED,
+    "network.protocol.name": _REMOVED,
+    "network.protocol.version": _REMOVED,
+    "zoomer.requests": "a key inside our speedscope files (their request table), not a telemetry name",
 }
 """Names the code holds but does not emit, with the reason."""
 
@@ -89,8 +96,9 @@ NAMES: tuple[Name, ...] = (
     Name("server.port", "span attribute", "", _BOTH, "as passed to the interceptor", _RPC),
     Name("network.peer.address", "span attribute", "", _SERVER, "the peer (`context.peer()`)", _RPC),
     Name("network.peer.port", "span attribute", "", _SERVER, "the peer's port", _RPC),
-    Name("network.type", "span attribute", "", _SERVER, "`ipv4` or `ipv6`", _RPC),
-    Name("network.transport", "span attribute", "", _SERVER, "`tcp` or `unix`", _RPC),
+    Name("rpc.status_code", "span attribute", "", _BOTH, "the unreleased conventions' name of "
+         "`rpc.response.status_code`: instead of it with `OTEL_SEMCONV_STABILITY_OPT_IN=rpc`, beside it with "
+         "`rpc/dup`", _RPC),
     Name("rpc.system", "span attribute", "", _SERVER, "older name, with `OTEL_SEMCONV_STABILITY_OPT_IN=rpc/dup`",
          _RPC),
     Name("rpc.service", "span attribute", "", _SERVER, "older name, with `OTEL_SEMCONV_STABILITY_OPT_IN=rpc/dup`",
@@ -114,10 +122,12 @@ NAMES: tuple[Name, ...] = (
          "`rpc.client.call.duration`: every call, sampled or not; buckets 5 ms to 10 s", _RPC,
          evidence="rpc.*.call.duration"),
     Name("rpc.<side>.request.size", "metric", "By", "histogram", "`rpc.server.request.size` / "
-         "`rpc.client.request.size`: payload bytes of all request messages of a call", _RPC,
+         "`rpc.client.request.size`: payload bytes of all request messages of a call (deprecated in v1.40: "
+         "only with `OTEL_SEMCONV_STABILITY_OPT_IN=rpc/dup`)", _RPC,
          evidence="rpc.*.request.size"),
     Name("rpc.<side>.response.size", "metric", "By", "histogram", "`rpc.server.response.size` / "
-         "`rpc.client.response.size`: payload bytes of all response messages of a call", _RPC,
+         "`rpc.client.response.size`: payload bytes of all response messages of a call (deprecated in "
+         "v1.40: only with `OTEL_SEMCONV_STABILITY_OPT_IN=rpc/dup`)", _RPC,
          evidence="rpc.*.response.size"),
     # -- phases ---------------------------------------------------------------------------------------------------
     Name("zoomer.phase", "span attribute", "", "phase spans (INTERNAL)", "the phase's name "
@@ -354,6 +364,8 @@ NAMES: tuple[Name, ...] = (
     Name(hn.CPU_RATE_HZ, "span attribute", "Hz", _PROFILE, "sampling rate", _CPU),
     Name(hn.CPU_PATH, "span attribute", "", _PROFILE, "the speedscope JSON file", _CPU),
     Name(hn.CPU_COLLAPSED_PATH, "span attribute", "", _PROFILE, "the collapsed-stacks file", _CPU),
+    Name(hn.CPU_PPROF_PATH, "span attribute", "", _PROFILE, "the pprof file (`.cpu.pb.gz`: samples labelled "
+         "`thread`, and `trace_id`, `span_id`, `rpc.method` where the sampler knew the request)", _CPU),
     Name(hn.CPU_SAMPLES, "span attribute", "{sample}", _PROFILE, "active samples", _CPU),
     Name(hn.CPU_IDLE_SAMPLES, "span attribute", "{sample}", _PROFILE, "idle samples (in-process sampler)", _CPU),
     Name(hn.CPU_THREADS, "span attribute", "{thread}", _PROFILE, "threads with an active sample", _CPU),

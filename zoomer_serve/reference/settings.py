@@ -70,8 +70,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("OTEL_METRIC_EXPORT_INTERVAL", _CORE, "ms", "60000",
             "metric export period, and the period host metrics are read"),
     Setting("OTEL_SEMCONV_STABILITY_OPT_IN", _CORE, "", "off",
-            "containing `rpc/dup`: the older RPC attribute names too (`rpc.system`, `rpc.service`, "
-            "`rpc.grpc.status_code`)"),
+            "`rpc`: the unreleased conventions' renames (`rpc.status_code`) instead of v1.44.0's; `rpc/dup` "
+            "(wins): every name, the older ones too (`rpc.system`, `rpc.service`, `rpc.grpc.status_code`, the "
+            "size histograms)"),
+    Setting("OTEL_SEMCONV_EXCEPTION_SIGNAL_OPT_IN", _CORE, "", "off",
+            "`logs` / `logs/dup` ask for exceptions as log records: zoomer-serve exports no logs, keeps the "
+            "`exception` span event and says so once"),
     Setting("OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", _CORE, "characters", "no limit",
             "characters kept of a string attribute value"),
     Setting("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", _CORE, "characters", "from "
