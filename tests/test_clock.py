@@ -58,3 +58,48 @@ def test_a_wall_clock_step_during_a_request_changes_no_duration(telemetry, colle
         for p in phases:
             assert 20_000_000 <= p["duration_ns"] < STEP_NS // 2
             assert req["start_ns"] <= p["start_ns"] <= p["end_ns"] <= req["end_ns"]
+
+
+def test_a_profiled_request_span_lies_inside_its_request_when_the_wall_clock_steps_back(
+        telemetry, collector, monkeypatch, tmp_path):
+    """A profiling session's ``zoomer.profile.request`` span (made after the fact, child of the request span)
+    ends on its request's clock: the wall clock stepping back 30 s during the request leaves it inside the
+    request span. It read the wall clock at the request's end, which on a loaded CI machine put it a few µs past
+    its parent's end now and then, and 30 s before its own start after this step."""
+    from zoomer_serve.profiling import ProfilerConfig, ProfilerController, SessionOptions
+
+    offset = [0]
+    real = time.time_ns
+    monkeypatch.setattr(recorder_mod, "_time_ns", lambda: real() + offset[0])
+    monkeypatch.setattr(time, "time_ns", lambda: real() + offset[0])
+
+    def handler(request: bytes, context: Any) -> bytes:
+        with phase("before-step"):
+            time.sleep(0.01)
+        offset[0] -= STEP_NS
+        return request
+
+    generic = grpc.method_handlers_generic_handler("t.Clock", {"Tick": grpc.unary_unary_rpc_method_handler(handler)})
+    server = grpc.server(futures.ThreadPoolExecutor(2),
+                         interceptors=[ZoomerServerInterceptor(recorder=telemetry.recorder)])
+    server.add_generic_rpc_handlers((generic,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    controller = ProfilerController(ProfilerConfig(profiles_dir=tmp_path), telemetry).attach()
+    try:
+        controller.start(SessionOptions(max_requests=3, cuda=False))
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            for _ in range(3):
+                channel.unary_unary("/t.Clock/Tick")(b"x", timeout=30)
+        assert controller.wait_idle(60)
+        assert controller.last is not None and controller.last.outcome == "done", controller.last
+    finally:
+        controller.close(timeout_s=60)
+        server.stop(None)
+    spans = collector.spans()
+    requests = {s["span_id"]: s for s in spans if s["kind"] == "SERVER"}
+    children = [s for s in spans if s["name"] == "zoomer.profile.request"]
+    assert len(requests) == 3 and len(children) == 3
+    for child in children:
+        parent = requests[child["parent_span_id"]]
+        assert parent["start_ns"] <= child["start_ns"] < child["end_ns"] <= parent["end_ns"], (parent, child)

@@ -233,7 +233,7 @@ class Session:
                 return
             self._leaving += 1
         t0 = time.thread_time_ns()
-        end_ns = time.time_ns()
+        end_ns = span.now_ns()  # the request's clock: its profile.request child ends inside it
         rf, enter_ns, join = entry
         if join is not None:  # None: adopted, no range of its own
             span.remove_thread_join(join)
