@@ -103,3 +103,29 @@ def test_a_profiled_request_span_lies_inside_its_request_when_the_wall_clock_ste
     for child in children:
         parent = requests[child["parent_span_id"]]
         assert parent["start_ns"] <= child["start_ns"] < child["end_ns"] <= parent["end_ns"], (parent, child)
+
+
+def test_the_latency_triggers_see_a_request_s_duration_on_its_clock(telemetry, monkeypatch, tmp_path):
+    """The latency triggers (SLO, steady state) take each ended request's duration from its own clock: the wall
+    clock stepping forward 30 s during a 5 ms request does not feed them a 30 s request (which would start an
+    SLO profiling session for nothing)."""
+    from zoomer_serve.profiling import LatencySloConfig, ProfilerConfig, ProfilerController
+
+    offset = [0]
+    real = time.time_ns
+    monkeypatch.setattr(recorder_mod, "_time_ns", lambda: real() + offset[0])
+    monkeypatch.setattr(time, "time_ns", lambda: real() + offset[0])
+    controller = ProfilerController(ProfilerConfig(profiles_dir=tmp_path, latency_slo=LatencySloConfig(p99_ms=100)),
+                                    telemetry).attach()
+    fed: list[int] = []
+    monitor_feed = controller._feed  # the trigger monitor's queue, which this test reads through
+    assert monitor_feed is not None
+    controller._feed = lambda span, end_ns: (fed.append(end_ns - span.start_ns), monitor_feed(span, end_ns))
+    try:
+        span = telemetry.recorder.start("t.Clock/Tick")
+        time.sleep(0.005)
+        offset[0] += STEP_NS
+        controller.on_end(span)
+    finally:
+        controller.close(timeout_s=30)
+    assert len(fed) == 1 and 5_000_000 <= fed[0] < STEP_NS // 2, fed

@@ -129,7 +129,7 @@ class ProfilerController:
             session.leave(span)
         feed = self._feed
         if feed is not None:
-            feed(span, time.time_ns())
+            feed(span, span.now_ns())  # on the request's clock: a wall-clock step is no slow request
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def attach(self) -> ProfilerController:
