@@ -20,6 +20,14 @@ def positive_int(text: str) -> int:
     return int(_number(text, int, "an integer >= 1", lambda v: v >= 1))
 
 
+UINT32_MAX = 2**32 - 1
+
+
+def positive_uint32(text: str) -> int:
+    """An int in 1..4294967295: a count or a length the wire carries as a protobuf ``uint32``."""
+    return int(_number(text, int, f"an integer in 1..{UINT32_MAX}", lambda v: 1 <= v <= UINT32_MAX))
+
+
 def non_negative_int(text: str) -> int:
     """An int >= 0."""
     return int(_number(text, int, "an integer >= 0", lambda v: v >= 0))

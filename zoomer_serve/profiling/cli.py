@@ -15,7 +15,7 @@ import json
 import sys
 from typing import Any
 
-from zoomer_serve.cli_types import non_negative_float, positive_float, positive_int
+from zoomer_serve.cli_types import non_negative_float, positive_float, positive_uint32
 
 DEFAULT_STOP_WAIT_S = 60.0
 EXIT_ALREADY_RUNNING = 3
@@ -38,9 +38,9 @@ def register(subparsers: Any) -> None:
         description=f"Start a profiling session. Exit code 0 when it started, {EXIT_ALREADY_RUNNING} when a session "
         "was already running (nothing started; the running session is printed), 1 when the call was refused or "
         "failed (or, with --wait, the session failed).")
-    start.add_argument("--requests", type=positive_int, default=None, help="requests to cover (default 100 when "
+    start.add_argument("--requests", type=positive_uint32, default=None, help="requests to cover (default 100 when "
                        "--duration-ms is not given either; hard cap 1000)")
-    start.add_argument("--duration-ms", type=positive_int, default=None, help="session length in ms (hard cap 60000)")
+    start.add_argument("--duration-ms", type=positive_uint32, default=None, help="session length in ms (hard cap 60000)")
     start.add_argument("--cuda", choices=("auto", "on", "off"), default="auto",
                        help="capture CUDA kernels (auto: when the server has CUDA)")
     for flag in ("record-shapes", "profile-memory", "with-stack", "with-flops"):
