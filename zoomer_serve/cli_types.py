@@ -21,6 +21,12 @@ def positive_int(text: str) -> int:
 
 
 UINT32_MAX = 2**32 - 1
+INT32_MAX = 2**31 - 1
+
+
+def positive_int32(text: str) -> int:
+    """An int in 1..2147483647: a count a C ``int`` takes (``torch.set_num_threads``)."""
+    return int(_number(text, int, f"an integer in 1..{INT32_MAX}", lambda v: 1 <= v <= INT32_MAX))
 
 
 def positive_uint32(text: str) -> int:

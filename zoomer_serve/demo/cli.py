@@ -15,7 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from zoomer_serve.cli_output import TableOutput, add_format_option
-from zoomer_serve.cli_types import non_negative_float, non_negative_int, port_number, positive_int
+from zoomer_serve.cli_types import (
+    non_negative_float,
+    non_negative_int,
+    port_number,
+    positive_int,
+    positive_int32,
+)
 from zoomer_serve.config import ConfigError
 from zoomer_serve.processes import start_zoomer_command, stop_process
 from zoomer_serve.profiling.serving import ServerProfiling, add_profiling_options
@@ -45,7 +51,7 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--transport", choices=("grpc", "thrift"), default="grpc",
                        help="serve the Ranker over gRPC (ranker.proto) or Thrift (ranker.thrift) (default grpc)")
     serve.add_argument("--grace-s", type=non_negative_float, default=5.0, help="drain time for in-flight calls on stop")
-    serve.add_argument("--torch-threads", type=positive_int, default=1,
+    serve.add_argument("--torch-threads", type=positive_int32, default=1,
                        help="torch intra-op threads (default 1: the gRPC worker threads already run in parallel)")
     serve.add_argument("--slow-preprocess", type=non_negative_int, default=0, metavar="N",
                        help=SLOW_PREPROCESS_HELP)
