@@ -97,6 +97,9 @@ def test_on_demand_by_cli_links_the_profile_to_the_covered_requests(model: DLRM,
     assert f'"session_id": "{info.session_id}"' in status.stdout
     assert traces(profiles_dir) == [Path(info.trace_path)]
     assert info.trace_path is not None and info.trace_path.endswith("_on_demand_1.pt.trace.json.gz")
+    # the session ended on its own before the stop: the stop still names its files and the command to run next
+    assert f"    {info.trace_path}\n" in stopped.stdout, stopped.stdout
+    assert f"next: zoomer-serve analyze {info.trace_path}" in stopped.stdout, stopped.stdout
     assert telemetry.config.service_name in Path(info.trace_path).name
     data = read_chrome_trace(Path(info.trace_path))
     assert data["zoomer_session_id"] == info.session_id

@@ -2,9 +2,9 @@
 running server. The token comes from ``ZOOMER_ADMIN_TOKEN``. Exit status 0 when the call was answered (also
 for ``not running``), 1 when it was refused or failed, or a session it waited for failed; 3
 (:data:`EXIT_ALREADY_RUNNING`) when ``start`` found a session already running (the reply is printed as usual;
-nothing was started). When a session finished with a trace (``stop``, ``start --wait``), the files it wrote
-and the ``zoomer-serve analyze`` command to run on them are printed after it (``files`` and ``next`` with
-``--json``)."""
+nothing was started). When a session finished with a trace (``stop``, also of a session that ended on its own
+before it, ``start --wait``), the files it wrote and the ``zoomer-serve analyze`` command to run on them are
+printed after it (``files`` and ``next`` with ``--json``)."""
 
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def run_stop(args: argparse.Namespace) -> int:
             return _fail(str(exc))
     if reply.result is Result.STOPPED and reply.session is not None:
         reply = dataclasses.replace(reply, message=_finished_line(reply.session))
-    return _print(reply, args.json)
+    return _print(reply, args.json, last_too=True)
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -163,15 +163,17 @@ def analyze_command(info: Any) -> str | None:
     return f"zoomer-serve analyze {shlex.quote(info.trace_path)}"
 
 
-def _next_steps(reply: Any) -> tuple[list[str], str | None]:
-    info = reply.session
+def _next_steps(reply: Any, last_too: bool = False) -> tuple[list[str], str | None]:
+    """The files and the analyze command of the reply's session; with ``last_too``, of the last session when no
+    session is running (a ``stop`` after the session ended on its own)."""
+    info = reply.session if reply.session is not None or not last_too else reply.last
     if info is None or info.outcome != "done":
         return [], None
     return session_files(info), analyze_command(info)
 
 
-def _print(reply: Any, as_json: bool) -> int:
-    files, command = _next_steps(reply)
+def _print(reply: Any, as_json: bool, last_too: bool = False) -> int:
+    files, command = _next_steps(reply, last_too)
     if as_json:
         out = _plain(reply)
         if files:
