@@ -203,6 +203,11 @@ def _phases(args: argparse.Namespace) -> list[tuple[str, int, float, int | None]
     return [(name, size, args.duration_s / share, calls) for name, size in phases]
 
 
+def _say(console: Any, text: str) -> None:
+    """One step of the demo as one line: not folded at 80 columns when the output is not a terminal."""
+    console.print(text, soft_wrap=not console.is_terminal)
+
+
 def run_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -216,11 +221,11 @@ def run_demo(args: argparse.Namespace) -> int:
     results: list[Any] = []
     server_rc = 0
     try:
-        console.print(f"[bold]zoomer-serve demo[/]: store [cyan]{store}[/]")
+        _say(console, f"[bold]zoomer-serve demo[/]: store [cyan]{store}[/]")
         collector, col = start_zoomer_command(
             ["collector", "--store", str(store), "--grpc-port", "0", "--http-port", "0"], env, "embedded collector")
         procs.append(collector)
-        console.print(f"  embedded OTLP collector on 127.0.0.1:{col['grpc_port']} (gRPC), "
+        _say(console, f"  embedded OTLP collector on 127.0.0.1:{col['grpc_port']} (gRPC), "
                       f":{col['http_port']} (HTTP)")
         for service, batch_size, seconds, calls in _phases(args):
             server_env = dict(env, OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{col['grpc_port']}",
@@ -234,17 +239,17 @@ def run_demo(args: argparse.Namespace) -> int:
             target = f"127.0.0.1:{srv['port']}"
             how = (f"a dynamic batcher of at most {batch_size} requests, {args.batch_max_delay_ms:g} ms"
                    if batch_size else "one forward pass per request")
-            console.print(f"  demo Ranker {service} (DLRM on {srv['device']}, {how}) with the zoomer interceptor "
+            _say(console, f"  demo Ranker {service} (DLRM on {srv['device']}, {how}) with the zoomer interceptor "
                           f"on {target}")
             results.append(_drive(console, target, args, seconds, calls))
-            console.print("  stopping the server (drain, flush telemetry)")
+            _say(console, "  stopping the server (drain, flush telemetry)")
             server_rc = max(server_rc, stop_process(server, 30))
             procs.remove(server)
-        console.print("  stopping the collector (flush store)")
+        _say(console, "  stopping the collector (flush store)")
         collector_rc = stop_process(collector, 30)
         procs.clear()
     except RuntimeError as exc:  # a child did not start; it said why on stderr
-        console.print(f"[red]zoomer-serve demo[/]: {exc}")
+        _say(console, f"[red]zoomer-serve demo[/]: {exc}")
         return 1
     finally:
         for proc in procs:
