@@ -25,7 +25,7 @@ INT32_MAX = 2**31 - 1
 
 
 def positive_int32(text: str) -> int:
-    """An int in 1..2147483647: a count a C ``int`` takes (``torch.set_num_threads``)."""
+    """An int in 1..2147483647: what a C ``int`` takes (``torch.set_num_threads``, gRPC message size limits)."""
     return int(_number(text, int, f"an integer in 1..{INT32_MAX}", lambda v: 1 <= v <= INT32_MAX))
 
 
