@@ -381,3 +381,22 @@ def test_aio_demo_operators_in_the_executor_belong_to_their_request(model: DLRM,
         profile = summary.requests[ids]
         assert profile.cpu_op_count > 0, ids
         assert profile.start_us == outer["ts"] and profile.duration_us == pytest.approx(outer["dur"], abs=1e-3)
+
+
+def test_profile_cli_against_a_server_without_the_admin_service_says_what_is_missing() -> None:
+    """A gRPC server that serves no ProfilerControl (a user's own server, not yet given add_profiler_control)
+    answers UNIMPLEMENTED "Method not found!"; the CLI says which service is missing and how to add it."""
+    from concurrent import futures
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        done = _cli("status", "--target", f"127.0.0.1:{port}")
+    finally:
+        server.stop(0)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("zoomer-serve profile: UNIMPLEMENTED"), done.stderr
+    assert f"127.0.0.1:{port} does not serve the ProfilerControl admin service" in lines[0]
+    assert "add_profiler_control" in lines[0]
