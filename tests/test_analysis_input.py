@@ -326,3 +326,20 @@ def test_load_trace_bytes_and_files_agree_on_an_odd_trace() -> None:
     t = load_trace_bytes(data)
     assert t.event_count > 0
     orjson.dumps(t.summary())
+
+
+@pytest.mark.parametrize("tail", [b"]}", b"]}\n", b"] }", b'], "traceName": "t"}'])
+def test_strict_json_that_ends_after_the_event_array_is_not_called_lenient(tmp_path: Path, capsys: Any,
+                                                                          tail: bytes) -> None:
+    """C18: a small, strict JSON trace read in one piece (the array closed by ``]}`` right after the last event)
+    gets no warning about NaN / control characters: the trailing ``}`` is the end of the document, not odd
+    content."""
+    event = b'{"ph": "X", "cat": "kernel", "name": "k", "ts": 1, "dur": 2, "pid": 0, "tid": 7}'
+    path = tmp_path / "small.json"
+    path.write_bytes(b'{"traceEvents": [' + event + b", " + event.replace(b'"ts": 1', b'"ts": 5') + tail)
+    trace = load_trace(path)
+    assert trace.reading.lenient_pieces == 0
+    assert len(trace.kernels) == 2
+    code, out, err = run_cli([str(path), "--json"], capsys)
+    check_contract(code, out, err)
+    assert code == 0 and "leniently" not in err, err

@@ -218,3 +218,26 @@ def test_a_trace_without_gpu_work_says_so_in_one_sentence(tmp_path: Path) -> Non
     assert "the traces hold no GPU work" in page and "needs a Kineto trace" not in page
     code, out = run_cli([str(path)])
     assert code == 0 and "holds no GPU work" in out.replace("\n", " ") and "GPU busy / idle" not in out
+
+
+def test_a_trace_without_gpu_work_shows_its_annotations_and_requests_by_cpu_time_only(tmp_path: Path) -> None:
+    """A CPU-only trace of the served model (phases and zoomer.request ranges, no kernels): the per-annotation
+    and per-request tables the no-GPU sentence points at are titled and shown by CPU time, without GPU columns
+    that could only be zero, in the terminal summary and the HTML report."""
+    trace_id, span_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    events = [{"ph": "X", "cat": "user_annotation", "name": f"zoomer.request/{trace_id}/{span_id}", "pid": 1,
+               "tid": 1, "ts": 0, "dur": 100},
+              {"ph": "X", "cat": "user_annotation", "name": "forward", "pid": 1, "tid": 1, "ts": 10, "dur": 80}]
+    events += [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 20 + 10 * i, "dur": 5}
+               for i in range(5)]
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    code, out = run_cli([str(path)])
+    flat = out.replace("\n", " ")
+    assert code == 0 and "holds no GPU work" in flat
+    assert "CPU time per annotation" in out and "CPU time per request" in out, out
+    assert "GPU time per" not in out and "gpu_time" not in out and "gpu_ops" not in out, out
+    assert trace_id in out and "forward" in out
+    page = render_html(analyze([path]))
+    assert "CPU time per annotation" in page and "CPU time per request" in page
+    assert "GPU time per annotation" not in page and "GPU time per request" not in page

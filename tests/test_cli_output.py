@@ -390,3 +390,22 @@ def test_analyze_diff_and_a_trace_in_json(store: Path) -> None:
     kernels = next(t for t in tables if t["title"] == "Top kernels")
     assert kernels["section"] == f"trace {trace}" and len(kernels["rows"]) == 10
     assert all(isinstance(r["count"], int) and r["count"] > 0 for r in kernels["rows"])
+
+
+def test_piped_findings_keep_their_whole_title() -> None:
+    """Piped (not a terminal), a finding's panel was 80 columns wide and cut its title, the method it is about
+    included ("zoomer.demo.v1.Ranker/Pred─"); the title (severity, id, scope) stays whole, on one line."""
+    from zoomer_serve.analysis.findings import Finding
+    from zoomer_serve.analysis.render import render_findings
+    from zoomer_serve.cli_output import TableOutput
+
+    scope = f"{LONG_SERVICE} {LONG_METHOD}"
+    finding = Finding(id="request.tail-latency", title="t", severity="medium", summary="p99 is 7x the median.",
+                      evidence={"p99_ms": 6.2}, recommendation="Open the listed traces.", source="s.duckdb",
+                      scope=scope)
+    buf = io.StringIO()
+    out = TableOutput("table", file=buf)
+    render_findings([finding], out)
+    out.close()
+    text = buf.getvalue()
+    assert any(f"request.tail-latency  {scope}" in line for line in text.splitlines()), text

@@ -307,6 +307,25 @@ def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
     return cert, key
 
 
+def test_files_that_are_not_pem_stop_the_collector_with_one_line_naming_them(tmp_path: Path) -> None:
+    """C20: --tls-cert / --tls-key that exist but hold no PEM certificate or key: exit 1 with one line naming
+    both files and the TLS error, before any port is bound; not gRPC's "cannot listen on 127.0.0.1:0"."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert.write_text("not a certificate\n")
+    key.write_text("not a key\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "-m", "zoomer_serve", "collector", "--store", str(tmp_path / "s.duckdb"),
+                           "--grpc-port", "0", "--http-port", "0", "--tls-cert", str(cert), "--tls-key", str(key)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 1 and proc.stdout == "", proc.stdout
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("zoomer-serve collector: ")]
+    assert len(ours) == 1, proc.stderr
+    assert f"TLS certificate {cert} / key {key}" in ours[0] and "cannot listen" not in ours[0], ours[0]
+    assert "Traceback" not in proc.stderr
+    with pytest.raises(ConfigError, match="cannot load TLS certificate"):
+        ReceiverSecurity(tls_cert=cert, tls_key=key).pem_pair()
+
+
 @pytest.mark.slow
 def test_tls_on_both_receivers(tmp_path: Path) -> None:
     """C20: with --tls-cert/--tls-key both receivers speak TLS only: HTTPS and a TLS gRPC channel trusting the

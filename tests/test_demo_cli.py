@@ -26,6 +26,12 @@ def test_demo_runs_the_whole_flow_and_every_call_becomes_a_span(tmp_path):
                           capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert str(store) in proc.stdout.replace("\n", "")
+    # piped, each step is one line however long (rich's 80 columns used to fold it)
+    lines = proc.stdout.splitlines()
+    assert f"zoomer-serve demo: store {store}" in lines, proc.stdout[:2000]
+    steps = [line for line in lines if "with the zoomer interceptor on 127.0.0.1:" in line]
+    assert len(steps) == 2 and all(line.lstrip().startswith("demo Ranker zoomer-demo-ranker") for line in steps)
+    assert "a dynamic batcher of at most 8 requests, 2 ms" in steps[1], steps
     con = duckdb.connect(str(store), read_only=True)
     try:
         server_spans = con.execute("SELECT count(*) FROM spans WHERE kind = 'SERVER'").fetchone()[0]

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _example_processes import ROOT, server, telemetry_env
+from _example_processes import ROOT, free_port, server, telemetry_env
 
 EXAMPLES = ROOT / "examples"
 RANK = "examples.ranker.v1.Ranker/Rank"
@@ -132,3 +132,16 @@ def test_the_committed_generated_code_of_the_grpc_example_is_what_its_proto_give
         assert done.returncode == 0, done.stderr
         for name in ("ranker_pb2.py", "ranker_pb2.pyi", "ranker_pb2_grpc.py"):
             assert (Path(out) / name).read_text() == (folder / name).read_text(), name
+
+
+@pytest.mark.parametrize("script", ["grpc_server/client.py", "grpc_aio_server/client.py", "thrift_server/client.py"])
+def test_a_client_pointed_at_a_port_nobody_listens_on_says_so_in_one_line(script: str, collector: Any) -> None:
+    """A wrong --target (a port with no server) ends the example client with exit 1 and one line naming the
+    target and the reason, not a traceback."""
+    target = f"127.0.0.1:{free_port()}"
+    done = subprocess.run([sys.executable, str(EXAMPLES / script), "--target", target, "--calls", "2"], cwd=ROOT,
+                          env=telemetry_env(collector, "example-client"), capture_output=True, text=True, timeout=180)
+    assert done.returncode == 1, (done.returncode, done.stderr[-3000:])
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    ours = [line for line in done.stderr.splitlines() if line.startswith("client.py: ")]
+    assert len(ours) == 1 and target in ours[0], done.stderr[-3000:]

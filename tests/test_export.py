@@ -163,6 +163,38 @@ def test_bad_configuration_names_the_variable(env, needle):
         ZoomerConfig.from_env(env)
 
 
+@pytest.mark.parametrize(("variable", "value"), [
+    ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "thrift"),
+    ("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "zstd"),
+    ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "soon"),
+    ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "-1"),
+    ("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "novalue"),
+    ("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "bad header=x"),
+])
+def test_a_bad_per_signal_variable_is_named_itself_not_its_general_form(variable, value):
+    """The error names the variable the value came from: a bad ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` is not
+    reported as ``OTEL_EXPORTER_OTLP_PROTOCOL`` (which may be unset, or set to a good value)."""
+    general = variable.replace("_TRACES_", "_")
+    with pytest.raises(ConfigError) as err:
+        ZoomerConfig.from_env({variable: value})
+    assert variable in str(err.value) and general + "=" not in str(err.value), str(err.value)
+    with pytest.raises(ConfigError, match=variable):
+        ZoomerConfig.from_env({variable: value, general: "grpc" if "PROTOCOL" in general else ""})
+
+
+@pytest.mark.parametrize("variable", ["OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
+                                      "OTEL_BSP_SCHEDULE_DELAY", "OTEL_METRIC_EXPORT_INTERVAL",
+                                      "OTEL_BSP_MAX_QUEUE_SIZE", "ZOOMER_GPU_NVML_PERIOD_MS",
+                                      "ZOOMER_CPU_PROFILE_ATTACH_TIMEOUT_MS", "ZOOMER_GPU_MEMORY_HISTORY_DRAIN_MS"])
+@pytest.mark.parametrize("value", ["9999999999999", "99999999999999999999999"])
+def test_an_integer_too_large_to_use_is_refused_naming_the_variable(variable, value):
+    """A huge value (a timeout of 317 years overflows ``threading`` waits at shutdown) stops start-up with a
+    ConfigError naming the variable and the largest value taken, not an OverflowError when the server stops."""
+    with pytest.raises(ConfigError, match=f"{variable} must be <= 2147483647, got '{value}'"):
+        ZoomerConfig.from_env({variable: value})
+    assert ZoomerConfig.from_env({variable: "2147483647"}) is not None
+
+
 def test_an_otel_boolean_other_than_true_or_false_warns_once_naming_it_and_reads_as_false(caplog):
     """The OpenTelemetry spec: a boolean variable is true only for "true" (any case); any other value is
     false, and a value other than true/false gets a warning."""

@@ -52,3 +52,33 @@ def test_report_on_a_duckdb_file_with_other_columns_says_so(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "is not a zoomer-serve store" in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["report", "analyze"])
+@pytest.mark.parametrize("content", [b"", b"not a database\n"])
+def test_a_store_that_is_not_duckdb_is_called_that_without_the_collector_hint(tmp_path, command, content):
+    """An empty or non-DuckDB file given as the store: exit 2, one line that says it is not a DuckDB file; the
+    hint about a collector still writing it is for a lock conflict only, where it is true."""
+    path = tmp_path / "notes.duckdb"
+    path.write_bytes(content)
+    proc = subprocess.run([sys.executable, "-m", "zoomer_serve", command, "--store", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(path) in lines[0], proc.stderr
+    assert "not a DuckDB" in lines[0] and "collector" not in lines[0], lines[0]
+
+
+@pytest.mark.slow
+def test_a_store_a_collector_process_holds_gets_the_collector_hint(tmp_path):
+    """The store of a collector running in another process is locked for writing: the one line says so."""
+    from _collector_process import start_collector
+
+    collector = start_collector(tmp_path / "held.duckdb")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "zoomer_serve", "report", "--store", str(collector.store)],
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        collector.kill()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "is a collector still running on it?" in proc.stderr and "not a DuckDB" not in proc.stderr

@@ -97,6 +97,9 @@ def test_on_demand_by_cli_links_the_profile_to_the_covered_requests(model: DLRM,
     assert f'"session_id": "{info.session_id}"' in status.stdout
     assert traces(profiles_dir) == [Path(info.trace_path)]
     assert info.trace_path is not None and info.trace_path.endswith("_on_demand_1.pt.trace.json.gz")
+    # the session ended on its own before the stop: the stop still names its files and the command to run next
+    assert f"    {info.trace_path}\n" in stopped.stdout, stopped.stdout
+    assert f"next: zoomer-serve analyze {info.trace_path}" in stopped.stdout, stopped.stdout
     assert telemetry.config.service_name in Path(info.trace_path).name
     data = read_chrome_trace(Path(info.trace_path))
     assert data["zoomer_session_id"] == info.session_id
@@ -378,3 +381,22 @@ def test_aio_demo_operators_in_the_executor_belong_to_their_request(model: DLRM,
         profile = summary.requests[ids]
         assert profile.cpu_op_count > 0, ids
         assert profile.start_us == outer["ts"] and profile.duration_us == pytest.approx(outer["dur"], abs=1e-3)
+
+
+def test_profile_cli_against_a_server_without_the_admin_service_says_what_is_missing() -> None:
+    """A gRPC server that serves no ProfilerControl (a user's own server, not yet given add_profiler_control)
+    answers UNIMPLEMENTED "Method not found!"; the CLI says which service is missing and how to add it."""
+    from concurrent import futures
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        done = _cli("status", "--target", f"127.0.0.1:{port}")
+    finally:
+        server.stop(0)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("zoomer-serve profile: UNIMPLEMENTED"), done.stderr
+    assert f"127.0.0.1:{port} does not serve the ProfilerControl admin service" in lines[0]
+    assert "add_profiler_control" in lines[0]

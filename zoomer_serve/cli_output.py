@@ -30,13 +30,17 @@ import re
 import sys
 from typing import IO, Any
 
+from rich.cells import cell_len
 from rich.console import Console
 from rich.measure import Measurement
+from rich.panel import Panel
 from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
 FORMATS = ("table", "markdown", "csv", "json")
+PANEL_TITLE_MARGIN = 6
+"""Columns a panel needs around its title: the corners, a rule piece and a space on each side."""
 FORMAT_HELP = ("how to print the tables: table (rich; as wide as the widest row when stdout is not a terminal, "
                "never wrapped), markdown (pipe tables), csv (per table: a title row, the header row, the data "
                "rows; tables separated by an empty line; other lines to stderr) or json (one object: "
@@ -134,8 +138,9 @@ class TableOutput:
             kwargs.setdefault("soft_wrap", True)  # a line (a command to copy) stays one line
         elif not console.is_terminal:
             options = console.options.update_width(1 << 20)
-            widest = max((Measurement.get(console, options, o).maximum for o in objects if isinstance(o, Table)),
-                         default=0)
+            widest = max([Measurement.get(console, options, o).maximum for o in objects if isinstance(o, Table)]
+                         + [cell_len(plain(o.title)) + PANEL_TITLE_MARGIN for o in objects
+                            if isinstance(o, Panel) and o.title], default=0)
         if widest <= console.width:
             console.print(*objects, **kwargs)
             return

@@ -20,6 +20,20 @@ def positive_int(text: str) -> int:
     return int(_number(text, int, "an integer >= 1", lambda v: v >= 1))
 
 
+UINT32_MAX = 2**32 - 1
+INT32_MAX = 2**31 - 1
+
+
+def positive_int32(text: str) -> int:
+    """An int in 1..2147483647: what a C ``int`` takes (``torch.set_num_threads``, gRPC message size limits)."""
+    return int(_number(text, int, f"an integer in 1..{INT32_MAX}", lambda v: 1 <= v <= INT32_MAX))
+
+
+def positive_uint32(text: str) -> int:
+    """An int in 1..4294967295: a count or a length the wire carries as a protobuf ``uint32``."""
+    return int(_number(text, int, f"an integer in 1..{UINT32_MAX}", lambda v: 1 <= v <= UINT32_MAX))
+
+
 def non_negative_int(text: str) -> int:
     """An int >= 0."""
     return int(_number(text, int, "an integer >= 0", lambda v: v >= 0))

@@ -247,13 +247,13 @@ def parse_key_values(value: str, variable: str) -> dict[str, str]:
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an RFC 9110 token
 
 
-def _check_headers(headers: dict[str, str]) -> dict[str, str]:
+def _check_headers(headers: dict[str, str], variable: str) -> dict[str, str]:
     """Headers that HTTP and gRPC metadata both accept: token names, printable values (no CR/LF)."""
     for name, value in headers.items():
         if not _HEADER_NAME.match(name):
-            raise ConfigError(f"OTEL_EXPORTER_OTLP_HEADERS: {name!r} is not a valid header name")
+            raise ConfigError(f"{variable}: {name!r} is not a valid header name")
         if not all(" " <= ch <= "~" or ch == "\t" for ch in value):
-            raise ConfigError(f"OTEL_EXPORTER_OTLP_HEADERS: the value of {name!r} has characters a header "
+            raise ConfigError(f"{variable}: the value of {name!r} has characters a header "
                               "cannot carry (control characters or non-ASCII)")
     return headers
 
@@ -280,8 +280,13 @@ def _sampler_from_env(env: Mapping[str, str]) -> tuple[str, float]:
     return name, ratio
 
 
-def _signal(env: Mapping[str, str], signal: str, suffix: str) -> str | None:
-    return env.get(f"OTEL_EXPORTER_OTLP_{signal}_{suffix}") or env.get(f"OTEL_EXPORTER_OTLP_{suffix}")
+def _signal(env: Mapping[str, str], signal: str, suffix: str) -> tuple[str, str | None]:
+    """(the variable the setting comes from, its value): the per-signal one when set, else the general one."""
+    specific = f"OTEL_EXPORTER_OTLP_{signal}_{suffix}"
+    if env.get(specific):
+        return specific, env[specific]
+    general = f"OTEL_EXPORTER_OTLP_{suffix}"
+    return general, env.get(general)
 
 
 def _endpoint(env: Mapping[str, str], signal: str, protocol: str) -> str:
@@ -312,20 +317,22 @@ def _check_url(url: str, variable: str) -> str:
 
 
 def _export_from_env(env: Mapping[str, str]) -> ExportConfig:
-    protocol = (_signal(env, "TRACES", "PROTOCOL") or "grpc").strip()
+    protocol_var, protocol = _signal(env, "TRACES", "PROTOCOL")
+    protocol = (protocol or "grpc").strip()
     if protocol not in PROTOCOLS:
-        raise ConfigError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r} is not supported; use 'grpc' or 'http/protobuf'")
-    timeout = _signal(env, "TRACES", "TIMEOUT")
-    compression = (_signal(env, "TRACES", "COMPRESSION") or "none").strip().lower()
+        raise ConfigError(f"{protocol_var}={protocol!r} is not supported; use 'grpc' or 'http/protobuf'")
+    timeout_var, timeout = _signal(env, "TRACES", "TIMEOUT")
+    compression_var, compression = _signal(env, "TRACES", "COMPRESSION")
+    compression = (compression or "none").strip().lower()
     if compression not in ("none", "gzip"):
-        raise ConfigError(f"OTEL_EXPORTER_OTLP_COMPRESSION={compression!r} is not supported; use 'gzip' or 'none'")
+        raise ConfigError(f"{compression_var}={compression!r} is not supported; use 'gzip' or 'none'")
+    headers_var, headers = _signal(env, "TRACES", "HEADERS")
     return ExportConfig(
         protocol=protocol,
         traces_endpoint=_endpoint(env, "TRACES", protocol),
         metrics_endpoint=_endpoint(env, "METRICS", protocol),
-        headers=_check_headers(parse_key_values(_signal(env, "TRACES", "HEADERS") or "", "OTEL_EXPORTER_OTLP_HEADERS")),
-        timeout_ms=_int({"OTEL_EXPORTER_OTLP_TIMEOUT": timeout} if timeout else {}, "OTEL_EXPORTER_OTLP_TIMEOUT",
-                        10_000),
+        headers=_check_headers(parse_key_values(headers or "", headers_var), headers_var),
+        timeout_ms=_int({timeout_var: timeout} if timeout else {}, timeout_var, 10_000),
         compression=compression,
         max_queue_size=_int(env, "OTEL_BSP_MAX_QUEUE_SIZE", 2048),
         max_export_batch_size=_int(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512),

@@ -28,12 +28,18 @@ def switch(env: Mapping[str, str], name: str, default: bool, error: type[Excepti
     raise error(f"{name} must be {accepted}, got {env.get(name)!r}")
 
 
+INT_MAX = 2**31 - 1
+"""The largest integer any variable takes (about 24.8 days in ms): a signed 32-bit int, as the OpenTelemetry SDKs
+of other languages read these variables. Larger values are mistakes (a timeout of centuries overflows the
+waits at shutdown), refused when read rather than failing later."""
+
+
 def integer(env: Mapping[str, str], name: str, default: int, error: type[Exception],
-            minimum: int | None = None) -> int:
+            minimum: int | None = None, maximum: int = INT_MAX) -> int:
     """``name`` as an int (spaces around ignored); ``default`` when unset or empty.
 
     Raises:
-        error: not an integer, or below ``minimum`` when one is given.
+        error: not an integer, below ``minimum`` when one is given, or above ``maximum``.
     """
     raw = (env.get(name) or "").strip()
     if not raw:
@@ -44,4 +50,6 @@ def integer(env: Mapping[str, str], name: str, default: int, error: type[Excepti
         raise error(f"{name} must be an integer, got {raw!r}") from None
     if minimum is not None and value < minimum:
         raise error(f"{name} must be >= {minimum}, got {raw!r}")
+    if value > maximum:
+        raise error(f"{name} must be <= {maximum}, got {raw!r}")
     return value

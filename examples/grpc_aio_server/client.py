@@ -46,7 +46,10 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=10, help="requests to send (default 10)")
     parser.add_argument("--concurrency", type=int, default=4, help="calls in flight at once (default 4)")
     args = parser.parse_args()
-    asyncio.run(run(args.target, args.calls, args.concurrency))
+    try:
+        asyncio.run(run(args.target, args.calls, args.concurrency))
+    except grpc.RpcError as err:  # no server there, or it failed: say so in one line
+        sys.exit(f"client.py: {args.target}: {err.code().name}: {err.details()}")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 
 import grpc
 import ranker_pb2
@@ -34,7 +35,10 @@ def main() -> None:
     with channel:
         stub = ranker_pb2_grpc.RankerStub(channel)
         for i in range(args.calls):
-            response = stub.Rank(make_request(rng, rng.randint(4, 32), f"call-{i}"), timeout=10)
+            try:
+                response = stub.Rank(make_request(rng, rng.randint(4, 32), f"call-{i}"), timeout=10)
+            except grpc.RpcError as err:  # no server there, or it failed: say so in one line
+                sys.exit(f"client.py: {args.target}: {err.code().name}: {err.details()}")
             best = response.items[0]
             print(f"{response.request_id}: {len(response.items)} items, best {best.item_id} ({best.score:.3f})")
         for i in range(args.invalid):

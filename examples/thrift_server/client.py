@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 from pathlib import Path
 
 import thriftpy2
+from thriftpy2.transport import TTransportException
 
 from interceptors import make_thrift_client
 
@@ -37,7 +39,10 @@ def main() -> None:
 
     host, _, port = args.target.rpartition(":")
     rng = random.Random(0)
-    client = make_thrift_client(ranker_thrift.Ranker, host, int(port), timeout=10_000)
+    try:
+        client = make_thrift_client(ranker_thrift.Ranker, host, int(port), timeout=10_000)
+    except TTransportException as exc:  # no server there: say so in one line
+        sys.exit(f"client.py: {args.target}: {exc.message}")
     try:
         for i in range(args.calls):
             response = client.Rank(make_request(rng, rng.randint(4, 32), f"call-{i}"))

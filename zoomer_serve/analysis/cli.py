@@ -23,7 +23,13 @@ from zoomer_serve.analysis.api import AnalysisResult, analyze
 from zoomer_serve.analysis.conventions import CONVENTIONS, STEPS, Conventions
 from zoomer_serve.analysis.findings import SEVERITIES
 from zoomer_serve.analysis.kineto import TraceFormatError
-from zoomer_serve.analysis.render import NO_GPU_WORK, has_gpu_work, render_findings, rich_table
+from zoomer_serve.analysis.render import (
+    NO_GPU_WORK,
+    has_gpu_work,
+    range_time_views,
+    render_findings,
+    rich_table,
+)
 from zoomer_serve.analysis.store import StoreAnalysisError
 from zoomer_serve.cli_output import TableOutput, add_format_option
 from zoomer_serve.cli_types import non_negative_int
@@ -235,10 +241,8 @@ def render_summary(result: AnalysisResult, console: Console | TableOutput, rows:
             console.print(rich_table(t["counters"], limit=rows, title="Counter tracks"))
         if len(t["profiler_steps"]):
             console.print(rich_table(t["profiler_steps"], limit=rows, title="Profiler steps"))
-        if len(t["annotation_gpu_time"]):
-            console.print(rich_table(t["annotation_gpu_time"], limit=rows, title="GPU time per annotation"))
-        if len(t["request_gpu_time"]):
-            console.print(rich_table(t["request_gpu_time"], limit=rows, title="GPU time per request"))
+        for table, columns, title in range_time_views(rep.trace, t):
+            console.print(rich_table(table, columns, rows, title))
     if result.collective_tables and len(result.collective_tables["collectives"]):
         c = result.collective_tables
         console.rule(Text(f"Collectives across {len(result.traces)} ranks"))

@@ -29,6 +29,7 @@ from zoomer_serve.analysis.render import (
     fmt_item,
     fmt_value,
     has_gpu_work,
+    range_time_views,
     short_kernel_name,
 )
 from zoomer_serve.analysis.table import Table
@@ -246,9 +247,10 @@ def plot_kernel_breakdown(rep: TraceReport, index: int) -> str:
 # ---- html --------------------------------------------------------------------------------------------------
 
 
-def _table_html(table: Table, columns: list[str] | None = None, limit: int = 15, title: str = "") -> str:
-    """A table with a caption (``title`` and the table's description), one unit per column (in its
-    header), at most ``limit`` rows; it scrolls sideways inside the page when wide."""
+def _table_html(table: Table, columns: list[str] | None = None, limit: int = 15, title: str = "",
+                description: str | None = None) -> str:
+    """A table with a caption (``title`` and ``description``, default the table's), one unit per column (in
+    its header), at most ``limit`` rows; it scrolls sideways inside the page when wide."""
     cols = columns or table.column_names
     formats = {c: column_format(table, c) for c in cols}
     head = "".join(f"<th>{html.escape(formats[c][0])}</th>" for c in cols)
@@ -263,8 +265,9 @@ def _table_html(table: Table, columns: list[str] | None = None, limit: int = 15,
         body.append("<tr>" + "".join(cells) + "</tr>")
     more = (f'<div class="meta">{len(table) - limit} more rows: every row is in the --json output</div>'
             if len(table) > limit else "")
-    caption = html.escape(title or table.name) + (f' <span class="meta">{html.escape(table.description)}</span>'
-                                                  if table.description else "")
+    description = table.description if description is None else description
+    caption = html.escape(title or table.name) + (f' <span class="meta">{html.escape(description)}</span>'
+                                                  if description else "")
     return (f'<div class="scroll"><table data-table="{html.escape(table.name)}"><caption>{caption}</caption>'
             f"<tr>{head}</tr>{''.join(body)}</table></div>{more}")
 
@@ -359,10 +362,9 @@ def render_html(result: AnalysisResult, title: str = "zoomer-serve analysis") ->
             parts.append(_table_html(rep.tables["counters"], limit=30, title="Counter tracks"))
         if len(rep.tables["profiler_steps"]):
             parts.append(_table_html(rep.tables["profiler_steps"], title="Profiler steps"))
-        if len(rep.tables["annotation_gpu_time"]):
-            parts.append(_table_html(rep.tables["annotation_gpu_time"], limit=10, title="GPU time per annotation"))
-        if len(rep.tables["request_gpu_time"]):
-            parts.append(_table_html(rep.tables["request_gpu_time"], limit=10, title="GPU time per request"))
+        for table, columns, title in range_time_views(rep.trace, rep.tables):
+            # the description speaks of GPU time; a CPU-only view has its title alone
+            parts.append(_table_html(table, columns, limit=10, title=title, description=None if columns is None else ""))
     if not result.traces:
         parts.append(_nodata("kernel_breakdown", "The kernel breakdown needs a Kineto trace: pass trace files."))
     c = result.collective_tables

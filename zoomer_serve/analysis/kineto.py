@@ -775,7 +775,10 @@ def _decode_events(piece: bytes) -> Any:
         return orjson_decode(piece)
     except msgspec.DecodeError as exc:
         m = _BYTE_AT.search(str(exc))
-        raise Malformed(int(m.group(1)) if m else len(piece), str(exc)) from None
+        pos = int(m.group(1)) if m else len(piece)
+        if m and "trailing characters" in str(exc):
+            pos -= 1  # msgspec names the byte after the first trailing one; orjson (and the callers) that one
+        raise Malformed(pos, str(exc)) from None
     except UnicodeDecodeError as exc:  # invalid UTF-8 in a string: the lenient reader replaces it
         raise Malformed(0, str(exc)) from None
 

@@ -27,6 +27,21 @@ def has_gpu_work(trace: Any) -> bool:
     return len(trace.kernels) + len(trace.memops) > 0
 
 
+def range_time_views(trace: Any, tables: dict[str, Table]) -> list[tuple[Table, list[str] | None, str]]:
+    """The per-annotation and per-request tables as shown, (table, columns or None for all, title), those with
+    rows only: with their GPU columns when ``trace`` ran GPU work; without it, by CPU time alone (its GPU
+    columns could only be zero)."""
+    gpu = has_gpu_work(trace)
+    out: list[tuple[Table, list[str] | None, str]] = []
+    for key, what, cpu_columns in (("annotation_gpu_time", "annotation", ["name", "count", "cpu_time_us"]),
+                                   ("request_gpu_time", "request",
+                                    ["trace_id", "span_id", "start_us", "cpu_time_us", "pid", "tid"])):
+        table = tables[key]
+        if len(table):
+            out.append((table, None, f"GPU time per {what}") if gpu else (table, cpu_columns, f"CPU time per {what}"))
+    return out
+
+
 SEVERITY_STYLE = {"high": "bold red", "medium": "bold yellow", "low": "cyan", "info": "dim"}
 _NAME_WIDTH = 80
 

@@ -217,7 +217,7 @@ def load_store(store_path: str | os.PathLike[str]) -> StoreData:
     except StorageError as exc:
         raise StoreAnalysisError(str(exc)) from None
     except StoreError as exc:
-        raise StoreAnalysisError(f"{exc} (is a collector still running on it?)") from exc
+        raise StoreAnalysisError(str(exc)) from exc
     try:
         tables = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
         if "spans" not in tables:

@@ -36,6 +36,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from zoomer_serve.cli_types import port_number, positive_float, positive_int, positive_int32
 from zoomer_serve.collector.collector import (
     DEFAULT_GRPC_PORT,
     DEFAULT_HTTP_PORT,
@@ -62,11 +63,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1). A non-loopback address needs a token "
                         "(ZOOMER_COLLECTOR_TOKEN), TLS, or --insecure-open")
-    p.add_argument("--grpc-port", type=int, default=DEFAULT_GRPC_PORT,
+    p.add_argument("--grpc-port", type=port_number, default=DEFAULT_GRPC_PORT,
                    help=f"OTLP/gRPC port, 0 = any free port (default {DEFAULT_GRPC_PORT})")
-    p.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
+    p.add_argument("--http-port", type=port_number, default=DEFAULT_HTTP_PORT,
                    help=f"OTLP/HTTP port, 0 = any free port (default {DEFAULT_HTTP_PORT})")
-    p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
+    p.add_argument("--max-message-bytes", type=positive_int32, default=DEFAULT_MAX_MESSAGE_BYTES,
                    help=f"largest export request in bytes, after decompression (default {DEFAULT_MAX_MESSAGE_BYTES})")
     sec = p.add_argument_group("authentication and TLS (token: ZOOMER_COLLECTOR_TOKEN)")
     sec.add_argument("--tls-cert", type=Path, default=None,
@@ -81,20 +82,20 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                     help="also write the tables as rotating Parquet files under URL or folder (s3://bucket/prefix, "
                          "...), hive-partitioned by service and hour; the --store file then only stages rows until "
                          "they are out (ZOOMER_COLLECTOR_PARQUET_URL)")
-    pq.add_argument("--parquet-rotate-s", type=float, default=None, metavar="S",
+    pq.add_argument("--parquet-rotate-s", type=positive_float, default=None, metavar="S",
                     help=f"seconds between rotations (default {ParquetConfig.rotate_s:g}; "
                          "ZOOMER_COLLECTOR_PARQUET_ROTATE_S)")
     lim = p.add_argument_group("OTLP/HTTP receiver bounds")
-    lim.add_argument("--max-connections", type=int, default=None,
+    lim.add_argument("--max-connections", type=positive_int, default=None,
                      help="open connections at most; past it new ones are closed at once "
                           f"(default {HttpLimits.max_connections}; ZOOMER_COLLECTOR_MAX_CONNECTIONS)")
-    lim.add_argument("--header-timeout-s", type=float, default=None,
+    lim.add_argument("--header-timeout-s", type=positive_float, default=None,
                      help="a request's headers must arrive within this many seconds of its first byte "
                           f"(default {HttpLimits.header_timeout_s:g}; ZOOMER_COLLECTOR_HEADER_TIMEOUT_S)")
-    lim.add_argument("--body-timeout-s", type=float, default=None,
+    lim.add_argument("--body-timeout-s", type=positive_float, default=None,
                      help="a request's whole body must arrive within this many seconds of its headers "
                           f"(default {HttpLimits.body_timeout_s:g}; ZOOMER_COLLECTOR_BODY_TIMEOUT_S)")
-    lim.add_argument("--idle-timeout-s", type=float, default=None,
+    lim.add_argument("--idle-timeout-s", type=positive_float, default=None,
                      help="a connection waiting this long for a request is closed "
                           f"(default {HttpLimits.idle_timeout_s:g}; ZOOMER_COLLECTOR_IDLE_TIMEOUT_S)")
     p.set_defaults(func=run)

@@ -136,12 +136,15 @@ class ReceiverSecurity:
 
     def pem_pair(self) -> tuple[bytes, bytes] | None:
         """(private key, certificate chain) PEM bytes for gRPC's ``ssl_server_credentials``; None without TLS.
+        The pair is loaded once with :mod:`ssl` first, so files that hold no PEM certificate or key (or a key
+        that does not match) are named here rather than by gRPC's bind failure.
 
         Raises:
-            ConfigError: a file cannot be read.
+            ConfigError: a file cannot be read, or holds no usable PEM certificate chain / private key.
         """
         if self.tls_cert is None or self.tls_key is None:
             return None
+        self.server_ssl_context()
         try:
             return self.tls_key.read_bytes(), self.tls_cert.read_bytes()
         except OSError as exc:

@@ -204,7 +204,8 @@ def open_readonly(path: str | os.PathLike[str]) -> duckdb.DuckDBPyConnection:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        StoreError: DuckDB cannot open it (another process holds it for writing, or not a DuckDB file).
+        StoreError: DuckDB cannot open it: not a DuckDB file (said so), or another process holds it for
+            writing (the message asks whether a collector still runs on it), or another DuckDB error.
     """
     p = Path(path)
     if not p.is_file():
@@ -212,7 +213,11 @@ def open_readonly(path: str | os.PathLike[str]) -> duckdb.DuckDBPyConnection:
     try:
         return duckdb.connect(str(p), read_only=True, config=NO_EXTENSION_DOWNLOADS)
     except duckdb.Error as exc:
-        raise StoreError(f"cannot open store {p} read-only: {exc}") from exc
+        text = str(exc)
+        if "not a valid DuckDB database file" in text:
+            raise StoreError(f"cannot open store {p}: not a DuckDB file ({text})") from exc
+        hint = " (is a collector still running on it?)" if "Could not set lock" in text else ""
+        raise StoreError(f"cannot open store {p} read-only: {text}{hint}") from exc
 
 
 @dataclass(frozen=True)

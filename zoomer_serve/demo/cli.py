@@ -15,7 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from zoomer_serve.cli_output import TableOutput, add_format_option
-from zoomer_serve.cli_types import non_negative_float, non_negative_int, port_number, positive_int
+from zoomer_serve.cli_types import (
+    non_negative_float,
+    non_negative_int,
+    port_number,
+    positive_int,
+    positive_int32,
+)
 from zoomer_serve.config import ConfigError
 from zoomer_serve.processes import start_zoomer_command, stop_process
 from zoomer_serve.profiling.serving import ServerProfiling, add_profiling_options
@@ -45,7 +51,7 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--transport", choices=("grpc", "thrift"), default="grpc",
                        help="serve the Ranker over gRPC (ranker.proto) or Thrift (ranker.thrift) (default grpc)")
     serve.add_argument("--grace-s", type=non_negative_float, default=5.0, help="drain time for in-flight calls on stop")
-    serve.add_argument("--torch-threads", type=positive_int, default=1,
+    serve.add_argument("--torch-threads", type=positive_int32, default=1,
                        help="torch intra-op threads (default 1: the gRPC worker threads already run in parallel)")
     serve.add_argument("--slow-preprocess", type=non_negative_int, default=0, metavar="N",
                        help=SLOW_PREPROCESS_HELP)
@@ -197,6 +203,11 @@ def _phases(args: argparse.Namespace) -> list[tuple[str, int, float, int | None]
     return [(name, size, args.duration_s / share, calls) for name, size in phases]
 
 
+def _say(console: Any, text: str) -> None:
+    """One step of the demo as one line: not folded at 80 columns when the output is not a terminal."""
+    console.print(text, soft_wrap=not console.is_terminal)
+
+
 def run_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -210,11 +221,11 @@ def run_demo(args: argparse.Namespace) -> int:
     results: list[Any] = []
     server_rc = 0
     try:
-        console.print(f"[bold]zoomer-serve demo[/]: store [cyan]{store}[/]")
+        _say(console, f"[bold]zoomer-serve demo[/]: store [cyan]{store}[/]")
         collector, col = start_zoomer_command(
             ["collector", "--store", str(store), "--grpc-port", "0", "--http-port", "0"], env, "embedded collector")
         procs.append(collector)
-        console.print(f"  embedded OTLP collector on 127.0.0.1:{col['grpc_port']} (gRPC), "
+        _say(console, f"  embedded OTLP collector on 127.0.0.1:{col['grpc_port']} (gRPC), "
                       f":{col['http_port']} (HTTP)")
         for service, batch_size, seconds, calls in _phases(args):
             server_env = dict(env, OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{col['grpc_port']}",
@@ -228,17 +239,17 @@ def run_demo(args: argparse.Namespace) -> int:
             target = f"127.0.0.1:{srv['port']}"
             how = (f"a dynamic batcher of at most {batch_size} requests, {args.batch_max_delay_ms:g} ms"
                    if batch_size else "one forward pass per request")
-            console.print(f"  demo Ranker {service} (DLRM on {srv['device']}, {how}) with the zoomer interceptor "
+            _say(console, f"  demo Ranker {service} (DLRM on {srv['device']}, {how}) with the zoomer interceptor "
                           f"on {target}")
             results.append(_drive(console, target, args, seconds, calls))
-            console.print("  stopping the server (drain, flush telemetry)")
+            _say(console, "  stopping the server (drain, flush telemetry)")
             server_rc = max(server_rc, stop_process(server, 30))
             procs.remove(server)
-        console.print("  stopping the collector (flush store)")
+        _say(console, "  stopping the collector (flush store)")
         collector_rc = stop_process(collector, 30)
         procs.clear()
     except RuntimeError as exc:  # a child did not start; it said why on stderr
-        console.print(f"[red]zoomer-serve demo[/]: {exc}")
+        _say(console, f"[red]zoomer-serve demo[/]: {exc}")
         return 1
     finally:
         for proc in procs:

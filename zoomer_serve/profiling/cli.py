@@ -2,9 +2,9 @@
 running server. The token comes from ``ZOOMER_ADMIN_TOKEN``. Exit status 0 when the call was answered (also
 for ``not running``), 1 when it was refused or failed, or a session it waited for failed; 3
 (:data:`EXIT_ALREADY_RUNNING`) when ``start`` found a session already running (the reply is printed as usual;
-nothing was started). When a session finished with a trace (``stop``, ``start --wait``), the files it wrote
-and the ``zoomer-serve analyze`` command to run on them are printed after it (``files`` and ``next`` with
-``--json``)."""
+nothing was started). When a session finished with a trace (``stop``, also of a session that ended on its own
+before it, ``start --wait``), the files it wrote and the ``zoomer-serve analyze`` command to run on them are
+printed after it (``files`` and ``next`` with ``--json``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import json
 import sys
 from typing import Any
 
-from zoomer_serve.cli_types import non_negative_float, positive_float, positive_int
+from zoomer_serve.cli_types import non_negative_float, positive_float, positive_uint32
 
 DEFAULT_STOP_WAIT_S = 60.0
 EXIT_ALREADY_RUNNING = 3
@@ -38,9 +38,9 @@ def register(subparsers: Any) -> None:
         description=f"Start a profiling session. Exit code 0 when it started, {EXIT_ALREADY_RUNNING} when a session "
         "was already running (nothing started; the running session is printed), 1 when the call was refused or "
         "failed (or, with --wait, the session failed).")
-    start.add_argument("--requests", type=positive_int, default=None, help="requests to cover (default 100 when "
+    start.add_argument("--requests", type=positive_uint32, default=None, help="requests to cover (default 100 when "
                        "--duration-ms is not given either; hard cap 1000)")
-    start.add_argument("--duration-ms", type=positive_int, default=None, help="session length in ms (hard cap 60000)")
+    start.add_argument("--duration-ms", type=positive_uint32, default=None, help="session length in ms (hard cap 60000)")
     start.add_argument("--cuda", choices=("auto", "on", "off"), default="auto",
                        help="capture CUDA kernels (auto: when the server has CUDA)")
     for flag in ("record-shapes", "profile-memory", "with-stack", "with-flops"):
@@ -102,7 +102,7 @@ def run_stop(args: argparse.Namespace) -> int:
             return _fail(str(exc))
     if reply.result is Result.STOPPED and reply.session is not None:
         reply = dataclasses.replace(reply, message=_finished_line(reply.session))
-    return _print(reply, args.json)
+    return _print(reply, args.json, last_too=True)
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -163,15 +163,17 @@ def analyze_command(info: Any) -> str | None:
     return f"zoomer-serve analyze {shlex.quote(info.trace_path)}"
 
 
-def _next_steps(reply: Any) -> tuple[list[str], str | None]:
-    info = reply.session
+def _next_steps(reply: Any, last_too: bool = False) -> tuple[list[str], str | None]:
+    """The files and the analyze command of the reply's session; with ``last_too``, of the last session when no
+    session is running (a ``stop`` after the session ended on its own)."""
+    info = reply.session if reply.session is not None or not last_too else reply.last
     if info is None or info.outcome != "done":
         return [], None
     return session_files(info), analyze_command(info)
 
 
-def _print(reply: Any, as_json: bool) -> int:
-    files, command = _next_steps(reply)
+def _print(reply: Any, as_json: bool, last_too: bool = False) -> int:
+    files, command = _next_steps(reply, last_too)
     if as_json:
         out = _plain(reply)
         if files:

@@ -69,7 +69,12 @@ class ProfilerClient:
         try:
             return wire.reply_from_pb(method(request, timeout=timeout_s, metadata=self._metadata))
         except grpc.RpcError as err:
-            raise ProfilerControlError(err.code(), err.details() or "") from None
+            details = err.details() or ""
+            if err.code() is grpc.StatusCode.UNIMPLEMENTED:  # a server without the admin service
+                details += (f" ({self.target} does not serve the ProfilerControl admin service: zoomer-serve "
+                            "serve-demo does; add it to a server of your own with "
+                            "add_profiler_control(server, controller), see docs/profiling.md)")
+            raise ProfilerControlError(err.code(), details) from None
 
     def start(self, max_requests: int | None = None, duration_ms: int | None = None, *, cuda: bool | None = None,
               record_shapes: bool = False, profile_memory: bool = False, with_stack: bool = False,

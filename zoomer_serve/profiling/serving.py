@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zoomer_serve.cli_types import non_negative_float, non_negative_int, positive_float, positive_int
 from zoomer_serve.profiling.config import (
     AdminConfig,
     LatencySloConfig,
@@ -30,21 +31,21 @@ def add_profiling_options(parser: argparse.ArgumentParser) -> None:
                        help="let loopback callers use the admin service without a token")
     group.add_argument("--steady-state", action="store_true",
                        help="profile once after warm-up when latency is stable (CV of windowed p50)")
-    group.add_argument("--steady-warmup-requests", type=int, default=200, help="requests before measuring (200)")
-    group.add_argument("--steady-max-cv", type=float, default=0.1, help="stability threshold (0.1)")
-    group.add_argument("--slo-p99-ms", type=float, default=None,
+    group.add_argument("--steady-warmup-requests", type=non_negative_int, default=200, help="requests before measuring (200)")
+    group.add_argument("--steady-max-cv", type=positive_float, default=0.1, help="stability threshold (0.1)")
+    group.add_argument("--slo-p99-ms", type=positive_float, default=None,
                        help="profile when a method's windowed p99 stays above this many ms (off by default)")
-    group.add_argument("--slo-window-ms", type=int, default=1000, help="SLO window (1000 ms)")
-    group.add_argument("--slo-sustain-windows", type=int, default=3, help="violating windows in a row (3)")
-    group.add_argument("--slo-cooldown-s", type=float, default=300.0, help="quiet time after an SLO session (300 s)")
-    group.add_argument("--trigger-requests", type=int, default=100,
+    group.add_argument("--slo-window-ms", type=positive_int, default=1000, help="SLO window (1000 ms)")
+    group.add_argument("--slo-sustain-windows", type=positive_int, default=3, help="violating windows in a row (3)")
+    group.add_argument("--slo-cooldown-s", type=non_negative_float, default=300.0, help="quiet time after an SLO session (300 s)")
+    group.add_argument("--trigger-requests", type=positive_int, default=100,
                        help="requests covered by an automatic session (100)")
-    group.add_argument("--profile-over-ms", type=float, default=None,
+    group.add_argument("--profile-over-ms", type=positive_float, default=None,
                        help="capture the next request slower than this many ms: a session stays armed until one is "
                        "(off by default)")
-    group.add_argument("--profile-over-window-ms", type=int, default=10_000,
+    group.add_argument("--profile-over-window-ms", type=positive_int, default=10_000,
                        help="length of one armed session of --profile-over-ms (10000 ms)")
-    group.add_argument("--profile-over-attempts", type=int, default=6,
+    group.add_argument("--profile-over-attempts", type=positive_int, default=6,
                        help="armed sessions before --profile-over-ms gives up (6)")
 
 

@@ -102,7 +102,7 @@ def _open(store_path: str) -> duckdb.DuckDBPyConnection:
     except StorageError as exc:
         raise ReportError(str(exc)) from None
     except StoreError as exc:
-        raise ReportError(f"{exc} (is a collector still running on it?)") from exc
+        raise ReportError(str(exc)) from exc
     tables = {row[0] for row in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
     if "spans" not in tables:
         con.close()
