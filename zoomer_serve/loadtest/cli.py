@@ -87,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     if args.host is not None:
         problem = _preflight(args.host, args.transport, options)
         if problem is not None:
-            print(f"zoomer-serve loadtest: {problem}. No load was run.", file=sys.stderr)
+            end = "" if problem.endswith((".", "?")) else "."  # "running there?" takes no period after it
+            print(f"zoomer-serve loadtest: {problem}{end} No load was run.", file=sys.stderr)
             return 1
     with tempfile.TemporaryDirectory(prefix="zoomer-loadtest-") as tmp:
         plugin_json = Path(tmp) / "summary.json"
