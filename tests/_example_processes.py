@@ -5,6 +5,7 @@ environment that points a program's telemetry at the test collector; a free loop
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -23,10 +24,30 @@ LISTENING = re.compile(r"listening on (\S+:\d+)")
 
 
 def free_port() -> int:
-    """A loopback port nothing listens on now (bound to port 0, then released)."""
+    """A loopback port nothing listens on now, for a program that takes no port 0 (locust's master). Chosen
+    below the kernel's ephemeral range, where other tests' port-0 servers and every outgoing connection get
+    theirs (a port from that range, released, was taken again before locust bound it in a CI run); a port 0
+    bind's when that range leaves no room below it."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(50):
+        port = rng.randrange(10_000, low) if low > 10_000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
 
 
 def telemetry_env(collector: Any, service: str | None = None, **extra: str) -> dict[str, str]:

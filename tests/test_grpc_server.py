@@ -311,9 +311,13 @@ def test_server_stream_cancelled_mid_stream(echo, collector, telemetry):
 
 
 @pytest.mark.slow
-def test_client_and_bidi_streams(echo, collector):
+def test_client_and_bidi_streams(echo, collector, telemetry):
+    """A streamed request's span ends in grpc's done callback, once the status has gone: it may end just after
+    the client has its last message (a CI run read the store in between), so the test waits for both."""
+    watch = SpanWatch(telemetry.recorder)
     assert echo.client_stream(iter([b"a", b"bb", b"ccc"])) == b"a|bb|ccc"
     assert list(echo.bidi(iter([b"x", b"y"]))) == [b"X", b"Y"]
+    assert watch.wait_ended(2)
     spans = {s["name"]: s for s in collector.spans("SERVER")}
     cs = spans["test.Echo/ClientStream"]["attributes"]
     assert (cs["zoomer.rpc.request.messages"], cs["zoomer.rpc.request.bytes"]) == (3, 6)

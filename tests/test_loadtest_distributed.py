@@ -45,7 +45,18 @@ class Cluster:
 def run_cluster(master_args: list[str], env: dict[str, str], tmp_path: Path, host: str,
                 worker_locustfile: str = LOCUSTFILE, run_s: int = 4, locustfile: str = LOCUSTFILE) -> Cluster:
     """``locust --master --headless --expect-workers 2`` and two ``locust --worker`` processes; waits for
-    all three (generous limits: on a loaded 2-core machine each imports torch and the model's requests)."""
+    all three (generous limits: on a loaded 2-core machine each imports torch and the model's requests). A master
+    that could not bind its port (taken between :func:`free_port` and locust's bind) is started again, on
+    another port, up to twice."""
+    for _ in range(2):
+        cluster = _run_cluster_once(master_args, env, tmp_path, host, worker_locustfile, run_s, locustfile)
+        if not (cluster.master_rc != 0 and "Address already in use" in cluster.master_output):
+            return cluster
+    return _run_cluster_once(master_args, env, tmp_path, host, worker_locustfile, run_s, locustfile)
+
+
+def _run_cluster_once(master_args: list[str], env: dict[str, str], tmp_path: Path, host: str,
+                      worker_locustfile: str, run_s: int, locustfile: str) -> Cluster:
     port = free_port()
     summary_json = tmp_path / "summary.json"
     master = start(["-m", "locust", "-f", locustfile, "--master", "--headless", "--expect-workers", "2",
@@ -57,7 +68,11 @@ def run_cluster(master_args: list[str], env: dict[str, str], tmp_path: Path, hos
                       "--master-port", str(port)], env) for _ in range(2)]
     try:
         master_rc = _wait(master, 300)
-        worker_rcs = [_wait(worker, 60) for worker in workers]
+        master.stop(signal.SIGKILL)  # it has ended: this waits for its last output to be read
+        if master_rc != 0 and "Address already in use" in master.output:
+            worker_rcs = [worker.stop(signal.SIGKILL) for worker in workers]  # no master to wait for
+        else:
+            worker_rcs = [_wait(worker, 60) for worker in workers]
     finally:
         for program in (master, *workers):
             if program.proc.poll() is None:
