@@ -588,6 +588,7 @@ class HttpReceiver:
         self.peak_connections = 0
         self._at_limit_logged = False
         self._connections: set[_Connection] = set()
+        self._handlers: set[asyncio.Task[None]] = set()  # a connection's handler until it ends
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.AbstractServer | None = None
         self._thread: threading.Thread | None = None
@@ -629,7 +630,7 @@ class HttpReceiver:
         self._loop = loop
         try:
             self._server = loop.run_until_complete(asyncio.start_server(
-                self._on_connection, sock=sock, ssl=ssl_context, limit=READ_CHUNK_BYTES,
+                self._accept, sock=sock, ssl=ssl_context, limit=READ_CHUNK_BYTES,
                 ssl_handshake_timeout=self.limits.header_timeout_s if ssl_context else None))
         except BaseException:
             sock.close()
@@ -652,6 +653,21 @@ class HttpReceiver:
             log.warning("OTLP/HTTP receiver: max_connections is %d but this process may open only %d files "
                         "(RLIMIT_NOFILE); connections past that fail to be accepted", self.limits.max_connections,
                         soft)
+
+    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The server's callback for a new connection: starts its handler as a task of ours. Handed a coroutine
+        instead, Python 3.11's stream protocol reads the handler task's exception when it ends, which raises
+        for a task cancelled before its first step (what :meth:`stop` does to a connection accepted just then)
+        and logs "Exception in callback" with a traceback."""
+        task = asyncio.get_running_loop().create_task(self._on_connection(reader, writer))
+        self._handlers.add(task)
+
+        def done(task: asyncio.Task[None]) -> None:
+            self._handlers.discard(task)
+            if task.cancelled():  # before its first step: nothing of it was read
+                writer.transport.abort()
+
+        task.add_done_callback(done)
 
     async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         count = self.ingestor.count
