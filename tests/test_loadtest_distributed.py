@@ -48,11 +48,12 @@ def run_cluster(master_args: list[str], env: dict[str, str], tmp_path: Path, hos
     all three (generous limits: on a loaded 2-core machine each imports torch and the model's requests). A master
     that could not bind its port (taken between :func:`free_port` and locust's bind) is started again, on
     another port, up to twice."""
-    for _ in range(2):
+    for attempt in range(3):
         cluster = _run_cluster_once(master_args, env, tmp_path, host, worker_locustfile, run_s, locustfile)
-        if not (cluster.master_rc != 0 and "Address already in use" in cluster.master_output):
-            return cluster
-    return _run_cluster_once(master_args, env, tmp_path, host, worker_locustfile, run_s, locustfile)
+        lost_bind = cluster.master_rc != 0 and "Address already in use" in cluster.master_output
+        if not lost_bind or attempt == 2:
+            break
+    return cluster
 
 
 def _run_cluster_once(master_args: list[str], env: dict[str, str], tmp_path: Path, host: str,
