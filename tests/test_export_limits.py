@@ -146,3 +146,26 @@ def test_a_killed_helper_is_started_again_and_what_it_took_is_counted(collector)
     note("C14", "export helper process killed (kill -9) holding spans", 65, len(stored), stats.lost_in_helper)
     assert len(stored) + stats.lost_in_helper == 65, (len(stored), stats)
     assert stats.lost_in_helper == 40 and names == {"after/kill"}
+
+
+def test_a_helper_reports_its_exports_without_being_asked_so_killing_it_after_counts_nothing_lost(collector):
+    """C14, the other side: the helper's export thread reports its counters (a ``progress`` line) after the turn
+    of its loop that exported, with no flush asked for and no thread of its own waking every second. A helper
+    killed after that took nothing with it: all spans are stored and none is counted as lost in it."""
+    telemetry = zoomer_serve.configure(service_name="reported", endpoint=collector.grpc_endpoint,
+                                       schedule_delay_ms=200, set_global_providers=False)
+    pipeline = telemetry.pipeline
+    assert pipeline is not None and pipeline._helper is not None
+    helper = pipeline._helper
+    for _ in range(30):
+        telemetry.recorder.start("reported/span").end()
+    deadline = time.monotonic() + 30
+    while helper.counters.get("exported", 0) < 30 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the writer hands them over (500 ms), the worker exports (200 ms), then reports
+    assert helper.counters["exported"] == 30 and helper.counters["records"] == 30
+    assert helper.unreported_spans() == 0
+    os.kill(helper.pid, signal.SIGKILL)
+    stats = zoomer_serve.shutdown()
+    assert stats is not None
+    assert stats.lost_in_helper == 0
+    assert len(collector.spans()) == 30

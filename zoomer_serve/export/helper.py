@@ -5,8 +5,9 @@ It runs an :class:`~zoomer_serve.export.worker.ExportWorker` on the records that
 (:mod:`zoomer_serve.export.frames`) and writes JSON lines on stdout:
 
 - ``{"event": "ready", "pid": P}`` once it can take frames;
-- ``{"event": "progress", ...counters}`` about once a second while its counters change (the server uses the
-  last one to count what a helper that died took with it);
+- ``{"event": "progress", ...counters}`` when its counters changed, at most once a second (the server uses the
+  last one to count what a helper that died took with it). The export thread writes it between two turns of its
+  loop, within about a second of the turn that changed them: no thread of its own wakes every second;
 - ``{"event": "flushed", "seq": N}`` after a ``FLUSH`` frame's records were sent (or failed);
 - ``{"event": "stats", ...counters}`` last, after everything was flushed or the budget ran out.
 
@@ -88,10 +89,12 @@ class Helper:
         self._done = threading.Lock()
         self._finished = False
         self.bad_frames = 0
+        self._reported: dict[str, Any] | None = None  # the counters of the last progress line
+        self._reported_at = float("-inf")  # time.monotonic() of it
+        worker.on_turn = self.report_progress
 
     def run(self, stdin: BinaryIO) -> None:
         self.out.emit({"event": "ready", "pid": os.getpid()})
-        threading.Thread(target=self._report_progress, name="zoomer-export-progress", daemon=True).start()
         while True:
             header = _read_exact(stdin, frames.HEADER.size)
             if header is None:
@@ -133,14 +136,20 @@ class Helper:
         if self.bad_frames == 1:
             logger.error("zoomer-serve exporter: skipped %s; counting such frames (logged once)", what)
 
-    def _report_progress(self) -> None:
-        last: dict[str, Any] | None = None
-        while True:
-            time.sleep(PROGRESS_PERIOD_S)
-            now = asdict(self.worker.stats)
-            if now != last:
-                self.out.emit({"event": "progress", **now})
-                last = now
+    def report_progress(self) -> float | None:
+        """Write a progress line when the counters changed and the last line is :data:`PROGRESS_PERIOD_S` old.
+        Runs on the export thread (:attr:`ExportWorker.on_turn`) between two turns of its loop; returns the
+        seconds until a change not yet reported may be written, or None when everything is reported."""
+        now = vars(self.worker.stats)
+        if now == self._reported:
+            return None
+        wait = self._reported_at + PROGRESS_PERIOD_S - time.monotonic()
+        if wait > 0:
+            return wait
+        self._reported = dict(now)
+        self._reported_at = time.monotonic()
+        self.out.emit({"event": "progress", **self._reported})
+        return None
 
     def on_sigterm(self, _signum: int, _frame: Any) -> None:
         """Keep taking the server's last frames for the budget, then flush and exit (see the module docstring)."""

@@ -137,6 +137,9 @@ class ExportWorker:
         self._last_metrics = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="zoomer-export", daemon=True)
         self._logged: set[str] = set()
+        # called on the export thread after each turn of its loop; returns the seconds after which it wants to be
+        # called again even if nothing arrives (None: no such wish). The helper process reports its progress so.
+        self.on_turn: Callable[[], float | None] | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -162,9 +165,14 @@ class ExportWorker:
     def _run(self) -> None:
         delay = self.cfg.schedule_delay_ms / 1000
         metric_interval = self.cfg.metric_export_interval_ms / 1000
+        turn_wait: float | None = None
         while True:
+            if self.on_turn is not None:
+                turn_wait = self.on_turn()
             now = time.monotonic()
             timeout = max(0.0, min(self._last_flush + delay, self._last_metrics + metric_interval) - now)
+            if turn_wait is not None:
+                timeout = min(timeout, max(0.0, turn_wait))
             try:
                 batch = self._queue.get(timeout=timeout)
             except queue.Empty:
