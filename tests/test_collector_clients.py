@@ -32,6 +32,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from zoomer_serve.collector import EmbeddedCollector, open_readonly
 from zoomer_serve.collector.cli import build_collector
+from zoomer_serve.collector.http_receiver import HttpLimits
 from zoomer_serve.collector.security import ReceiverSecurity
 from zoomer_serve.config import ConfigError
 from zoomer_serve.netaddr import is_loopback_host
@@ -408,6 +409,13 @@ def test_cli_settings_come_from_flags_then_variables(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("ZOOMER_COLLECTOR_HEADER_TIMEOUT_S", "soon")
     with pytest.raises(ConfigError, match="ZOOMER_COLLECTOR_HEADER_TIMEOUT_S"):
         build_collector(args)
+    for endless in ("inf", "1e400", "-inf", "nan"):  # inf would switch the slow-client defence off, silently
+        monkeypatch.setenv("ZOOMER_COLLECTOR_HEADER_TIMEOUT_S", endless)
+        with pytest.raises(ConfigError, match=f"ZOOMER_COLLECTOR_HEADER_TIMEOUT_S must be a finite number of "
+                                              f"seconds > 0, got '{endless}'"):
+            build_collector(args)
+    with pytest.raises(ConfigError, match="idle_timeout_s must be a finite number > 0, got inf"):
+        HttpLimits(idle_timeout_s=float("inf"))
 
 
 @pytest.mark.slow

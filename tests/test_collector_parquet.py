@@ -252,6 +252,10 @@ def test_the_cli_flags_and_variables(tmp_path: Path, capsys: pytest.CaptureFixtu
                                   "ZOOMER_COLLECTOR_PARQUET_ROTATE_S": "30"}) == ParquetConfig("s3://b/p", rotate_s=30)
     with pytest.raises(ConfigError, match="ZOOMER_COLLECTOR_PARQUET_ROTATE_S"):
         parquet_config(plain, {"ZOOMER_COLLECTOR_PARQUET_URL": "x", "ZOOMER_COLLECTOR_PARQUET_ROTATE_S": "soon"})
+    for endless in ("inf", "1e400", "nan"):  # an endless period made the rotation thread's wait raise
+        with pytest.raises(ConfigError, match="ZOOMER_COLLECTOR_PARQUET_ROTATE_S: rotate_s must be a finite "
+                                              "number > 0"):
+            parquet_config(plain, {"ZOOMER_COLLECTOR_PARQUET_URL": "x", "ZOOMER_COLLECTOR_PARQUET_ROTATE_S": endless})
     with pytest.raises(SystemExit) as refused:  # checked as the arguments are read, naming the flag
         parser.parse_args(["collector", "--parquet-url", "x", "--parquet-rotate-s", "0"])
     assert refused.value.code == 2

@@ -59,6 +59,7 @@ import base64
 import binascii
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -148,10 +149,12 @@ class HttpLimits:
     ingest_threads: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("max_connections", "header_timeout_s", "body_timeout_s", "idle_timeout_s",
-                     "max_header_bytes", "body_buffer_bytes", "ingest_threads"):
+        for name in ("max_connections", "max_header_bytes", "body_buffer_bytes", "ingest_threads"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"HTTP receiver limit {name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("header_timeout_s", "body_timeout_s", "idle_timeout_s"):  # inf would turn a defence off
+            if not 0 < getattr(self, name) < math.inf:
+                raise ConfigError(f"HTTP receiver limit {name} must be a finite number > 0, got {getattr(self, name)!r}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> HttpLimits:
@@ -174,8 +177,8 @@ class HttpLimits:
                     values[name] = float(raw)
                 except ValueError:
                     raise ConfigError(f"{var} must be a number of seconds, got {raw!r}") from None
-                if not values[name] > 0:
-                    raise ConfigError(f"{var} must be > 0, got {raw!r}")
+                if not 0 < values[name] < math.inf:
+                    raise ConfigError(f"{var} must be a finite number of seconds > 0, got {raw!r}")
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 

@@ -23,6 +23,7 @@ and none is stored twice. The writer id is made once per staging file and kept i
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import socket
 import tempfile
@@ -61,9 +62,11 @@ class ParquetConfig:
     backoff_s: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.rotate_s > 0 or self.rotate_rows < 1 or self.retries < 0 or self.backoff_s < 0:
-            raise ValueError(f"rotate_s > 0, rotate_rows >= 1, retries >= 0, backoff_s >= 0 needed, got "
-                             f"{self.rotate_s}, {self.rotate_rows}, {self.retries}, {self.backoff_s}")
+        if not 0 < self.rotate_s < math.inf:  # an endless period: the rotation thread's wait would raise
+            raise ValueError(f"rotate_s must be a finite number > 0, got {self.rotate_s}")
+        if self.rotate_rows < 1 or not 0 <= self.retries or not 0 <= self.backoff_s < math.inf:
+            raise ValueError(f"rotate_rows >= 1, retries >= 0, finite backoff_s >= 0 needed, got "
+                             f"{self.rotate_rows}, {self.retries}, {self.backoff_s}")
         object.__setattr__(self, "url", normalize(self.url))
 
 
