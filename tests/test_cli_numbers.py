@@ -49,6 +49,8 @@ from zoomer_serve.cli import build_parser
     (["collector", "--header-timeout-s", "nan"], "argument --header-timeout-s: 'nan' is not a number > 0"),
     (["collector", "--body-timeout-s", "0"], "argument --body-timeout-s: '0' is not a number > 0"),
     (["collector", "--idle-timeout-s", "-2"], "argument --idle-timeout-s: '-2' is not a number > 0"),
+    (["demo", "--clients", "100000"], "argument --clients: '100000' is not an integer in 1..1024"),
+    (["demo", "--clients", "0"], "argument --clients: '0' is not an integer in 1..1024"),
     (["loadtest", "--users", "x"], "argument --users: 'x' is not an integer >= 1"),
     (["loadtest", "--run-time", "0"], "argument --run-time: '0' is not an integer >= 1"),
     (["loadtest", "--spawn-rate", "-1"], "argument --spawn-rate: '-1' is not a number > 0"),

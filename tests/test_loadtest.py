@@ -375,15 +375,21 @@ def test_the_cli_parses_without_locust_or_gevent() -> None:
 
 # -- locust-free parts --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"warmup_s": -1}, "--zoomer-warmup-s must be >= 0"),
+    ({"warmup_s": -1}, "--zoomer-warmup-s must be a finite number >= 0"),
     ({"warmup_requests": -5}, "--zoomer-warmup-requests must be >= 0"),
-    ({"stable_cv": 0.0}, "--zoomer-stable-cv must be > 0"),
+    ({"stable_cv": 0.0}, "--zoomer-stable-cv must be a finite number > 0"),
     ({"stable_samples": 1}, "--zoomer-stable-samples must be >= 2"),
     ({"profile_requests": 5000}, "max_requests=5000 exceeds the hard cap"),
-    ({"profile_requests": None, "profile_duration_s": 0.0}, "--zoomer-profile-duration-s must be > 0"),
+    ({"profile_requests": None, "profile_duration_s": 0.0}, "--zoomer-profile-duration-s must be a finite number > 0"),
     ({"profile_duration_s": 120.0}, "duration_ms=120000 exceeds the hard cap"),
     ({"cuda": "maybe"}, "--zoomer-cuda must be one of auto, on, off"),
     ({"target": "localhost"}, "--zoomer-target must be host:port"),
+    # infinite numbers: the duration became an OverflowError traceback, the stop wait an endless wait
+    ({"profile_requests": None, "profile_duration_s": float("inf")},
+     "--zoomer-profile-duration-s must be a finite number > 0, got inf"),
+    ({"stop_wait_s": float("inf")}, "--zoomer-stop-wait-s must be a finite number > 0, got inf"),
+    ({"stable_cv": float("inf")}, "--zoomer-stable-cv must be a finite number > 0, got inf"),
+    ({"warmup_s": float("nan")}, "--zoomer-warmup-s must be a finite number >= 0, got nan"),
 ])
 def test_bad_options_are_refused_naming_the_option(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -29,6 +29,15 @@ def positive_int32(text: str) -> int:
     return int(_number(text, int, f"an integer in 1..{INT32_MAX}", lambda v: 1 <= v <= INT32_MAX))
 
 
+MAX_CLIENT_THREADS = 1024
+
+
+def client_threads(text: str) -> int:
+    """A count of load-generating client threads, 1..:data:`MAX_CLIENT_THREADS` (one OS thread each: more is a
+    mistake that would exhaust threads or memory before any load ran; ``loadtest`` drives larger loads)."""
+    return int(_number(text, int, f"an integer in 1..{MAX_CLIENT_THREADS}", lambda v: 1 <= v <= MAX_CLIENT_THREADS))
+
+
 def positive_uint32(text: str) -> int:
     """An int in 1..4294967295: a count or a length the wire carries as a protobuf ``uint32``."""
     return int(_number(text, int, f"an integer in 1..{UINT32_MAX}", lambda v: 1 <= v <= UINT32_MAX))

@@ -77,15 +77,16 @@ class LoadTestOptions:
     top_kernels: int = 10
 
     def __post_init__(self) -> None:
-        _check(self.warmup_s >= 0 and math.isfinite(self.warmup_s), "--zoomer-warmup-s", self.warmup_s, ">= 0")
+        _check(0 <= self.warmup_s < math.inf, "--zoomer-warmup-s", self.warmup_s, "a finite number >= 0")
         _check(self.warmup_requests >= 0, "--zoomer-warmup-requests", self.warmup_requests, ">= 0")
         if self.stable_cv is not None:
-            _check(self.stable_cv > 0, "--zoomer-stable-cv", self.stable_cv, "> 0")
+            _check(0 < self.stable_cv < math.inf, "--zoomer-stable-cv", self.stable_cv, "a finite number > 0")
         _check(self.stable_samples >= 2, "--zoomer-stable-samples", self.stable_samples, ">= 2")
         if self.profile_duration_s is not None:
-            _check(self.profile_duration_s > 0, "--zoomer-profile-duration-s", self.profile_duration_s, "> 0")
+            _check(0 < self.profile_duration_s < math.inf, "--zoomer-profile-duration-s", self.profile_duration_s,
+                   "a finite number > 0")
         _check(self.cuda in CUDA_CHOICES, "--zoomer-cuda", self.cuda, f"one of {', '.join(CUDA_CHOICES)}")
-        _check(self.stop_wait_s > 0, "--zoomer-stop-wait-s", self.stop_wait_s, "> 0")
+        _check(0 < self.stop_wait_s < math.inf, "--zoomer-stop-wait-s", self.stop_wait_s, "a finite number > 0")
         _check(self.top_kernels >= 1, "top_kernels", self.top_kernels, ">= 1")
         try:
             self.session_options().bounded()
