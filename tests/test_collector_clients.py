@@ -303,6 +303,27 @@ def test_non_loopback_bind_needs_a_token_tls_or_the_open_flag(tmp_path: Path) ->
 
 
 @pytest.mark.slow
+def test_an_open_collector_says_so_in_its_ready_line_and_takes_exports(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """C20: told it is open (``--insecure-open``, or ``ZOOMER_COLLECTOR_INSECURE_OPEN=true``), a collector on
+    0.0.0.0 with neither token nor TLS starts, says ``"open": true`` and no ``auth`` in its ready line, and
+    stores what it is sent without credentials."""
+    for name in ("ZOOMER_COLLECTOR_TOKEN", "ZOOMER_COLLECTOR_TLS_CERT", "ZOOMER_COLLECTOR_TLS_KEY",
+                 "ZOOMER_COLLECTOR_INSECURE_OPEN"):
+        monkeypatch.delenv(name, raising=False)
+    for i, (args, env) in enumerate(((["--insecure-open"], {}), ([], {"ZOOMER_COLLECTOR_INSECURE_OPEN": "true"}))):
+        collector = start_collector(tmp_path / f"open{i}.duckdb", args, env=env, host="0.0.0.0")
+        try:
+            assert collector.ready["open"] is True and collector.ready["auth"] == [], collector.ready
+            status, _, _ = http_post(collector.http_port, "/v1/traces", raw_trace_request(3).SerializeToString())
+            assert status == 200
+            stopped, _ = stop_and_read(collector)
+        finally:
+            collector.kill()
+        assert stopped["spans_received"] == 3 and stopped["rejected_unauthenticated"] == 0
+
+
+@pytest.mark.slow
 def test_bearer_token_is_required_on_both_receivers_when_set(tmp_path: Path) -> None:
     """C20: with ZOOMER_COLLECTOR_TOKEN set, exports without the token or with a wrong one are refused (HTTP
     401 before the body is read, gRPC UNAUTHENTICATED) and counted; with it, the OpenTelemetry SDK exporter
