@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from zoomer_serve.envvars import INT_MAX as INT32_MAX
+
 
 def _number(text: str, kind: type, rule: str, ok: object) -> float:
     try:
@@ -21,7 +23,6 @@ def positive_int(text: str) -> int:
 
 
 UINT32_MAX = 2**32 - 1
-INT32_MAX = 2**31 - 1
 
 
 def positive_int32(text: str) -> int:
