@@ -9,7 +9,12 @@ and workers (locust's distributed mode). Imports gevent; used by :mod:`zoomer_se
   answered them.
 - **Failed workers.** A worker that had an unhandled error (its log has the traceback; e.g. a user class it
   does not have) says so in each statistics report it sends (key :data:`WORKER_FAILED`); the master logs it
-  once per worker.
+  once per worker. A worker that is missing (locust's heartbeat check: no heartbeat for 3 s) instead of
+  sending its last report failed too: it crashed, was killed, or exited before it could report. locust
+  exits a worker 1, silently, when an unhandled error happened while its ``init`` handlers ran: a master
+  may send users to a worker that is still starting (its runner connects before ``init``), so a worker that
+  lacks the user class can die before its first report. The master stops waiting for the last report of a
+  worker missing for :data:`MISSING_GIVE_UP_S` seconds.
 - **Exit code.** The deciding process (a single process or the master) exits 1 when a worker failed, or
   when a test ran and no request was sent, whatever locust would have answered (it exits 0 when every
   worker failed before sending anything).
@@ -33,12 +38,28 @@ WORKER_FAILED = "zoomer_worker_failed"
 """Key of a worker's statistics report: why the worker failed (absent while it has not)."""
 LAST_REPORT_GRACE_S = 30.0
 """Seconds the master waits for the last reports beyond locust's ``--stop-timeout``."""
+MISSING_GIVE_UP_S = 5
+"""Seconds the master still waits for the last report of a worker that locust marked missing (no heartbeat for
+3 s): one that comes back in time is waited for as any other."""
 
 
 def _unhandled_error() -> bool:
     import locust.log
 
     return bool(locust.log.unhandled_greenlet_exception)
+
+
+def _is_missing(client: Any) -> bool:
+    """locust's master marks a worker missing after 3 s without a heartbeat (it may come back)."""
+    from locust.runners import STATE_MISSING
+
+    return bool(client.state == STATE_MISSING)
+
+
+def _gone(client: Any) -> bool:
+    """Missing for :data:`MISSING_GIVE_UP_S` more seconds (locust counts a missing worker's ``heartbeat`` down
+    by one a second, below zero)."""
+    return _is_missing(client) and client.heartbeat <= -MISSING_GIVE_UP_S
 
 
 class RunCheck:
@@ -82,8 +103,12 @@ class RunCheck:
     # -- master --------------------------------------------------------------------------------------------
     def _on_worker_report(self, client_id: str, data: dict[str, Any], **_: Any) -> None:
         reason = data.get(WORKER_FAILED)
-        if reason and client_id not in self.failed_workers:
-            self.failed_workers[client_id] = str(reason)
+        if reason:
+            self._worker_failed(client_id, str(reason))
+
+    def _worker_failed(self, client_id: str, reason: str) -> None:
+        if client_id not in self.failed_workers:
+            self.failed_workers[client_id] = reason
             logger.error("zoomer-serve loadtest: worker %s failed: %s", client_id, reason)
 
     def _on_last_report_sent(self, msg: Any, **_: Any) -> None:
@@ -96,12 +121,21 @@ class RunCheck:
             runner.send_message(LAST_REPORT, {}, client_id)
         limit_s = (self.environment.stop_timeout or 0) + LAST_REPORT_GRACE_S
         deadline = time.monotonic() + limit_s
-        while self._awaiting & set(runner.clients) and time.monotonic() < deadline:
+        while self._still_expected(runner) and time.monotonic() < deadline:
             gevent.sleep(0.05)
-        missing = self._awaiting & set(runner.clients)
-        if missing:
+        unreported = [client for client in runner.clients.all if client.id in self._awaiting]
+        for client in unreported:
+            if _is_missing(client):
+                self._worker_failed(client.id, "it went missing (no heartbeat: it crashed, was killed or exited; "
+                                               "its log says why) before its last report")
+        late = [client for client in unreported if not _is_missing(client)]
+        if late:
             logger.warning("zoomer-serve loadtest: no last report from %d worker(s) within %.0f s; the figures "
-                           "may miss their last requests", len(missing), limit_s)
+                           "may miss their last requests", len(late), limit_s)
+
+    def _still_expected(self, runner: Any) -> bool:
+        """Some worker has not sent its last report and has not been missing for :data:`MISSING_GIVE_UP_S`."""
+        return any(client.id in self._awaiting and not _gone(client) for client in runner.clients.all)
 
     # -- deciding process ----------------------------------------------------------------------------------
     def _on_test_start(self, **_: Any) -> None:
