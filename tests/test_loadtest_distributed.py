@@ -9,7 +9,7 @@ import json
 import re
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,6 +26,7 @@ from zoomer_serve.processes import start_zoomer_command, stop_process
 LOCUSTFILE = "benchmarks/locustfile.py"
 SLOW_LOCUSTFILE = "tests/_slow_locustfile.py"
 SLOW_START_LOCUSTFILE = "tests/_slow_start_locustfile.py"
+QUIET_LOCUSTFILE = "tests/_quiet_locustfile.py"
 PREDICT = "zoomer.demo.v1.Ranker/Predict"
 PREDICT_STREAM = "zoomer.demo.v1.Ranker/PredictStream"
 SERVER_SERVICE = "zoomer-demo-ranker"
@@ -45,15 +46,15 @@ class Cluster:
 
 def run_cluster(master_args: list[str], env: dict[str, str], tmp_path: Path, host: str,
                 worker_locustfile: str = LOCUSTFILE, run_s: int = 4, locustfile: str = LOCUSTFILE,
-                kill_a_worker: bool = False) -> Cluster:
+                once_spawned: Callable[[Program, list[Program]], None] | None = None) -> Cluster:
     """``locust --master --headless --expect-workers 2`` and two ``locust --worker`` processes; waits for
     all three (generous limits: on a loaded 2-core machine each imports torch and the model's requests). A master
     that could not bind its port (taken between :func:`free_port` and locust's bind) is started again, on
-    another port, up to twice. ``kill_a_worker``: SIGKILL the first worker once the master has spawned the
-    users."""
+    another port, up to twice. ``once_spawned(master, workers)`` is called once the master says that spawning
+    is complete (every worker reported its users, or on a loaded machine its wait for those reports ran out)."""
     for attempt in range(3):
         cluster = _run_cluster_once(master_args, env, tmp_path, host, worker_locustfile, run_s, locustfile,
-                                    kill_a_worker)
+                                    once_spawned)
         lost_bind = cluster.master_rc != 0 and "Address already in use" in cluster.master_output
         if not lost_bind or attempt == 2:
             break
@@ -61,7 +62,8 @@ def run_cluster(master_args: list[str], env: dict[str, str], tmp_path: Path, hos
 
 
 def _run_cluster_once(master_args: list[str], env: dict[str, str], tmp_path: Path, host: str,
-                      worker_locustfile: str, run_s: int, locustfile: str, kill_a_worker: bool) -> Cluster:
+                      worker_locustfile: str, run_s: int, locustfile: str,
+                      once_spawned: Callable[[Program, list[Program]], None] | None) -> Cluster:
     port = free_port()
     summary_json = tmp_path / "summary.json"
     master = start(["-m", "locust", "-f", locustfile, "--master", "--headless", "--expect-workers", "2",
@@ -72,8 +74,9 @@ def _run_cluster_once(master_args: list[str], env: dict[str, str], tmp_path: Pat
     workers = [start(["-m", "locust", "-f", worker_locustfile, "--worker", "--master-host", "127.0.0.1",
                       "--master-port", str(port)], env) for _ in range(2)]
     try:
-        if kill_a_worker:
-            _kill_once_spawned(master, workers[0])
+        if once_spawned is not None:
+            _wait_for_spawning(master)
+            once_spawned(master, workers)
         master_rc = _wait(master, 300)
         if master_rc != 0 and "Address already in use" in master.output:
             worker_rcs = [worker.stop(signal.SIGKILL) for worker in workers]  # no master to wait for
@@ -87,14 +90,12 @@ def _run_cluster_once(master_args: list[str], env: dict[str, str], tmp_path: Pat
     return Cluster(master_rc, master.output, worker_rcs, [w.output for w in workers], summary)
 
 
-def _kill_once_spawned(master: Program, worker: Program, timeout_s: float = 240) -> None:
-    """SIGKILL ``worker`` once ``master`` says that spawning is complete (every worker reported its users, or on
-    a loaded machine its wait for those reports ran out)."""
+def _wait_for_spawning(master: Program, timeout_s: float = 240) -> None:
+    """Until ``master`` says that spawning is complete."""
     deadline = time.monotonic() + timeout_s
     while not any(done in master.output for done in ("All users spawned", "Spawning is complete")):
         assert time.monotonic() < deadline and master.proc.poll() is None, master.output[-4000:]
         time.sleep(0.05)
-    worker.proc.kill()
 
 
 def _wait(program: Program, timeout_s: float) -> int:
@@ -228,7 +229,7 @@ def test_a_worker_killed_during_the_run_makes_the_master_fail_without_waiting_fo
     proc, ready = start_server(collector, "grpc", tmp_path)
     try:
         run = run_cluster(["--zoomer-no-profile"], telemetry_env(collector), tmp_path, f"127.0.0.1:{ready['port']}",
-                          run_s=10, kill_a_worker=True)
+                          run_s=10, once_spawned=lambda master, workers: workers[0].proc.kill())
     finally:
         assert stop_process(proc, 60) == 0
     everything = "\n=====\n".join([run.master_output[-6000:], *run.worker_outputs])
@@ -277,3 +278,33 @@ def test_calls_that_end_during_the_graceful_stop_are_in_the_masters_figures(coll
     served = [r for r in collector.spans("SERVER") if r["attributes"]["rpc.method"] == "test.Slow/Call"]
     assert client["test.Slow/Call"]["failures"] == 0
     assert client["test.Slow/Call"]["count"] == len(served) > 0
+
+
+def _terminate_after(delay_s: float) -> Callable[[Program, list[Program]], None]:
+    def terminate(master: Program, workers: list[Program]) -> None:
+        time.sleep(delay_s)
+        master.proc.send_signal(signal.SIGTERM)
+
+    return terminate
+
+
+@pytest.mark.timeout(600)
+def test_a_master_stopped_by_sigterm_counts_the_workers_last_reports_before_it_decides(
+        collector: Any, telemetry: Any, tmp_path: Path) -> None:
+    """SIGTERM to the master while its workers' users call (their own statistics reports not due yet): locust
+    decided the exit code from the reports received so far, none, so the master said that no request was
+    sent and exited 1 (as a master stopped within a worker's first 3 s report interval did). It now collects
+    the workers' last reports first: exit 0, and its figures equal what the server served."""
+    with slow_server(telemetry, latency_s=0.01) as target:
+        run = run_cluster(["--zoomer-no-profile"], telemetry_env(collector), tmp_path, target, run_s=120,
+                          worker_locustfile=QUIET_LOCUSTFILE, locustfile=QUIET_LOCUSTFILE,
+                          once_spawned=_terminate_after(2.0))
+    everything = "\n=====\n".join([run.master_output[-6000:], *run.worker_outputs])
+    assert "Got SIGTERM signal" in run.master_output, everything
+    assert "no request was sent" not in run.master_output, everything
+    assert run.master_rc == 0 and run.worker_rcs == [0, 0], (run.master_rc, run.worker_rcs, everything)
+    assert run.summary is not None
+    client = {c["name"]: c for c in run.summary["client"]}
+    served = [r for r in collector.spans("SERVER") if r["attributes"]["rpc.method"] == "test.Slow/Call"]
+    assert client["test.Slow/Call"]["failures"] == 0
+    assert client["test.Slow/Call"]["count"] == len(served) > 0, (client, len(served))

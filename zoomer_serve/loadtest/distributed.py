@@ -17,7 +17,7 @@ and workers (locust's distributed mode). Imports gevent; used by :mod:`zoomer_se
   worker missing for :data:`MISSING_GIVE_UP_S` seconds.
 - **Exit code.** The deciding process (a single process or the master) exits 1 when a worker failed, or
   when a test ran and no request was sent, whatever locust would have answered (it exits 0 when every
-  worker failed before sending anything).
+  worker failed before sending anything). A master stopped by a signal first collects the last reports.
 """
 
 from __future__ import annotations
@@ -137,6 +137,17 @@ class RunCheck:
         """Some worker has not sent its last report and has not been missing for :data:`MISSING_GIVE_UP_S`."""
         return any(client.id in self._awaiting and not _gone(client) for client in runner.clients.all)
 
+    @staticmethod
+    def _stop_test_first(runner: Any) -> None:
+        """A master stopped by a signal (Ctrl+C, SIGTERM) while its test runs: stop the test now, as locust's
+        ``quit`` does next, so that the workers' last reports (:meth:`_collect_last_reports`) are counted
+        before the exit code is decided. locust decides it first, from the reports so far: one stopped within
+        a worker's first report interval (3 s) would say that no request was sent."""
+        from locust.runners import STATE_INIT, STATE_STOPPED, STATE_STOPPING, MasterRunner
+
+        if isinstance(runner, MasterRunner) and runner.state not in (STATE_INIT, STATE_STOPPING, STATE_STOPPED):
+            runner.stop(send_stop_to_client=False)
+
     # -- deciding process ----------------------------------------------------------------------------------
     def _on_test_start(self, **_: Any) -> None:
         self.test_started = True
@@ -149,6 +160,7 @@ class RunCheck:
         return found
 
     def _on_quitting(self, environment: Any, **_: Any) -> None:
+        self._stop_test_first(environment.runner)
         problems = self.problems()
         if not problems:
             return
