@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,13 @@ from zoomer_serve.collector import EmbeddedCollector
 from zoomer_serve.collector.store import open_readonly
 
 os.environ.setdefault("OTEL_METRIC_EXPORT_INTERVAL", "60000")
+
+# A suite started in the background by a shell without job control (`nohup pytest &`, some CI runners) inherits
+# SIGINT ignored, and so would every server it starts: the tests that stop one as Ctrl+C does would wait in vain
+# (such a process keeps an ignored signal ignored, as it should). Give this process, and so its children, the
+# default that a terminal gives.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @dataclass
