@@ -142,10 +142,11 @@ class RunCheck:
         """A master stopped by a signal (Ctrl+C, SIGTERM) while its test runs: stop the test now, as locust's
         ``quit`` does next, so that the workers' last reports (:meth:`_collect_last_reports`) are counted
         before the exit code is decided. locust decides it first, from the reports so far: one stopped within
-        a worker's first report interval (3 s) would say that no request was sent."""
-        from locust.runners import STATE_INIT, STATE_STOPPED, STATE_STOPPING, MasterRunner
+        a worker's first report interval (3 s) would say that no request was sent. (locust's ``stop`` does
+        nothing when no test runs or one is already stopping.)"""
+        from locust.runners import MasterRunner
 
-        if isinstance(runner, MasterRunner) and runner.state not in (STATE_INIT, STATE_STOPPING, STATE_STOPPED):
+        if isinstance(runner, MasterRunner):
             runner.stop(send_stop_to_client=False)
 
     # -- deciding process ----------------------------------------------------------------------------------
