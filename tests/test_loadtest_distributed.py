@@ -43,6 +43,10 @@ class Cluster:
     worker_outputs: list[str]
     summary: dict[str, Any] | None
 
+    def everything(self) -> str:
+        """The master's last output and each worker's whole output, for an assertion's message."""
+        return "\n=====\n".join([self.master_output[-6000:], *self.worker_outputs])
+
 
 def run_cluster(master_args: list[str], env: dict[str, str], tmp_path: Path, host: str,
                 worker_locustfile: str = LOCUSTFILE, run_s: int = 4, locustfile: str = LOCUSTFILE,
@@ -199,7 +203,7 @@ def test_workers_that_fail_make_the_master_fail_and_a_run_without_requests_is_ne
                           f"127.0.0.1:{ready['port']}", worker_locustfile=worker_locustfile)
     finally:
         assert stop_process(proc, 60) == 0
-    everything = "\n=====\n".join([run.master_output[-6000:], *run.worker_outputs])
+    everything = run.everything()
     assert all(rc in exit_codes for rc in run.worker_rcs), (run.worker_rcs, everything)
     assert all("KeyError: 'RankerGrpcUser'" in out for out in run.worker_outputs), everything
     assert run.master_rc == 1, everything
@@ -232,7 +236,7 @@ def test_a_worker_killed_during_the_run_makes_the_master_fail_without_waiting_fo
                           run_s=10, once_spawned=lambda master, workers: workers[0].proc.kill())
     finally:
         assert stop_process(proc, 60) == 0
-    everything = "\n=====\n".join([run.master_output[-6000:], *run.worker_outputs])
+    everything = run.everything()
     assert run.worker_rcs == [-9, 0], (run.worker_rcs, everything)
     assert run.master_rc == 1, everything
     failed = re.findall(r"worker (\S+) failed: (.*)", run.master_output)
@@ -240,7 +244,23 @@ def test_a_worker_killed_during_the_run_makes_the_master_fail_without_waiting_fo
     assert f"Worker {failed[0][0]} failed to send heartbeat" in run.master_output
     assert "no last report from" not in run.master_output, everything
     assert "the run failed: 1 worker(s) failed (exit code 1)" in run.master_output, everything
-    assert run.summary is not None and sum(c["count"] for c in run.summary["client"] if c["name"] != "Aggregated") > 0
+    assert run.summary is not None
+    reported = sum(c["count"] for c in run.summary["client"] if c["name"] != "Aggregated")
+    rows = collector.spans()
+    served = [r for r in rows if r["kind"] == "SERVER" and r["service_name"] == SERVER_SERVICE]
+    # every call the master counts was served (the killed worker's calls after its last report were served too,
+    # uncounted); the surviving worker's client spans and the server spans under them match one for one (the
+    # killed worker's last client spans died with it: their server spans have no parent in the store)
+    assert 0 < reported <= len(served), (reported, len(served))
+    clients = {(r["trace_id"], r["span_id"]): r["resource_attributes"]["service.instance.id"] for r in rows
+               if r["kind"] == "CLIENT"}
+    per_instance = {i: [sum(1 for v in clients.values() if v == i), 0] for i in set(clients.values())}
+    for row in served:
+        instance = clients.get((row["trace_id"], row["parent_span_id"]))
+        if instance is not None:
+            per_instance[instance][1] += 1
+    assert 1 <= len(per_instance) <= 2, per_instance  # the killed one may have exported no client span at all
+    assert any(n_client == n_server > 0 for n_client, n_server in per_instance.values()), per_instance
 
 
 @contextmanager
@@ -299,7 +319,7 @@ def test_a_master_stopped_by_sigterm_counts_the_workers_last_reports_before_it_d
         run = run_cluster(["--zoomer-no-profile"], telemetry_env(collector), tmp_path, target, run_s=120,
                           worker_locustfile=QUIET_LOCUSTFILE, locustfile=QUIET_LOCUSTFILE,
                           once_spawned=_terminate_after(2.0))
-    everything = "\n=====\n".join([run.master_output[-6000:], *run.worker_outputs])
+    everything = run.everything()
     assert "Got SIGTERM signal" in run.master_output, everything
     assert "no request was sent" not in run.master_output, everything
     assert run.master_rc == 0 and run.worker_rcs == [0, 0], (run.master_rc, run.worker_rcs, everything)
