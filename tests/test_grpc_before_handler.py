@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 import pytest
 from _never_lost import note
+from _span_wait import SpanWatch
 from google.protobuf.wrappers_pb2 import StringValue
 
 from interceptors import ZoomerAioServerInterceptor, ZoomerServerInterceptor
@@ -116,6 +117,12 @@ def typed(telemetry, flavour):
     server.stop(None)
 
 
+@pytest.fixture
+def watch(telemetry) -> SpanWatch:
+    """Counts the server's spans as they end (created before the test's first call)."""
+    return SpanWatch(telemetry.recorder)
+
+
 def _code_of(call) -> str:
     try:
         call()
@@ -131,8 +138,16 @@ def _undecodable_code(flavour: str) -> str:
 
 
 def _server_codes(collector, method: str) -> Counter:
+    """The stored SERVER spans of ``method`` per status code (wait with :func:`_all_ended` first)."""
     return Counter(s["attributes"]["rpc.response.status_code"] for s in collector.spans("SERVER")
                    if s["name"] == f"{SERVICE}/{method}")
+
+
+def _all_ended(watch: SpanWatch, total: int) -> None:
+    """Wait until the server has ended ``total`` spans. A stream's span ends from grpc's callback once grpc has
+    finished the call, which may come after the client has its last reply: the store, read before then, would
+    miss it (a CI run saw the last of 101 calls missing)."""
+    assert watch.wait_ended(total), f"the server ended fewer than {total} spans"
 
 
 def _metric_codes(collector, method: str) -> Counter:
@@ -147,7 +162,7 @@ def _metric_codes(collector, method: str) -> Counter:
 
 @pytest.mark.slow
 def test_c16_undecodable_and_oversized_requests_among_good_ones_are_counted_with_their_status(
-        typed, collector, flavour, caplog):
+        typed, watch, collector, flavour, caplog):
     """C16: N calls of each kind, interleaved; every call the server answers has one span and one count, with
     the status the client got (unary requests over the limit: see the next test)."""
     caplog.set_level(logging.CRITICAL)  # grpc logs every undecodable request (as it does without zoomer-serve)
@@ -169,6 +184,7 @@ def test_c16_undecodable_and_oversized_requests_among_good_ones_are_counted_with
     # the server's view: a stream cut by the size limit is cancelled under its handler
     expected = {"Unary": {"OK": n, bad: n}, "Collect": {"OK": n, bad: n, "CANCELLED": n},
                 "Chat": {"OK": n, bad: n, "CANCELLED": n}}
+    _all_ended(watch, sum(sum(c.values()) for c in expected.values()))
     stored = {m: _server_codes(collector, m) for m in expected}
     note("C16", f"undecodable and oversized requests among good ones ({flavour} server)",
          sum(sum(c.values()) for c in sent.values()), sum(sum(c.values()) for c in stored.values()))
@@ -184,7 +200,7 @@ def test_c16_undecodable_and_oversized_requests_among_good_ones_are_counted_with
 
 
 @pytest.mark.slow
-def test_c16_unary_request_over_the_size_limit_is_not_seen(typed, collector):
+def test_c16_unary_request_over_the_size_limit_is_not_seen(typed, watch, collector):
     """C16, the part grpc keeps from Python: a unary request over ``grpc.max_receive_message_length`` is
     answered RESOURCE_EXHAUSTED by grpc's core; neither the handler nor the deserializer runs, so there is no
     span and no count (docs/wrapping-servers.md says so). The day grpc gives Python a hook for it, this test fails."""
@@ -192,12 +208,14 @@ def test_c16_unary_request_over_the_size_limit_is_not_seen(typed, collector):
     codes = Counter(_code_of(lambda: unary(OVERSIZED, timeout=CALL_TIMEOUT_S)) for _ in range(5))
     assert codes == {"RESOURCE_EXHAUSTED": 5}
     assert unary(GOOD, timeout=CALL_TIMEOUT_S) == GOOD
+    _all_ended(watch, 1)
+    assert not watch.wait_ended(2, timeout_s=0.5)
     assert _server_codes(collector, "Unary") == {"OK": 1}
     assert _metric_codes(collector, "Unary") == {"OK": 1}
 
 
 @pytest.mark.slow
-def test_c16_cancelled_bidi_streams_end_cancelled(typed, collector, flavour):
+def test_c16_cancelled_bidi_streams_end_cancelled(typed, watch, collector, flavour):
     """C16: bidirectional streams cancelled by the client after the first reply, while the handler waits for
     the next message; several clients at once, so that grpc's server thread has a queue of events. The cancel
     reaches the handler as the end of its request stream as often as not; the span still ends CANCELLED
@@ -225,6 +243,7 @@ def test_c16_cancelled_bidi_streams_end_cancelled(typed, collector, flavour):
     assert list(chat(iter([GOOD, END]), timeout=CALL_TIMEOUT_S)) == [
         StringValue(value="A").SerializeToString(), StringValue(value="END").SerializeToString()]
     expected = {"CANCELLED": clients * per_client, "OK": 1}
+    _all_ended(watch, sum(expected.values()))
     assert _server_codes(collector, "Chat") == expected
     assert _metric_codes(collector, "Chat") == expected
 
