@@ -51,6 +51,7 @@ def test_cpu_time_is_below_wall_time_and_tells_computing_from_waiting(model: DLR
                                 config=ServiceConfig(slow_preprocess_iterations=SLOW_ITERATIONS))
     echo, target = grpc_echo.start_server([ZoomerServerInterceptor(telemetry.recorder, excluded_methods=())])
     client = grpc_echo.Client(target)
+    step_ns = _cpu_ns_of_the_slow_step()
     try:
         load = drive_load(f"127.0.0.1:{port}", 30.0, clients=1, batch_size=4, max_requests=20, stream_share=0.0,
                           invalid_share=0.0)
@@ -69,22 +70,25 @@ def test_cpu_time_is_below_wall_time_and_tells_computing_from_waiting(model: DLR
         assert 0 < span["attributes"][REQUEST_CPU_TIME] < span["duration_ns"], span["attributes"]
     busy, idle = statistics.median(map(cpu_share, computing)), statistics.median(map(cpu_share, waiting))
     assert busy > 5 * idle, (busy, idle)
-    # Each computing request ran the preprocessing step at least: its CPU time, measured here on this thread,
-    # is a floor that other work on the machine does not lower (the share of the wall time would: the thread
-    # waits for a core while another suite runs beside this one).
-    work_ns = _cpu_ns_of_the_slow_step()
+    # Each computing request ran the preprocessing step at least: its CPU time is at least that step's. The
+    # step's CPU time, measured on this thread before and after the load, is not fixed either: a vCPU does less
+    # per ns while its physical core runs another thread as a hyperthread (a CI run measured 3.1 ms for the
+    # requests and 4.5 ms for the median of 5 runs of the step afterwards). The fastest of 10 runs is close to
+    # the step's cost without such a neighbour, which no request goes below; the margin takes what is left.
+    step_ns = min(step_ns, _cpu_ns_of_the_slow_step())
     request_ns = statistics.median(s["attributes"][REQUEST_CPU_TIME] for s in computing)
-    assert request_ns > 0.7 * work_ns, (request_ns, work_ns)
+    assert request_ns > 0.6 * step_ns, (request_ns, step_ns)
 
 
 def _cpu_ns_of_the_slow_step() -> int:
-    """This thread's CPU time (ns) for the demo's slow preprocessing step of SLOW_ITERATIONS rounds (median of 5)."""
+    """This thread's CPU time (ns) for the demo's slow preprocessing step of SLOW_ITERATIONS rounds (the least
+    of 5 runs)."""
     runs = []
     for _ in range(5):
         start = time.thread_time_ns()
         hash_ids_slowly(SimpleNamespace(candidates=[]), SLOW_ITERATIONS)
         runs.append(time.thread_time_ns() - start)
-    return int(statistics.median(runs))
+    return min(runs)
 
 
 @pytest.mark.slow
