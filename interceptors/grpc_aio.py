@@ -11,7 +11,8 @@ The spans are those of the sync interceptor (:mod:`interceptors.grpc_server`): b
 names, attributes, status mapping, request observers (GPU memory, profiling) and metrics are identical.
 Only how a handler is driven differs:
 
-- ``async def`` unary-response handlers: the span ends when the coroutine returns or raises.
+- ``async def`` unary-response handlers: the span ends when the coroutine raises, or once grpc has serialized
+  the response it returned (see below).
 - async-generator handlers (``yield`` responses): the span is current around each step and ends after the
   last message (or on an exception, or when the call is cancelled).
 - read/write-style handlers (``await context.read()`` / ``await context.write()``, returning nothing): the
@@ -36,6 +37,11 @@ Calls that fail before or around the handler (C16; the sync module's docstring h
   traced handler raises the same exception there, without calling the application, so grpc does and answers
   the same and the call has its span (UNKNOWN, ``error.type`` = the exception's type, an ``exception``
   event). In a request stream the exception is raised from the handler's read, as grpc.aio raises it.
+- a response the method's serializer rejects: grpc.aio raises the serializer's exception in the call's task
+  (it then logs it and answers UNKNOWN, or the code the handler set). The interceptor's wrapper of the
+  serializer ends the span so; a unary response's span ends once the response is serialized, with its
+  serialized size (:mod:`interceptors.grpc_serialized`, shared with the sync server). A read/write-style
+  handler gets the exception from its ``write`` and ends as it handles it.
 - a client's cancel (or grpc's size limit cutting a request stream) reaches a handler blocked on its next
   request message as the end of the stream as often as not; the wrapper yields to the event loop once before
   it reports such a call complete, so that grpc's cancel of the task arrives first in most of them (see
@@ -46,6 +52,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextvars
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -54,10 +61,22 @@ from typing import Any, NoReturn
 import grpc
 
 from interceptors.grpc_common import ServerCallTracer, ServerInterceptorCore, UndecodableRequest, message_size
+from interceptors.grpc_serialized import (
+    Entry,
+    end_left_calls,
+    handler_returned,
+    leave_for_serializer,
+    unary_serializer,
+)
 from zoomer_serve.recording import RequestSpan, internal_error
 
 logger = logging.getLogger("zoomer_serve")
 _EOF = grpc.aio.EOF
+_SERIALIZED = (None, grpc.StatusCode.OK)  # the codes (``context.code()``) with which grpc.aio serializes a response
+
+_STREAMING: contextvars.ContextVar[tuple[ServerCallTracer, RequestSpan, grpc.aio.ServicerContext, list[int]] | None] \
+    = contextvars.ContextVar("zoomer_streaming", default=None)
+"""The call whose async-generator responses grpc.aio is serializing (in the call's task)."""
 
 
 def _delegate(name: str) -> Callable[..., Any]:
@@ -238,12 +257,36 @@ def _wrap_coroutine(tracer: ServerCallTracer, behavior: Callable[..., Awaitable[
             raise
         if span is not None:
             span.deactivate()
-        if response is not None and not streaming_response:
-            counts[2], counts[3] = 1, message_size(response)
-        tracer.finish(span, context, None, counts)
+            if not streaming_response and tracer.late_end and span.is_open and context.code() in _SERIALIZED:
+                leave_for_serializer((tracer, span, context, counts, False, response, span.now_ns()))
+                return response
+        handler_returned(tracer, span, context, counts, False, None if streaming_response else response)
         return response
 
     return call
+
+
+def _not_serialized(entry: Entry, exc: BaseException | None) -> None:
+    """grpc.aio answers a response its serializer rejects as an exception in the handler (UNKNOWN)."""
+    tracer, span, context, counts = entry[:4]
+    tracer.finish(span, context, exc, counts, call_over=False)
+
+
+def _serializer_of_stream(serializer: Callable[[Any], bytes] | None) -> Callable[[Any], bytes]:
+    """An async-generator response stream's serializer: a message that ``serializer`` rejects ends the
+    stream's span as grpc.aio ends the call then (:func:`_not_serialized`). A read/write-style
+    handler gets the exception from its ``write`` and decides itself."""
+
+    def serialize(message: Any) -> bytes:
+        try:
+            return message if serializer is None else serializer(message)
+        except BaseException as exc:
+            entry = _STREAMING.get()
+            if entry is not None:
+                _not_serialized((*entry, False, None, 0), exc)
+            raise
+
+    return serialize
 
 
 def _wrap_async_generator(tracer: ServerCallTracer, behavior: Callable[..., AsyncIterator[Any]],
@@ -259,6 +302,7 @@ def _wrap_async_generator(tracer: ServerCallTracer, behavior: Callable[..., Asyn
         error: BaseException | None = None
         try:
             if span is not None:
+                _STREAMING.set((tracer, span, context, counts))
                 span.activate()
             try:
                 if refuse and request.__class__ is UndecodableRequest:
@@ -321,3 +365,10 @@ class ZoomerAioServerInterceptor(ServerInterceptorCore, grpc.aio.ServerIntercept
             return _wrap_coroutine(tracer, behavior, request_streaming, response_streaming)
         logger.warning("zoomer-serve: %s has a sync handler on a grpc.aio server; it is not traced", tracer.name)
         return None
+
+    def _wrap_serializer(self, tracer: ServerCallTracer, serializer: Callable[[Any], bytes] | None,
+                         response_streaming: bool) -> Callable[[Any], Any]:
+        self.recorder.add_before_shutdown(end_left_calls)
+        if response_streaming:
+            return _serializer_of_stream(serializer)
+        return unary_serializer(tracer, serializer, _not_serialized)

@@ -323,7 +323,7 @@ class ServerCallTracer:
     the sync API asks ``context.is_active()``, grpc.aio sees ``asyncio.CancelledError``.
     """
 
-    __slots__ = ("recorder", "dup", "peers", "static", "name", "call_over", "place", "_by_peer")
+    __slots__ = ("recorder", "dup", "peers", "static", "name", "call_over", "place", "late_end", "_by_peer")
 
     def __init__(self, core: ServerInterceptorCore, names: MethodNames, call_over: CallOver) -> None:
         self.recorder = core.recorder
@@ -333,6 +333,10 @@ class ServerCallTracer:
         self.name = names.rpc_method
         self.call_over = call_over
         self.place = core.place
+        # A unary response's span ends once grpc has serialized it (the flavour's serializer wrapper), until a
+        # call shows that grpc does not call that wrapper after this method's handler (an interceptor around
+        # this one that drops it or raises): then at the handler's return, as for every call before.
+        self.late_end = True
         self._by_peer: dict[str | None, dict[str, Any]] = {}  # static + peer attributes, per peer string
 
     def start(self, context: Any) -> RequestSpan | None:
@@ -369,12 +373,14 @@ class ServerCallTracer:
 
     def finish(self, span: RequestSpan | None, context: Any, exc: BaseException | None, counts: list[int],
                call_over: bool | None = None,
-               status: tuple[grpc.StatusCode, str | None, str | None] | None = None) -> None:
+               status: tuple[grpc.StatusCode, str | None, str | None] | None = None,
+               end_ns: int | None = None) -> None:
         """End ``span`` (once; later calls do nothing) with the call's final status, the exception (unless
         quiet, see :func:`is_quiet_exception`) and ``counts`` = [request messages, request bytes, response
         messages, response bytes]. ``call_over`` overrides the flavour's own test; ``status`` =
         ``(code, details, error_type)`` is used instead of reading it from the context (an aio ``abort()``
-        that is about to send it)."""
+        that is about to send it, a response that grpc could not serialize); ``end_ns``: the end time (the
+        span's clock, ns; default now)."""
         if span is None or not span.is_open:
             return
         try:
@@ -391,7 +397,7 @@ class ServerCallTracer:
                 attrs[STATUS_CODE] = "OK"  # the common path: what apply_status sets for OK
             else:
                 apply_status(span, code, details, self.dup, error_type)
-            span.end()
+            span.end(end_ns)
         except Exception as err:
             internal_error(self.place + ".finish", err)
 
@@ -449,6 +455,12 @@ class ServerInterceptorCore:
         unary request arrives as ``(message, bytes received)`` (wrapped by :func:`_sized`)."""
         raise NotImplementedError
 
+    def _wrap_serializer(self, tracer: ServerCallTracer, serializer: Callable[[Any], bytes] | None,
+                         response_streaming: bool) -> Callable[[Any], bytes | None] | None:
+        """The response serializer grpc gets with the traced handler (each flavour ends or marks the span of
+        a response that fails to serialize there); the base class hands it on unchanged."""
+        return serializer
+
     def _handler_for(self, handler: grpc.RpcMethodHandler | None, method: str) -> grpc.RpcMethodHandler | None:
         """The traced handler for ``handler`` (cached per method); None stays None (unknown method: grpc
         answers UNIMPLEMENTED itself, C02); on any internal error, the handler unchanged."""
@@ -480,4 +492,4 @@ class ServerInterceptorCore:
             return handler
         if deserializer is not None:
             deserializer = (_sized if sized else _checked)(deserializer, self.sync_grpc)
-        return factory(behavior, deserializer, handler.response_serializer)
+        return factory(behavior, deserializer, self._wrap_serializer(tracer, handler.response_serializer, kind[1]))

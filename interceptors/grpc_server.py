@@ -6,7 +6,7 @@ Usage::
 
 The interceptor wraps each method handler once (cached per method) so that every call opens a request span
 through the shared recorder, makes it current for the handler (OpenTelemetry spans that the handler starts
-become its children), and ends it exactly once: after the response for unary responses, after the last
+become its children), and ends it exactly once: once grpc has serialized a unary response, after the last
 streamed message, or when the call is cancelled or its deadline passes. Anything that goes wrong inside the
 interceptor is counted and logged once; the call itself proceeds unchanged (fail open). Handler exceptions
 are recorded on the span and re-raised unchanged.
@@ -24,6 +24,11 @@ Calls that fail before or around the handler (C16):
   not when the handler returns: only then does grpc know whether the end of the request stream was the
   client's last message or its cancel (the span then ends CANCELLED). Such spans end on grpc's thread, so
   they carry no ``zoomer.request.cpu_time_ns``.
+- a response the method's serializer rejects (raises, or returns None): grpc answers INTERNAL ``Failed to
+  serialize response!`` after the handler has returned. The interceptor hands grpc a wrapper of the method's
+  serializer that ends the span so (the serializer's exception as an ``exception`` event); a unary response's
+  span therefore ends once the response is serialized, with its serialized size
+  (:mod:`interceptors.grpc_serialized`, which also says what happens when grpc does not call that wrapper).
 - a message over ``grpc.max_receive_message_length`` never reaches Python: grpc's core answers
   RESOURCE_EXHAUSTED. A unary request's call is not seen at all (the handler never runs); in a request stream
   the handler sees a cancel, and the span ends CANCELLED.
@@ -31,7 +36,9 @@ Calls that fail before or around the handler (C16):
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
+from threading import get_ident
 from typing import Any, NoReturn
 
 import grpc
@@ -43,12 +50,27 @@ from interceptors.grpc_common import (
     UndecodableRequest,
     message_size,
 )
+from interceptors.grpc_serialized import (
+    Entry,
+    end_left_calls,
+    handler_returned,
+    leave_for_serializer,
+    unary_serializer,
+)
 from zoomer_serve.recording import RequestSpan, internal_error
 
 try:  # grpc's own record of whether the client cancelled a call; the public API has no such question
     from grpc._server import _CANCELLED as _GRPC_CLIENT_CANCELLED
 except ImportError:  # pragma: no cover - another grpc layout: request streams end as before (is_active())
     _GRPC_CLIENT_CANCELLED = None
+
+
+SERIALIZE_FAILED_DETAILS = "Failed to serialize response!"
+"""What grpc's sync server answers (INTERNAL) for a response its serializer rejects (raises, or returns None)."""
+
+_STREAMING: dict[int, tuple[ServerCallTracer, RequestSpan, grpc.ServicerContext, list[int]]] = {}
+"""Per grpc thread: the call whose response stream it is iterating (and serializing, message by message)."""
+os.register_at_fork(after_in_child=_STREAMING.clear)  # the parent's calls are the parent's to end
 
 
 def _client_cancelled(context: grpc.ServicerContext) -> bool | None:
@@ -143,15 +165,45 @@ def _wrap_unary_response(tracer: ServerCallTracer, behavior: Callable[..., Any],
             raise
         if span is not None:
             span.deactivate()
-        if response is not None:
-            counts[2], counts[3] = 1, message_size(response)
-        if deferred:
-            counts[4] = 1  # grpc's callback ends the span once the status has gone (or the cancel is known)
-        else:
-            tracer.finish(span, context, None, counts)
+            if tracer.late_end:
+                if deferred:  # counted now: grpc's callback ends the span, unless the serializer ends it first
+                    handler_returned(tracer, span, context, counts, True, response)
+                leave_for_serializer((tracer, span, context, counts, deferred, response, span.now_ns()))
+                return response
+        handler_returned(tracer, span, context, counts, deferred, response)
         return response
 
     return call
+
+
+def _not_serialized(entry: Entry, exc: BaseException | None) -> None:
+    """grpc's sync server answers INTERNAL for a response its serializer rejects."""
+    tracer, span, context, counts = entry[:4]
+    tracer.finish(span, context, exc, counts, status=(grpc.StatusCode.INTERNAL, SERIALIZE_FAILED_DETAILS, None))
+
+
+def _serializer_of_stream(serializer: Callable[[Any], bytes] | None) -> Callable[[Any], bytes | None]:
+    """A response stream's serializer: a message that ``serializer`` rejects (raises, or returns None) ends
+    the stream's span INTERNAL, as grpc ends the call then (the exception as an ``exception`` event)."""
+
+    def serialize(message: Any) -> bytes | None:
+        try:
+            data = message if serializer is None else serializer(message)
+        except BaseException as exc:
+            _stream_not_serialized(exc)
+            raise
+        if data is None:
+            _stream_not_serialized(None)
+        return data
+
+    return serialize
+
+
+def _stream_not_serialized(exc: BaseException | None) -> None:
+    entry = _STREAMING.get(get_ident())
+    if entry is not None:
+        tracer, span, context, counts = entry
+        tracer.finish(span, context, exc, counts, status=(grpc.StatusCode.INTERNAL, SERIALIZE_FAILED_DETAILS, None))
 
 
 def _wrap_stream_response(tracer: ServerCallTracer, behavior: Callable[..., Any], streaming_request: bool,
@@ -172,8 +224,10 @@ def _traced_stream(tracer: ServerCallTracer, span: RequestSpan | None, behavior:
     the last message (``deferred``: grpc's callback ends it once the status has gone or the cancel is known),
     on an exception, or when grpc stops iterating (client cancel: GeneratorExit)."""
     error: BaseException | None = None
+    entry, ident = None, get_ident()  # the thread that iterates the stream and serializes its messages
     try:
         if span is not None:
+            entry = _STREAMING[ident] = (tracer, span, context, counts)
             span.activate()
         try:
             if refuse and request.__class__ is UndecodableRequest:
@@ -199,6 +253,8 @@ def _traced_stream(tracer: ServerCallTracer, span: RequestSpan | None, behavior:
         error = exc
         raise
     finally:
+        if entry is not None and _STREAMING.get(ident) is entry:
+            del _STREAMING[ident]
         if deferred and error is None:
             counts[4] = 1
         else:
@@ -227,3 +283,10 @@ class ZoomerServerInterceptor(ServerInterceptorCore, grpc.ServerInterceptor):
         if response_streaming:
             return _wrap_stream_response(tracer, behavior, request_streaming, sized)
         return _wrap_unary_response(tracer, behavior, request_streaming, sized)
+
+    def _wrap_serializer(self, tracer: ServerCallTracer, serializer: Callable[[Any], bytes] | None,
+                         response_streaming: bool) -> Callable[[Any], bytes | None]:
+        self.recorder.add_before_shutdown(end_left_calls)
+        if response_streaming:
+            return _serializer_of_stream(serializer)
+        return unary_serializer(tracer, serializer, _not_serialized)

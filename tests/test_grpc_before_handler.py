@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 import threading
 from collections import Counter
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -40,25 +42,32 @@ GOOD = StringValue(value="a").SerializeToString()
 END = StringValue(value="end").SerializeToString()
 UNDECODABLE = b"\x0a\x04\xff\xfe\xfd\xfc"  # field 1 (string) with bytes that are not UTF-8
 OVERSIZED = StringValue(value="x" * (2 * LIMIT)).SerializeToString()
+BAD_REPLY = StringValue(value="bad-reply").SerializeToString()  # the handlers answer it with NOT_A_MESSAGE
+NOT_A_MESSAGE = {"value": "A"}  # what a handler may return by mistake: the method's serializer rejects it
 CALL_TIMEOUT_S = 20
 
 
 # -- the service: sync handlers, and async handlers for grpc.aio -----------------------------------------------
+def _reply(value: str) -> Any:
+    return NOT_A_MESSAGE if value == "bad-reply" else StringValue(value=value)
+
+
 def _unary(request: StringValue, context: grpc.ServicerContext) -> StringValue:
-    return request
+    return _reply(request.value)
 
 
 def _collect(requests, context: grpc.ServicerContext) -> StringValue:
-    return StringValue(value="|".join(r.value for r in requests))
+    values = [r.value for r in requests]
+    return _reply("bad-reply" if "bad-reply" in values else "|".join(values))
 
 
 def _chat(requests, context: grpc.ServicerContext):
     for r in requests:
-        yield StringValue(value=r.value.upper())
+        yield _reply(r.value if r.value == "bad-reply" else r.value.upper())
 
 
 async def _unary_aio(request: StringValue, context: grpc.aio.ServicerContext) -> StringValue:
-    return request
+    return _reply(request.value)
 
 
 async def _await_the_cancel_of_a_cut_stream(values: list[str]) -> None:
@@ -71,14 +80,14 @@ async def _await_the_cancel_of_a_cut_stream(values: list[str]) -> None:
 async def _collect_aio(requests, context: grpc.aio.ServicerContext) -> StringValue:
     values = [r.value async for r in requests]
     await _await_the_cancel_of_a_cut_stream(values)
-    return StringValue(value="|".join(values))
+    return _reply("bad-reply" if "bad-reply" in values else "|".join(values))
 
 
 async def _chat_aio(requests, context: grpc.aio.ServicerContext):
     values = []
     async for r in requests:
         values.append(r.value)
-        yield StringValue(value=r.value.upper())
+        yield _reply(r.value if r.value == "bad-reply" else r.value.upper())
     await _await_the_cancel_of_a_cut_stream(values)
 
 
@@ -305,3 +314,171 @@ def test_c16_the_sync_interceptor_can_read_grpcs_record_of_a_cancel(telemetry):
         channel.close()
         server.stop(None)
     assert seen == [False]
+
+
+# -- responses that grpc cannot serialize ------------------------------------------------------------------------
+def _size(*values: str) -> int:
+    return sum(len(StringValue(value=v).SerializeToString()) for v in values)
+
+
+@pytest.mark.slow
+def test_c16_responses_that_fail_to_serialize_end_with_the_status_the_client_gets(typed, watch, collector,
+                                                                                  flavour):
+    """C16, after the handler: a handler returns (or yields) what its method's serializer rejects (a dict in
+    place of the message). grpc's sync server then answers INTERNAL ("Failed to serialize response!"), grpc.aio
+    UNKNOWN. Among good calls of each kind, every call's span and ``rpc.server.call.duration`` count has the
+    status the client got, with the serializer's exception as the span's ``exception`` event; the good calls'
+    spans carry their responses' size in bytes."""
+    unary = typed.unary_unary(f"/{SERVICE}/Unary")
+    collect = typed.stream_unary(f"/{SERVICE}/Collect")
+    chat = typed.stream_stream(f"/{SERVICE}/Chat")
+    n = 5
+    sent: dict[str, Counter] = {"Unary": Counter(), "Collect": Counter(), "Chat": Counter()}
+    for _ in range(n):
+        for payload in (GOOD, BAD_REPLY):
+            stream = [GOOD, payload, END]
+            sent["Unary"][_code_of(lambda p=payload: unary(p, timeout=CALL_TIMEOUT_S))] += 1
+            sent["Collect"][_code_of(lambda s=stream: collect(iter(s), timeout=CALL_TIMEOUT_S))] += 1
+            sent["Chat"][_code_of(lambda s=stream: list(chat(iter(s), timeout=CALL_TIMEOUT_S)))] += 1
+    bad = "INTERNAL" if flavour == "sync" else "UNKNOWN"
+    assert sent == {m: {"OK": n, bad: n} for m in sent}
+    _all_ended(watch, 6 * n)
+    stored = {m: _server_codes(collector, m) for m in sent}
+    note("C16", f"responses that fail to serialize among good ones ({flavour} server)", 6 * n,
+         sum(sum(c.values()) for c in stored.values()))
+    assert stored == sent
+    assert {m: _metric_codes(collector, m) for m in sent} == sent
+    good_sizes = {"Unary": _size("a"), "Collect": _size("a|a|end"), "Chat": _size("A", "A", "END")}
+    for span in collector.spans("SERVER"):
+        attrs = span["attributes"]
+        if attrs["rpc.response.status_code"] == "OK":
+            assert attrs["zoomer.rpc.response.bytes"] == good_sizes[span["name"].split("/")[1]], span
+            assert span["status_code"] == "UNSET" and not span["events"]
+        else:
+            assert span["status_code"] == "ERROR"
+            assert [e["name"] for e in span["events"]] == ["exception"]
+            assert span["events"][0]["attributes"]["exception.type"] == "TypeError"
+
+
+class _Outer(grpc.ServerInterceptor):
+    """An interceptor around zoomer-serve's (listed first): for a "raise-after" request it raises once the
+    inner handler has returned (grpc answers UNKNOWN); with ``own_serializer`` it gives grpc the method's
+    serializer instead of the inner handler's (zoomer-serve's wrapper of it)."""
+
+    def __init__(self, own_serializer: bool = False) -> None:
+        self.own_serializer = own_serializer
+
+    def _handler(self, handler: grpc.RpcMethodHandler, behavior) -> grpc.RpcMethodHandler:
+        serializer = StringValue.SerializeToString if self.own_serializer else handler.response_serializer
+        return grpc.unary_unary_rpc_method_handler(behavior, handler.request_deserializer, serializer)
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        inner = handler.unary_unary
+
+        def behavior(request, context):
+            return _refuse_after(inner(request, context))
+
+        return self._handler(handler, behavior)
+
+
+class _OuterAio(_Outer, grpc.aio.ServerInterceptor):
+    """:class:`_Outer` for grpc.aio."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        inner = handler.unary_unary
+
+        async def behavior(request, context):
+            return _refuse_after(await inner(request, context))
+
+        return self._handler(handler, behavior)
+
+
+def _refuse_after(response: StringValue) -> StringValue:
+    if response.value == "raise-after":
+        raise RuntimeError("refused by the interceptor around zoomer-serve's")
+    return response
+
+
+def _serve_wrapped(flavour: str, own_serializer: bool = False):
+    """A server (sync: one worker thread) with :class:`_Outer` around zoomer-serve's interceptor; returns
+    (server, channel)."""
+    if flavour == "sync":
+        server = grpc.server(futures.ThreadPoolExecutor(1), handlers=[_handler(False)],
+                             interceptors=[_Outer(own_serializer), ZoomerServerInterceptor()])
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+    else:
+        async def setup(aio_server: grpc.aio.Server) -> None:
+            aio_server.add_generic_rpc_handlers((_handler(True),))
+
+        server = grpc_echo_aio.AioServerThread([_OuterAio(own_serializer), ZoomerAioServerInterceptor()], setup)
+        port = server.port
+    return server, grpc.insecure_channel(f"127.0.0.1:{port}")
+
+
+RAISE_AFTER = StringValue(value="raise-after").SerializeToString()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("own_serializer", [False, True])
+def test_a_span_left_for_a_serializer_that_grpc_never_calls_ends_as_its_handler_returned(
+        telemetry, collector, flavour, own_serializer):
+    """A unary call's span ends in zoomer-serve's wrapper of the response serializer. When grpc does not call
+    that wrapper after the handler (an interceptor around zoomer-serve's raised, or gave grpc another
+    serializer), the span still ends, with the time its handler returned, when the next call on the same
+    thread (grpc.aio: the event loop's) finds it left there; the method's spans end at the handler's return
+    from then on. No span is lost or ended twice; the spans say OK, which is how their handlers ended (the
+    interceptor's exception is not seen from inside it)."""
+    server, channel = _serve_wrapped(flavour, own_serializer)
+    unary = channel.unary_unary(f"/{SERVICE}/Unary")
+    try:
+        assert _code_of(lambda: unary(RAISE_AFTER, timeout=CALL_TIMEOUT_S)) == "UNKNOWN"
+        for _ in range(3):
+            assert unary(GOOD, timeout=CALL_TIMEOUT_S) == GOOD
+    finally:
+        channel.close()
+        server.stop(None)
+    spans = sorted(collector.spans("SERVER"), key=lambda s: s["start_ns"])
+    assert [s["attributes"]["rpc.response.status_code"] for s in spans] == ["OK"] * 4, spans
+    assert all(a["end_ns"] < b["start_ns"] for a, b in zip(spans, spans[1:]))  # each ended as its handler returned
+    assert _metric_codes(collector, "Unary") == {"OK": 4}
+
+
+@pytest.mark.slow
+def test_a_span_left_for_the_serializer_at_shutdown_is_stored(telemetry, collector, flavour):
+    """The last call of a thread whose span grpc left for the serializer (an interceptor around zoomer-serve's
+    raised after the handler) has no next call to end it: telemetry's shutdown does, before it flushes."""
+    server, channel = _serve_wrapped(flavour)
+    try:
+        assert _code_of(lambda: channel.unary_unary(f"/{SERVICE}/Unary")(RAISE_AFTER, timeout=CALL_TIMEOUT_S)) \
+            == "UNKNOWN"
+    finally:
+        channel.close()
+        server.stop(None)
+    (span,) = collector.spans("SERVER")
+    assert span["name"] == f"{SERVICE}/Unary"
+
+
+def test_a_forked_child_does_not_end_its_parents_calls():
+    """A call left for the serializer when the process forks is the parent's to end: in the child (where a
+    new thread may get the same thread id) the slots start empty, else the child would end and export it too."""
+    from interceptors import grpc_serialized
+
+    grpc_serialized._LEFT[-1] = ("a parent's call",)  # type: ignore[assignment]
+    try:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report and leave at once
+            os.write(write, str(len(grpc_serialized._LEFT)).encode())
+            os._exit(0)
+        os.waitpid(pid, 0)
+        assert os.read(read, 16) == b"0"
+        assert -1 in grpc_serialized._LEFT  # the parent keeps its own
+    finally:
+        grpc_serialized._LEFT.pop(-1, None)

@@ -74,6 +74,7 @@ class Telemetry:
     def _shutdown(self, timeout_s: float | None) -> ExportStats:
         budget = self.config.export.timeout_ms / 1000 if timeout_s is None else timeout_s
         deadline = time.monotonic() + budget + 1.0  # one deadline for every part, whatever the collector does
+        self.recorder.run_before_shutdown()  # first: spans that adapters still hold open
         if self.gpu is not None:  # first: it sends its last allocation totals through the pipeline
             self.gpu.shutdown()
         if self.host is not None:

@@ -278,6 +278,7 @@ class RequestRecorder:
         self.observers: tuple[RequestObserver, ...] = ()
         self.otel_attach: Callable[[RequestSpan], Any] | None = None
         self.otel_detach: Callable[[Any], None] = lambda token: None
+        self.before_shutdown: tuple[Callable[[], None], ...] = ()
         if otel_context:
             self._setup_otel_bridge()
 
@@ -304,6 +305,20 @@ class RequestRecorder:
 
     def remove_observer(self, observer: RequestObserver) -> None:
         self.observers = tuple(o for o in self.observers if o is not observer)
+
+    def add_before_shutdown(self, hook: Callable[[], None]) -> None:
+        """Have telemetry's shutdown call ``hook`` first (once per hook, however often added): an adapter ends
+        there the spans it holds open for a step of the server that may no longer come."""
+        if hook not in self.before_shutdown:
+            self.before_shutdown = (*self.before_shutdown, hook)
+
+    def run_before_shutdown(self) -> None:
+        """Call the hooks of :meth:`add_before_shutdown` (a hook's error is counted and logged, never raised)."""
+        for hook in self.before_shutdown:
+            try:
+                hook()
+            except Exception as exc:
+                internal_error("before_shutdown", exc)
 
     def start(self, name: str, kind: int = r.KIND_SERVER, attributes: dict[str, Any] | None = None,
               parent: ParentContext | None = None, start_ns: int | None = None,
