@@ -140,6 +140,24 @@ def _code_of(call) -> str:
     return "OK"
 
 
+def _send_mixed(channel: grpc.Channel, n: int, unary_payloads: tuple[bytes, ...], stream_middles: tuple[bytes, ...]
+                ) -> dict[str, Counter]:
+    """``n`` times: one Unary call per payload, then per middle message one Collect and one Chat call with the
+    stream ``[GOOD, middle, END]``; returns the codes the client got per method."""
+    unary = channel.unary_unary(f"/{SERVICE}/Unary")
+    collect = channel.stream_unary(f"/{SERVICE}/Collect")
+    chat = channel.stream_stream(f"/{SERVICE}/Chat")
+    sent: dict[str, Counter] = {"Unary": Counter(), "Collect": Counter(), "Chat": Counter()}
+    for _ in range(n):
+        for payload in unary_payloads:
+            sent["Unary"][_code_of(lambda p=payload: unary(p, timeout=CALL_TIMEOUT_S))] += 1
+        for middle in stream_middles:
+            stream = [GOOD, middle, END]
+            sent["Collect"][_code_of(lambda s=stream: collect(iter(s), timeout=CALL_TIMEOUT_S))] += 1
+            sent["Chat"][_code_of(lambda s=stream: list(chat(iter(s), timeout=CALL_TIMEOUT_S)))] += 1
+    return sent
+
+
 def _undecodable_code(flavour: str) -> str:
     """What grpc answers without zoomer-serve: the sync server INTERNAL ("Exception deserializing request!"),
     grpc.aio UNKNOWN (it raises the deserializer's exception in the call's task)."""
@@ -175,18 +193,8 @@ def test_c16_undecodable_and_oversized_requests_among_good_ones_are_counted_with
     """C16: N calls of each kind, interleaved; every call the server answers has one span and one count, with
     the status the client got (unary requests over the limit: see the next test)."""
     caplog.set_level(logging.CRITICAL)  # grpc logs every undecodable request (as it does without zoomer-serve)
-    unary = typed.unary_unary(f"/{SERVICE}/Unary")
-    collect = typed.stream_unary(f"/{SERVICE}/Collect")
-    chat = typed.stream_stream(f"/{SERVICE}/Chat")
     n = 10
-    sent: dict[str, Counter] = {"Unary": Counter(), "Collect": Counter(), "Chat": Counter()}
-    for _ in range(n):
-        for payload in (GOOD, UNDECODABLE):
-            sent["Unary"][_code_of(lambda p=payload: unary(p, timeout=CALL_TIMEOUT_S))] += 1
-        for middle in (GOOD, UNDECODABLE, OVERSIZED):
-            stream = [GOOD, middle, END]
-            sent["Collect"][_code_of(lambda s=stream: collect(iter(s), timeout=CALL_TIMEOUT_S))] += 1
-            sent["Chat"][_code_of(lambda s=stream: list(chat(iter(s), timeout=CALL_TIMEOUT_S)))] += 1
+    sent = _send_mixed(typed, n, (GOOD, UNDECODABLE), (GOOD, UNDECODABLE, OVERSIZED))
     bad = _undecodable_code(flavour)
     assert sent["Unary"] == {"OK": n, bad: n}
     assert sent["Collect"] == sent["Chat"] == {"OK": n, bad: n, "RESOURCE_EXHAUSTED": n}
@@ -329,17 +337,8 @@ def test_c16_responses_that_fail_to_serialize_end_with_the_status_the_client_get
     UNKNOWN. Among good calls of each kind, every call's span and ``rpc.server.call.duration`` count has the
     status the client got, with the serializer's exception as the span's ``exception`` event; the good calls'
     spans carry their responses' size in bytes."""
-    unary = typed.unary_unary(f"/{SERVICE}/Unary")
-    collect = typed.stream_unary(f"/{SERVICE}/Collect")
-    chat = typed.stream_stream(f"/{SERVICE}/Chat")
     n = 5
-    sent: dict[str, Counter] = {"Unary": Counter(), "Collect": Counter(), "Chat": Counter()}
-    for _ in range(n):
-        for payload in (GOOD, BAD_REPLY):
-            stream = [GOOD, payload, END]
-            sent["Unary"][_code_of(lambda p=payload: unary(p, timeout=CALL_TIMEOUT_S))] += 1
-            sent["Collect"][_code_of(lambda s=stream: collect(iter(s), timeout=CALL_TIMEOUT_S))] += 1
-            sent["Chat"][_code_of(lambda s=stream: list(chat(iter(s), timeout=CALL_TIMEOUT_S)))] += 1
+    sent = _send_mixed(typed, n, (GOOD, BAD_REPLY), (GOOD, BAD_REPLY))
     bad = "INTERNAL" if flavour == "sync" else "UNKNOWN"
     assert sent == {m: {"OK": n, bad: n} for m in sent}
     _all_ended(watch, 6 * n)
