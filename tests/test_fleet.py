@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import duckdb
 import pytest
 
+from zoomer_serve.analysis.findings import AT_STAKE, severity_for_share
 from zoomer_serve.collector.store import NO_EXTENSION_DOWNLOADS
 from zoomer_serve.fleet.aggregate import ReplicaFigures
 from zoomer_serve.fleet.cli import parse_since
@@ -60,6 +61,12 @@ def _check_report(report: dict[str, Any], truth: FleetTruth, replicas: int) -> N
     assert by_replica == truth.slow
     mix = [f for f in report["findings"] if f["id"] == "fleet.kernel-mix"]
     assert {f["evidence"]["instance"] for f in mix} == truth.kernel_mix
+    for f in report["findings"]:  # the analysis's one severity rule, from the share at stake
+        assert f["severity"] == severity_for_share(f["evidence"][AT_STAKE]), f
+    for i in SPEC.slow:  # latency x 2.5 (kernels x 1.8): 60 % of its tail time lies beyond its peers'
+        (f,) = [f for f in report["findings"] if f["id"] == "fleet.outlier-replica"
+                and f["evidence"]["instance"] == instance_name(i)]
+        assert 0.5 < f["evidence"][AT_STAKE] < 0.7 and f["severity"] == "high", f["evidence"]
     for f in mix:
         assert {"key": "zoomer.torch.version", "value": "2.14.0.dev", "peer_value": "2.13.0", "peer_share": 1.0} \
             in f["evidence"]["resource_differences"]

@@ -20,7 +20,8 @@ stands out on, with the resource attributes where it differs from its peers), ``
 per peer group: the kernels whose time per request varies most across replicas), ``fleet.kernel-mix`` (one
 per replica whose kernel mix, the share of kernel time per kernel, is far from its peers': kernels only it
 runs, kernels it lacks, and the resource attributes that differ, since a different torch, driver or model
-version is the usual cause).
+version is the usual cause). Each carries ``at_stake_share`` (:data:`FLEET_AT_STAKE_MEANING`) and takes its
+severity from it by the analysis's one rule (:func:`~zoomer_serve.analysis.findings.severity_for_share`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from zoomer_serve.analysis.findings import Finding
+from zoomer_serve.analysis.findings import AT_STAKE, Finding, severity_for_share
 from zoomer_serve.fleet.aggregate import ReplicaFigures
 from zoomer_serve.fleet.spans import LATENCY_BUCKETS_PER_DOUBLING
 from zoomer_serve.fleet.stats import Z_THRESHOLD, binomial_tail, robust
@@ -56,6 +57,17 @@ FLEET_DETECTOR_IDS = {
     "fleet.kernel-spread": "kernels whose time per request differs most between the replicas of a peer group",
     "fleet.kernel-mix": "a replica whose kernel mix differs from its peers', with the resource attributes that differ",
 }
+
+FLEET_AT_STAKE_MEANING = {
+    "fleet.outlier-replica": "the replica's distance from the peers' median / the larger of the two, on the figure "
+                             "where it stands out most (the share of its time, work or busy share beyond its peers')",
+    "fleet.kernel-spread": "time per request the most spread kernel takes above the median on its slowest replica / "
+                           "that replica's kernel time per request",
+    "fleet.kernel-mix": "the share of the replica's kernel time distributed unlike its peers' median mix (total "
+                        "variation distance)",
+}
+"""What ``at_stake_share`` measures for each fleet detector; the severity follows from it by the analysis's one rule
+(:func:`~zoomer_serve.analysis.findings.severity_for_share`)."""
 
 
 @dataclass(frozen=True)
@@ -199,21 +211,27 @@ def detect_outlier_replicas(replicas: list[ReplicaFigures], ranked: list[dict[st
         replica = next(r for r in peers if r.instance == instance)
         diffs = resource_differences(replica, peers)
         worst = rows[0]
-        severe = any(abs(o["z"]) >= 10 or o["ratio"] >= 2 or o["ratio"] <= 0.5 for o in rows)
+        at_stake = max(_beyond_peers(o["value"], o["peer_median"]) for o in rows)
         parts = [f"{o['label']}{' of ' + o['method'] if o['method'] else ''} {_fmt(o['value'], o['unit'])} vs "
                  f"peer median {_fmt(o['peer_median'], o['unit'])} ({o['ratio']:.2f}x, z {_z(o['z'])})" for o in rows]
         differs = ("; it differs from its peers in " + ", ".join(f"{d['key']} = {d['value']} (peers: {d['peer_value']})"
                                                                  for d in diffs[:5])) if diffs else ""
         out.append(Finding(
             id="fleet.outlier-replica", title=f"Replica {instance} stands out from its {worst['peers']} peers",
-            severity="high" if severe else "medium",
+            severity=severity_for_share(at_stake),
             summary=f"{service} on {gpu or 'CPU'}: " + "; ".join(parts) + differs + ".",
             evidence={"service": service, "gpu_model": gpu, "instance": instance, "host": replica.host,
                       "rank": worst["rank"], "metrics": rows, "resource_differences": diffs,
-                      "sessions": replica.sessions},
+                      "sessions": replica.sessions, AT_STAKE: at_stake},
             items=[{k: o[k] for k in ("metric", "method", "value", "peer_median", "z", "ratio", "unit")} for o in rows],
             recommendation=_outlier_advice(rows, diffs), source=source, scope=f"{service} @ {instance}"))
     return out
+
+
+def _beyond_peers(value: float, peer_median: float) -> float:
+    """How far ``value`` lies from the peers' median, as a share (0..1) of the larger of the two."""
+    larger = max(abs(value), abs(peer_median))
+    return min(1.0, abs(value - peer_median) / larger) if larger > 0 else 0.0
 
 
 def _outlier_advice(rows: list[dict[str, Any]], diffs: list[dict[str, Any]]) -> str:
@@ -277,14 +295,18 @@ def detect_kernel_spread(replicas: list[ReplicaFigures], source: str) -> list[Fi
             continue
         rows.sort(key=lambda r: (-r["max_over_median"], r["kernel"]))
         top = rows[0]
+        slowest_total = sum(per[top["max_instance"]].values())
+        at_stake = min(1.0, (top["max_us_per_request"] - top["median_us_per_request"]) / slowest_total) \
+            if slowest_total > 0 else 0.0
         out.append(Finding(
             id="fleet.kernel-spread", title=f"Kernel times per request differ between {service} replicas on {gpu or 'CPU'}",
-            severity="medium" if top["max_over_median"] >= 1.5 else "low",
+            severity=severity_for_share(at_stake),
             summary=(f"{len(rows)} kernels run much longer per request on some replicas; most: {top['kernel']} takes "
                      f"{top['max_us_per_request']:.1f} us per request on {top['max_instance']}, "
                      f"{top['max_over_median']:.2f}x the median {top['median_us_per_request']:.1f} us over "
                      f"{top['replicas']} replicas."),
-            evidence={"service": service, "gpu_model": gpu, "kernels_count": len(rows), "replicas_count": len(per)},
+            evidence={"service": service, "gpu_model": gpu, "kernels_count": len(rows), "replicas_count": len(per),
+                      AT_STAKE: at_stake},
             items=rows[:MAX_ITEMS],
             recommendation=("The same kernel taking longer per request on a few replicas points at those GPUs (clocks, "
                             "thermal or power throttling, ECC errors, a neighbour process) or at larger inputs routed "
@@ -328,14 +350,14 @@ def detect_kernel_mix(replicas: list[ReplicaFigures], source: str) -> list[Findi
                 "; its resource attributes match its peers'"
             out.append(Finding(
                 id="fleet.kernel-mix", title=f"Replica {r.instance} runs a different kernel mix",
-                severity="medium",
+                severity=severity_for_share(min(1.0, d)),
                 summary=(f"{service} on {gpu or 'CPU'}: {d:.0%} of {r.instance}'s kernel time is distributed unlike its "
                          f"{len(mixed)} peers' median mix (peers: median distance {stats.median:.0%}); "
                          f"{len(only)} kernels only it runs, {len(missing)} it lacks{cause}."),
                 evidence={"service": service, "gpu_model": gpu, "instance": r.instance, "mix_distance": d,
                           "peer_median_distance": stats.median, "z": stats.z(d), "only_here": only[:MAX_ITEMS],
                           "missing_here": missing[:MAX_ITEMS], "resource_differences": diffs,
-                          "sessions": r.sessions},
+                          "sessions": r.sessions, AT_STAKE: min(1.0, d)},
                 items=only[:MAX_ITEMS] + [{"kernel": m["kernel"], "missing": True} for m in missing[:MAX_ITEMS]],
                 recommendation=("Different kernels for the same model usually mean a different torch, CUDA, cuDNN or "
                                 "driver version (other kernel selection and fusion), a different model version or "
