@@ -283,6 +283,8 @@ def _serializer_of_stream(serializer: Callable[[Any], bytes] | None) -> Callable
         except BaseException as exc:
             entry = _STREAMING.get()
             if entry is not None:
+                if entry[1].is_open:
+                    entry[3][2] -= 1  # counted when the handler gave it, never sent
                 _not_serialized((*entry, False, None, 0), exc)
             raise
 

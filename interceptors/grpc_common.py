@@ -296,18 +296,19 @@ def final_status(context: Any, exc: BaseException | None, call_over: bool
     exception (``error_type`` = its type), else OK. ``context`` is a sync or an aio ``ServicerContext``."""
     code = context.code()
     if code is not None and code is not grpc.StatusCode.OK:
-        return code, _details(context), None
+        return code, handler_details(context), None
     if call_over:
         remaining = context.time_remaining()
         if remaining is not None and remaining <= DEADLINE_SLACK_S:
-            return grpc.StatusCode.DEADLINE_EXCEEDED, _details(context), None
-        return grpc.StatusCode.CANCELLED, _details(context), None
+            return grpc.StatusCode.DEADLINE_EXCEEDED, handler_details(context), None
+        return grpc.StatusCode.CANCELLED, handler_details(context), None
     if exc is not None and not isinstance(exc, GeneratorExit):
         return grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}", type(exc).__qualname__
     return grpc.StatusCode.OK, None, None  # the common path reads no details (one lock fewer per call)
 
 
-def _details(context: Any) -> str | None:
+def handler_details(context: Any) -> str | None:
+    """The details the handler set on ``context`` (``set_details``, ``abort``), as text; None when none."""
     raw = context.details()
     return (raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw) or None
 

@@ -48,6 +48,7 @@ from interceptors.grpc_common import (
     ServerCallTracer,
     ServerInterceptorCore,
     UndecodableRequest,
+    handler_details,
     message_size,
 )
 from interceptors.grpc_serialized import (
@@ -177,9 +178,26 @@ def _wrap_unary_response(tracer: ServerCallTracer, behavior: Callable[..., Any],
 
 
 def _not_serialized(entry: Entry, exc: BaseException | None) -> None:
-    """grpc's sync server answers INTERNAL for a response its serializer rejects."""
-    tracer, span, context, counts = entry[:4]
-    tracer.finish(span, context, exc, counts, status=(grpc.StatusCode.INTERNAL, SERIALIZE_FAILED_DETAILS, None))
+    """A unary response that the serializer rejected."""
+    tracer, span, context, counts, _deferred, response = entry[:6]
+    counts[2] = counts[3] = 0  # never sent (a deferred call counted it when its handler returned)
+    _abort_for_serializer(tracer, span, context, counts, exc, response is None)
+
+
+def _abort_for_serializer(tracer: ServerCallTracer, span: RequestSpan, context: grpc.ServicerContext,
+                          counts: list[int], exc: BaseException | None, none: bool) -> None:
+    """End the span as grpc's sync server ends a call whose response its serializer rejected: with the code and
+    details the handler set, if it set a code, else INTERNAL ``SERIALIZE_FAILED_DETAILS``. The serializer's
+    exception is the span's ``exception`` event, except when the handler set a code other than OK and gave None
+    (``none``), the usual way to answer an error without a message."""
+    code = context.code()
+    if code is None:
+        status = (grpc.StatusCode.INTERNAL, SERIALIZE_FAILED_DETAILS, None)
+    else:
+        status = (code, handler_details(context) or SERIALIZE_FAILED_DETAILS, None)
+        if none and code is not grpc.StatusCode.OK:
+            exc = None
+    tracer.finish(span, context, exc, counts, status=status)
 
 
 def _serializer_of_stream(serializer: Callable[[Any], bytes] | None) -> Callable[[Any], bytes | None]:
@@ -203,7 +221,9 @@ def _stream_not_serialized(exc: BaseException | None) -> None:
     entry = _STREAMING.get(get_ident())
     if entry is not None:
         tracer, span, context, counts = entry
-        tracer.finish(span, context, exc, counts, status=(grpc.StatusCode.INTERNAL, SERIALIZE_FAILED_DETAILS, None))
+        if span.is_open:
+            counts[2] -= 1  # counted when the handler gave it, never sent
+        _abort_for_serializer(tracer, span, context, counts, exc, False)
 
 
 def _wrap_stream_response(tracer: ServerCallTracer, behavior: Callable[..., Any], streaming_request: bool,
@@ -246,6 +266,8 @@ def _traced_stream(tracer: ServerCallTracer, span: RequestSpan | None, behavior:
             finally:
                 if span is not None:
                     span.deactivate()
+            if message is None:  # grpc's sync server ends the stream there, OK
+                return
             counts[2] += 1
             counts[3] += message_size(message)
             yield message

@@ -48,26 +48,33 @@ CALL_TIMEOUT_S = 20
 
 
 # -- the service: sync handlers, and async handlers for grpc.aio -----------------------------------------------
-def _reply(value: str) -> Any:
+def _reply(value: str, context: Any) -> Any:
+    """The reply to ``value``: its echo; NOT_A_MESSAGE for "bad-reply"; None for "none"; for "not-found" the
+    code NOT_FOUND with details "no such thing" set, and None (the usual way to answer an error)."""
+    if value == "not-found":
+        context.set_code(grpc.StatusCode.NOT_FOUND)
+        context.set_details("no such thing")
+    if value in ("none", "not-found"):
+        return None
     return NOT_A_MESSAGE if value == "bad-reply" else StringValue(value=value)
 
 
 def _unary(request: StringValue, context: grpc.ServicerContext) -> StringValue:
-    return _reply(request.value)
+    return _reply(request.value, context)
 
 
 def _collect(requests, context: grpc.ServicerContext) -> StringValue:
     values = [r.value for r in requests]
-    return _reply("bad-reply" if "bad-reply" in values else "|".join(values))
+    return _reply("bad-reply" if "bad-reply" in values else "|".join(values), context)
 
 
 def _chat(requests, context: grpc.ServicerContext):
     for r in requests:
-        yield _reply(r.value if r.value == "bad-reply" else r.value.upper())
+        yield _reply(r.value if r.value in ("bad-reply", "none") else r.value.upper(), context)
 
 
 async def _unary_aio(request: StringValue, context: grpc.aio.ServicerContext) -> StringValue:
-    return _reply(request.value)
+    return _reply(request.value, context)
 
 
 async def _await_the_cancel_of_a_cut_stream(values: list[str]) -> None:
@@ -80,14 +87,14 @@ async def _await_the_cancel_of_a_cut_stream(values: list[str]) -> None:
 async def _collect_aio(requests, context: grpc.aio.ServicerContext) -> StringValue:
     values = [r.value async for r in requests]
     await _await_the_cancel_of_a_cut_stream(values)
-    return _reply("bad-reply" if "bad-reply" in values else "|".join(values))
+    return _reply("bad-reply" if "bad-reply" in values else "|".join(values), context)
 
 
 async def _chat_aio(requests, context: grpc.aio.ServicerContext):
     values = []
     async for r in requests:
         values.append(r.value)
-        yield _reply(r.value if r.value == "bad-reply" else r.value.upper())
+        yield _reply(r.value if r.value in ("bad-reply", "none") else r.value.upper(), context)
     await _await_the_cancel_of_a_cut_stream(values)
 
 
@@ -357,6 +364,37 @@ def test_c16_responses_that_fail_to_serialize_end_with_the_status_the_client_get
             assert span["status_code"] == "ERROR"
             assert [e["name"] for e in span["events"]] == ["exception"]
             assert span["events"][0]["attributes"]["exception.type"] == "TypeError"
+            # the messages the client got: Chat's "A" before the one that failed; no reply for the others
+            assert attrs["zoomer.rpc.response.messages"] == (1 if span["name"].endswith("Chat") else 0), span
+
+
+@pytest.mark.slow
+def test_c16_a_code_set_with_no_response_and_a_stream_ended_by_none(typed, watch, collector, flavour):
+    """A handler that sets a code and returns None (the usual way to answer an error without a message): both
+    servers answer that code with its details, and so does the span, without an exception event. A response
+    stream whose handler yields None: grpc's sync server ends the stream there (OK), grpc.aio fails to serialize
+    it (UNKNOWN). Each span says what its client got, and counts the messages it got."""
+    with pytest.raises(grpc.RpcError) as info:
+        typed.unary_unary(f"/{SERVICE}/Unary")(StringValue(value="not-found").SerializeToString(),
+                                                timeout=CALL_TIMEOUT_S)
+    assert (info.value.code(), info.value.details()) == (grpc.StatusCode.NOT_FOUND, "no such thing")
+    stream = iter([GOOD, StringValue(value="none").SerializeToString(), END])
+    got, code = [], "OK"
+    try:
+        got.extend(typed.stream_stream(f"/{SERVICE}/Chat")(stream, timeout=CALL_TIMEOUT_S))
+    except grpc.RpcError as exc:
+        code = exc.code().name
+    assert (code, got) == ("OK" if flavour == "sync" else "UNKNOWN", [StringValue(value="A").SerializeToString()])
+    _all_ended(watch, 2)
+    spans = {s["name"]: s for s in collector.spans("SERVER")}
+    unary, chat = spans[f"{SERVICE}/Unary"], spans[f"{SERVICE}/Chat"]
+    assert unary["attributes"]["rpc.response.status_code"] == "NOT_FOUND"
+    assert unary["status_code"] == "UNSET" and not unary["events"]
+    assert unary["attributes"]["zoomer.rpc.response.messages"] == 0
+    assert chat["attributes"]["rpc.response.status_code"] == code
+    assert chat["attributes"]["zoomer.rpc.response.messages"] == 1
+    assert _metric_codes(collector, "Unary") == {"NOT_FOUND": 1}
+    assert _metric_codes(collector, "Chat") == {code: 1}
 
 
 class _Outer(grpc.ServerInterceptor):
