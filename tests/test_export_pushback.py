@@ -7,6 +7,8 @@ counters say where every span went."""
 from __future__ import annotations
 
 import logging
+import re
+import threading
 import time
 from datetime import datetime, timezone
 
@@ -15,6 +17,7 @@ import pytest
 from _never_lost import note
 from _scripted_otlp import Reply, ScriptedOtlp
 
+from zoomer_serve.config import ExportConfig
 from zoomer_serve.export import ExportStats, ExportWorker
 from zoomer_serve.export.transport import retry_after_s
 from zoomer_serve.recording import RequestRecorder
@@ -235,3 +238,90 @@ def test_an_http_date_retry_after_is_honoured():
     assert len(receiver.requests("traces")) == 2
     assert (stats.exported, stats.dropped) == (20, 0)
 
+
+
+class _NotHttpFirst:
+    """A TCP server on 127.0.0.1 that reads each request, then answers the first ``bad`` with ``reply`` (a line
+    that is not HTTP, as an OTLP/gRPC port or another service sends back, or half a status line) and closes;
+    later ones get ``HTTP/1.1 200`` with an empty body (an OTLP/HTTP success). Counts the requests it accepted."""
+
+    def __init__(self, bad: int, reply: bytes) -> None:
+        import socket
+
+        self.bad, self.reply, self.accepted = bad, reply, 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                if not self._read_request(conn):
+                    continue
+                if self.bad > 0:
+                    self.bad -= 1
+                    conn.sendall(self.reply)
+                else:
+                    self.accepted += 1
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-protobuf\r\nContent-Length: 0\r\n"
+                                 b"Connection: close\r\n\r\n")
+
+    @staticmethod
+    def _read_request(conn) -> bool:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return False
+            data += chunk
+        head, body = data.split(b"\r\n\r\n", 1)
+        length = int(re.search(rb"(?i)content-length:\s*(\d+)", head).group(1))
+        while len(body) < length:
+            body += conn.recv(65536)
+        return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize("reply", [b"SSH-2.0-OpenSSH_9.6\r\n", b"HTTP/1.1 2"])
+@pytest.mark.slow
+def test_an_http_endpoint_that_answers_with_no_http_is_retried_and_counted_never_fatal(reply, caplog):
+    """An OTLP/HTTP export whose connection answers a line that is not HTTP (the OTLP/gRPC port, another
+    service) or a cut status line: the export worker retries it like a refused connection and goes on
+    exporting (it used to die with the error, and every later span waited for shutdown). A server that never
+    answers HTTP: the spans are counted as failed, with an error that says what came back."""
+    server = _NotHttpFirst(bad=1, reply=reply)
+    try:
+        cfg = dict(protocol="http/protobuf", mode="thread", timeout_ms=5_000, schedule_delay_ms=50,
+                   traces_endpoint=f"http://127.0.0.1:{server.port}/v1/traces",
+                   metrics_endpoint=f"http://127.0.0.1:{server.port}/v1/metrics")
+        worker = ExportWorker(ExportConfig(**cfg), {"service.name": "c15"})
+        worker.start()
+        worker.put(_records(20))
+        deadline = time.monotonic() + 10
+        while worker.stats.exported < 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert worker.stats.exported == 20  # retried while running, not left for shutdown
+        worker.put(_records(5))
+        stats = worker.shutdown(10)
+        assert (stats.exported, stats.dropped) == (25, 0)
+    finally:
+        server.close()
+    never = _NotHttpFirst(bad=10**9, reply=reply)
+    try:
+        cfg.update(traces_endpoint=f"http://127.0.0.1:{never.port}/v1/traces",
+                   metrics_endpoint=f"http://127.0.0.1:{never.port}/v1/metrics", timeout_ms=1_000)
+        worker = ExportWorker(ExportConfig(**cfg), {"service.name": "c15"})
+        worker.start()
+        worker.put(_records(7))
+        stats = worker.shutdown(5)
+    finally:
+        never.close()
+    assert (stats.exported, stats.dropped_export) == (0, 7)
+    assert "not an OTLP/HTTP answer" in (stats.last_error or ""), stats.last_error

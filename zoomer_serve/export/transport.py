@@ -23,6 +23,7 @@ from __future__ import annotations
 import email.utils
 import enum
 import gzip
+import http.client
 import re
 import threading
 import time
@@ -253,6 +254,13 @@ class HttpSender(Sender):
                             retry_after_s=retry_after_s(err.headers.get("Retry-After") if err.headers else None))
         except (urllib.error.URLError, OSError, TimeoutError) as err:
             self.last_error = repr(getattr(err, "reason", err))
+            return _Attempt(retryable=True)
+        except http.client.HTTPException as err:  # a reply that is not HTTP, or cut short: retried as a refusal
+            self.last_error = (f"not an OTLP/HTTP answer from {self.endpoint} ({type(err).__name__}: "
+                               f"{str(err)[:120]!r}); is it the OTLP/gRPC port (4317) or another service?")
+            return _Attempt(retryable=True)
+        except Exception as err:  # anything else from a broken endpoint must not kill the exporter either
+            self.last_error = repr(err)
             return _Attempt(retryable=True)
 
 

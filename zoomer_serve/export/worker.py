@@ -264,7 +264,12 @@ class ExportWorker:
         if time.monotonic() >= deadline:
             tally.failed += len(items)
             return tally
-        result = sender.send(encode(items), deadline)
+        try:
+            result = sender.send(encode(items), deadline)
+        except Exception as exc:  # a sender must not stop the exporter: the items are counted as failed
+            sender.last_error = f"export error: {exc!r}"
+            tally.failed += len(items)
+            return tally
         if result.outcome is Outcome.ACCEPTED:
             rejected = min(result.rejected, len(items))
             tally.accepted += len(items) - rejected
