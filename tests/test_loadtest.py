@@ -384,6 +384,7 @@ def test_the_cli_parses_without_locust_or_gevent() -> None:
     ({"profile_duration_s": 120.0}, "duration_ms=120000 exceeds the hard cap"),
     ({"cuda": "maybe"}, "--zoomer-cuda must be one of auto, on, off"),
     ({"target": "localhost"}, "--zoomer-target must be host:port"),
+    ({"target": "127.0.0.1:99999"}, "--zoomer-target must have a port in 1..65535"),
     # infinite numbers: the duration became an OverflowError traceback, the stop wait an endless wait
     ({"profile_requests": None, "profile_duration_s": float("inf")},
      "--zoomer-profile-duration-s must be a finite number > 0, got inf"),

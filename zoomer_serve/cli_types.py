@@ -54,9 +54,26 @@ def non_negative_float(text: str) -> float:
     return _number(text, float, "a number >= 0", lambda v: 0 <= v < float("inf"))
 
 
+MAX_DURATION_S = 7 * 86400
+
+
+def duration_s(text: str) -> float:
+    """A length of time in seconds, 0..:data:`MAX_DURATION_S` (a week: clocks and progress bars take it;
+    1e308 s overflowed them)."""
+    return _number(text, float, f"a number of seconds in 0..{MAX_DURATION_S}", lambda v: 0 <= v <= MAX_DURATION_S)
+
+
 def port_number(text: str) -> int:
     """A TCP port, 0..65535 (0 = any free port)."""
     return int(_number(text, int, "a port number in 0..65535", lambda v: 0 <= v <= 65535))
+
+
+def host_port(text: str) -> str:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) with a port in 1..65535: an address to connect to."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT with a port in 1..65535")
+    return text.strip()
 
 
 def positive_float(text: str) -> float:

@@ -18,6 +18,7 @@ from zoomer_serve.cli_output import TableOutput, add_format_option
 from zoomer_serve.cli_types import (
     MAX_CLIENT_THREADS,
     client_threads,
+    duration_s,
     non_negative_float,
     non_negative_int,
     port_number,
@@ -68,7 +69,7 @@ def register(subparsers: Any) -> None:
         "(unary and streaming, a few invalid requests) for a bounded time, shut down cleanly, print the report.")
     demo.add_argument("--store", type=Path, default=None,
                       help="DuckDB store to write (default: a new zoomer-data/demo-<time>.duckdb)")
-    demo.add_argument("--duration-s", type=non_negative_float, default=20.0, help="how long to send load (default 20 s)")
+    demo.add_argument("--duration-s", type=duration_s, default=20.0, help="how long to send load (default 20 s)")
     demo.add_argument("--clients", type=client_threads, default=4,
                       help=f"concurrent client threads, at most {MAX_CLIENT_THREADS} (default 4)")
     demo.add_argument("--max-requests", type=positive_int, default=None, help="stop after this many calls")

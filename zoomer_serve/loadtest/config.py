@@ -132,7 +132,7 @@ def _env(name: str) -> str | None:
 def grpc_target(host: str | None, what: str = "--host") -> str:
     """A gRPC channel target ``host:port`` from ``host:port``, ``grpc://host:port`` or ``[::1]:port``.
 
-    Raises ConfigError naming ``what`` when there is no host or no port."""
+    Raises ConfigError naming ``what`` when there is no host or no port, or the port is not in 1..65535."""
     text = (host or "").strip()
     if text.startswith("grpc://"):
         text = text[len("grpc://"):]
@@ -140,6 +140,8 @@ def grpc_target(host: str | None, what: str = "--host") -> str:
     name, sep, port = text.rpartition(":")
     if not sep or not name or not port.isdigit() or "/" in text:
         raise ConfigError(f"{what} must be host:port (or grpc://host:port), got {host!r}")
+    if not 1 <= int(port) <= 65535:  # grpc would take the port modulo 65536 and connect elsewhere
+        raise ConfigError(f"{what} must have a port in 1..65535, got {host!r}")
     return text
 
 

@@ -15,7 +15,7 @@ import json
 import sys
 from typing import Any
 
-from zoomer_serve.cli_types import non_negative_float, positive_float, positive_uint32
+from zoomer_serve.cli_types import host_port, non_negative_float, positive_float, positive_uint32
 
 DEFAULT_STOP_WAIT_S = 60.0
 EXIT_ALREADY_RUNNING = 3
@@ -29,7 +29,7 @@ def register(subparsers: Any) -> None:
         "(zoomer-serve serve-demo does). The shared token is read from ZOOMER_ADMIN_TOKEN.")
     sub = profile.add_subparsers(dest="profile_command", metavar="ACTION", required=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--target", required=True, help="the server's admin address, HOST:PORT")
+    common.add_argument("--target", required=True, type=host_port, help="the server's admin address, HOST:PORT")
     common.add_argument("--timeout-s", type=positive_float, default=30.0, help="deadline of each call (default 30 s)")
     common.add_argument("--json", action="store_true", help="print the reply as JSON")
 
