@@ -52,6 +52,13 @@ class SpanWatch:
         False after ``timeout_s`` seconds."""
         return self._wait(self._ended, count, KINDS[kind], timeout_s)
 
+    def wait_all_ended(self, kind: str = "SERVER", timeout_s: float = 30.0) -> bool:
+        """True once every span of ``kind`` that has started has ended (a stopped grpc server's handlers run on
+        after its stop); False after ``timeout_s`` seconds."""
+        k = KINDS[kind]
+        with self._cond:
+            return self._cond.wait_for(lambda: self._ended.count(k) >= self._started.count(k), timeout_s)
+
     def _wait(self, seen: list[int], count: int, kind: int, timeout_s: float) -> bool:
         with self._cond:
             return self._cond.wait_for(lambda: seen.count(kind) >= count, timeout_s)

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 from _profiling_support import TOKEN
+from _span_wait import SpanWatch
 
 from interceptors import ZoomerServerInterceptor
 from zoomer_serve.analysis import analyze_store
@@ -68,6 +69,7 @@ def cpu_bound_server(telemetry: Any, model: DLRM, profiles_dir: Path, companions
     controller = ProfilerController(ProfilerConfig(profiles_dir=profiles_dir), telemetry).attach()
     if companions is not None:
         controller.companions = companions
+    watch = SpanWatch(telemetry.recorder)
     server, port = build_server(model, interceptors=[ZoomerServerInterceptor(telemetry.recorder)], max_workers=4,
                                 config=ServiceConfig(slow_preprocess_iterations=slow_iterations))
     try:
@@ -75,6 +77,9 @@ def cpu_bound_server(telemetry: Any, model: DLRM, profiles_dir: Path, companions
     finally:
         controller.close(timeout_s=60)
         server.stop(None).wait(5)
+        # the stop cancels the calls, not the handlers: those still in their slow step end their spans later, and
+        # a store read before then would lack requests that the CPU profiles name (a suite run missed one)
+        assert watch.wait_all_ended("SERVER", timeout_s=30)
 
 
 @contextmanager
