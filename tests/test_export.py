@@ -242,6 +242,15 @@ def test_environment_is_read_as_opentelemetry_defines_it():
                                  ).service_name == "svc"
 
 
+def test_the_protocol_is_read_case_insensitively():
+    """The OpenTelemetry environment specification: enum values SHOULD be interpreted case-insensitively
+    (``HTTP/PROTOBUF`` was refused while ``ALWAYS_ON`` and ``GZIP`` were taken)."""
+    cfg = ZoomerConfig.from_env({"OTEL_EXPORTER_OTLP_PROTOCOL": "HTTP/Protobuf"})
+    assert cfg.export.protocol == "http/protobuf"
+    assert cfg.export.traces_endpoint == "http://localhost:4318/v1/traces"
+    assert ZoomerConfig.from_env({"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": " GRPC "}).export.protocol == "grpc"
+
+
 def test_rpc_histograms_use_upper_inclusive_buckets_and_bound_cardinality(monkeypatch):
     from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 

@@ -318,7 +318,7 @@ def _check_url(url: str, variable: str) -> str:
 
 def _export_from_env(env: Mapping[str, str]) -> ExportConfig:
     protocol_var, protocol = _signal(env, "TRACES", "PROTOCOL")
-    protocol = (protocol or "grpc").strip()
+    protocol = (protocol or "grpc").strip().lower()  # the spec: enum values are read case-insensitively
     if protocol not in PROTOCOLS:
         raise ConfigError(f"{protocol_var}={protocol!r} is not supported; use 'grpc' or 'http/protobuf'")
     timeout_var, timeout = _signal(env, "TRACES", "TIMEOUT")
