@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -105,3 +106,13 @@ def test_demo_with_an_unusable_store_says_why_without_a_traceback(tmp_path):
     assert proc.returncode == 1
     assert "Traceback" not in proc.stdout + proc.stderr
     assert "did not start" in proc.stdout and str(tmp_path) in proc.stderr
+
+
+@pytest.mark.parametrize(("max_requests", "batch", "calls"), [
+    (5, 8, [3, 2]), (1, 8, [1]), (6, 8, [3, 3]), (5, 0, [5]), (None, 8, [None, None])])
+def test_max_requests_is_the_most_calls_in_all_phases(max_requests, batch, calls) -> None:
+    """``demo --max-requests N`` sends at most N calls over its phases (5 used to send 3 + 3)."""
+    from zoomer_serve.demo.cli import _phases
+
+    args = argparse.Namespace(max_requests=max_requests, batch_max_size=batch, duration_s=20.0)
+    assert [p[3] for p in _phases(args)] == calls

@@ -198,13 +198,17 @@ def _default_store() -> Path:
 
 def _phases(args: argparse.Namespace) -> list[tuple[str, int, float, int | None]]:
     """The demo's load phases: ``(service name, batch max size, seconds, most calls)``: one forward pass per
-    request, then (unless ``--batch-max-size 0``) the dynamic batcher, each with half the time and calls."""
+    request, then (unless ``--batch-max-size 0``) the dynamic batcher, each with half the time and of the
+    calls (``--max-requests`` in all: the first phase takes an odd one; a phase left with none is dropped)."""
     phases = [(demo_service_name(0), 0)]
     if args.batch_max_size:
         phases.append((demo_service_name(args.batch_max_size), args.batch_max_size))
     share = len(phases)
-    calls = None if args.max_requests is None else max(1, -(-args.max_requests // share))
-    return [(name, size, args.duration_s / share, calls) for name, size in phases]
+    if args.max_requests is None:
+        return [(name, size, args.duration_s / share, None) for name, size in phases]
+    base, extra = divmod(args.max_requests, share)
+    calls = [base + (i < extra) for i in range(share)]
+    return [(name, size, args.duration_s / share, n) for (name, size), n in zip(phases, calls) if n]
 
 
 def _say(console: Any, text: str) -> None:
