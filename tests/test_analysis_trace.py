@@ -184,6 +184,20 @@ def test_bad_files_raise_trace_format_error(tmp_path: Path, content: bytes, mess
     assert "bad.json" in str(info.value)
 
 
+@pytest.mark.parametrize("name,content,message", [
+    ("corrupt.json", b"{nope", 'no top-level "traceEvents" array; not JSON either \\(unexpected character'),
+    ("notgz.json.gz", b'{"a": 1}', 'no top-level "traceEvents" array \\(the name ends in .gz but the file is not gzip'),
+])
+def test_a_file_without_events_says_what_else_is_wrong(tmp_path: Path, name: str, content: bytes,
+                                                       message: str) -> None:
+    """Text that is not JSON, and a ``.gz`` name on a file that is not gzip, are said so (both said only that
+    there was no "traceEvents" array)."""
+    p = tmp_path / name
+    p.write_bytes(content)
+    with pytest.raises(TraceFormatError, match=message):
+        load_trace(p)
+
+
 def test_a_file_with_only_metadata_events_still_loads(tmp_path: Path) -> None:
     """A trace whose only events are metadata (``ph: M``) holds trace events: it loads, with no kernels."""
     p = tmp_path / "meta.json"

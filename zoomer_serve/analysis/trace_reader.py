@@ -250,9 +250,20 @@ class EventChunks:
                 cut = f" ({self.notes.truncated})" if self.notes.truncated else ""
                 if not buf.strip(_WS):
                     raise self._error("empty file" + cut)
-                raise self._error(f"no top-level \"traceEvents\" array{cut}: not a Chrome trace JSON file ({EXPECTED})")
+                raise self._error(f"no top-level \"traceEvents\" array{cut}{self._why_not(buf)}: not a Chrome "
+                                  f"trace JSON file ({EXPECTED})")
             search_from = max(0, len(buf) - 16)
             buf += self._read(fh, self.chunk_bytes)
+
+    def _why_not(self, text: bytes) -> str:
+        """What else is wrong with a whole file ``text`` that has no event array: a name ending in ``.gz`` that is
+        not gzip, or text that is not JSON (with the parser's message); "" otherwise."""
+        gz = " (the name ends in .gz but the file is not gzip)" if str(self.path).endswith(".gz") else ""
+        try:
+            orjson.loads(text)
+        except orjson.JSONDecodeError as exc:
+            return f"{gz}; not JSON either ({exc})"
+        return gz
 
     @staticmethod
     def _skip(buf: bytes, k: int) -> int:
