@@ -320,3 +320,18 @@ def test_shutdown_budget_shorter_than_the_export_timeout_is_kept(caplog):
     assert stats is not None and stats.last_error != "the export helper did not report"
     note("C03", "collector down (closed port) at shutdown", 50, 0, stats.dropped)
     assert stats.exported == 0 and stats.dropped == 50
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    ({"endpoint": "garbage"}, r"configure\(endpoint=\.\.\.\) must be an http:// or https:// URL with a host"),
+    ({"endpoint": "http://h:notaport"}, r"configure\(endpoint=\.\.\.\) has an invalid port"),
+    ({"service_name": 123}, r"configure\(service_name=\.\.\.\) must be a non-empty string, got 123"),
+    ({"service_name": " "}, r"configure\(service_name=\.\.\.\) must be a non-empty string"),
+])
+def test_configure_refuses_what_the_environment_refuses(kwargs, needle):
+    """Values given in code are checked as the environment's are (``configure(endpoint="garbage")`` was taken, and
+    every export then failed resolving it); nothing starts."""
+    before = zoomer_serve.runtime._current()
+    with pytest.raises(ConfigError, match=needle):
+        zoomer_serve.configure(**kwargs)
+    assert zoomer_serve.runtime._current() is before

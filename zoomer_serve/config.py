@@ -292,17 +292,19 @@ def _signal(env: Mapping[str, str], signal: str, suffix: str) -> tuple[str, str 
 def _endpoint(env: Mapping[str, str], signal: str, protocol: str) -> str:
     specific = env.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT")
     if specific:
-        return _check_url(specific, f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT")
+        return check_url(specific, f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT")
     base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     if not base:
         base = "http://localhost:4317" if protocol == "grpc" else "http://localhost:4318"
-    base = _check_url(base, "OTEL_EXPORTER_OTLP_ENDPOINT")
+    base = check_url(base, "OTEL_EXPORTER_OTLP_ENDPOINT")
     if protocol == "grpc":
         return base
     return base.rstrip("/") + "/v1/" + signal.lower()
 
 
-def _check_url(url: str, variable: str) -> str:
+def check_url(url: str, variable: str) -> str:
+    """``url`` (stripped) when it is an http:// or https:// URL with a host and a valid port. Raises ConfigError
+    naming ``variable`` (where the value came from)."""
     try:
         parsed = urllib.parse.urlparse(url.strip())
     except ValueError as exc:

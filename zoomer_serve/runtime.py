@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zoomer_serve import lifecycle
-from zoomer_serve.config import ConfigError, ExportConfig, ZoomerConfig
+from zoomer_serve.config import ConfigError, ExportConfig, ZoomerConfig, check_url
 from zoomer_serve.export import ExportPipeline, ExportStats
 from zoomer_serve.recording import RequestRecorder, Sampler
 from zoomer_serve.resource import build_resource_attributes, child_resource_attributes
@@ -177,7 +177,7 @@ def _apply_overrides(cfg: ZoomerConfig, service_name: str | None, endpoint: str 
         changes["protocol"] = protocol
     if endpoint is not None:
         proto = protocol or exp.protocol
-        base = endpoint.rstrip("/")
+        base = check_url(endpoint, "configure(endpoint=...)").rstrip("/")
         changes["traces_endpoint"] = base if proto == "grpc" else base + "/v1/traces"
         changes["metrics_endpoint"] = base if proto == "grpc" else base + "/v1/metrics"
     for key, value in (("mode", export_mode), ("timeout_ms", timeout_ms), ("schedule_delay_ms", schedule_delay_ms),
@@ -187,6 +187,8 @@ def _apply_overrides(cfg: ZoomerConfig, service_name: str | None, endpoint: str 
     new_export: ExportConfig = dataclasses.replace(exp, **changes) if changes else exp
     top: dict[str, Any] = {"export": new_export}
     if service_name is not None:
+        if not isinstance(service_name, str) or not service_name.strip():
+            raise ConfigError(f"configure(service_name=...) must be a non-empty string, got {service_name!r}")
         top["service_name"] = service_name
     if sampler is not None:
         top["sampler"] = sampler
