@@ -163,6 +163,19 @@ def test_odd_events_are_repaired_or_counted() -> None:
     assert t.kernels["ts"].tolist() == [2.0]
 
 
+def test_a_kernel_with_a_null_ts_is_skipped_with_a_warning() -> None:
+    """A tabled event (here a kernel) whose ``ts`` is null or missing cannot be placed: it is left out, counted
+    and named in the warnings the CLI prints, not dropped unsaid; a python_function without ts is only counted."""
+    kernel = {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "dur": 5,
+              "args": {"device": 0, "stream": 7, "correlation": 1}}
+    evs = [{**kernel, "ts": None}, {**kernel, "name": "k_missing"}, {**kernel, "name": "kept", "ts": 10},
+           {"ph": "X", "cat": "python_function", "name": "f", "pid": 1, "tid": 1, "dur": 1}]
+    t = load_trace_bytes(json.dumps({"traceEvents": evs}).encode())
+    assert t.kernels["name"].tolist() == ["kept"]
+    assert t.skipped["kernel without ts"] == 2 and t.skipped["python_function without ts"] == 1
+    assert [w for w in t.warnings if "without" in w] == ['2 kernel event(s) without a "ts" (missing or null) skipped']
+
+
 @pytest.mark.parametrize("content,message", [
     (b"", "empty file"),
     (b'{"schemaVersion": 1}', "no top-level \"traceEvents\""),

@@ -679,6 +679,9 @@ class _Normalizer:
                     out.append(f"{n} {b.name.replace('_', ' ')} event(s) with {reason} left out of every figure")
         if self.skipped.get("malformed event"):
             out.append(f"{self.skipped['malformed event']} malformed event(s) skipped (fields of the wrong type)")
+        for key, n in sorted(self.skipped.items()):
+            if key.endswith(" without ts") and key[:-len(" without ts")] in _CATEGORY_ALIASES:
+                out.append(f"{n} {key[:-len(' without ts')]} event(s) without a \"ts\" (missing or null) skipped")
         return out
 
 
