@@ -27,10 +27,12 @@ from _profiling_support import (
     traces,
 )
 
+from zoomer_serve.config import ConfigError
 from zoomer_serve.demo.load import drive_load
 from zoomer_serve.demo.model import DLRM, build_model
 from zoomer_serve.profiling import AdminConfig, Result, SessionOptions, State, parse_request_label
 from zoomer_serve.profiling.client import ProfilerClient, ProfilerControlError
+from zoomer_serve.profiling.config import ProfilerConfig
 
 LOAD = {"clients": 2, "batch_size": 8}
 
@@ -227,7 +229,9 @@ def test_c05_three_rounds_then_a_start_that_cannot_capture(model: DLRM, telemetr
     assert sum(r.unexpected for r in results) == 0
     blocked = profiles_dir.parent / "not-a-folder"
     blocked.write_text("a file where the profiles folder should be")
-    with serve_with_profiling(telemetry, model, blocked) as served2, \
+    with pytest.raises(ConfigError, match="profiles_dir .*not-a-folder.* is a file, not a folder"):
+        ProfilerConfig(profiles_dir=blocked)  # known at start-up
+    with serve_with_profiling(telemetry, model, blocked / "profiles") as served2, \
             ProfilerClient(served2.target, token=TOKEN) as client2:
         with pytest.raises(ProfilerControlError) as unwritable:
             client2.start(max_requests=5)

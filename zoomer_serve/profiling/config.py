@@ -188,6 +188,9 @@ class ProfilerConfig:
         _positive(self, ("max_requests_cap", "max_duration_ms_cap", "drain_timeout_ms", "start_timeout_ms",
                          "postprocess_timeout_ms", "top_kernels"))
         object.__setattr__(self, "profiles_dir", Path(self.profiles_dir))
+        if self.profiles_dir.exists() and not self.profiles_dir.is_dir():
+            raise ConfigError(f"ProfilerConfig.profiles_dir {str(self.profiles_dir)!r} (ZOOMER_PROFILES_DIR, "
+                              f"--profiles-dir) is a file, not a folder")
         for trigger in (self.steady_state, self.latency_slo):
             if trigger is not None:
                 trigger.session.bounded(self.max_requests_cap, self.max_duration_ms_cap)
