@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
+from zoomer_serve.cli import main as cli_main
 from zoomer_serve.config import ConfigError
 from zoomer_serve.profiling import (
     REQUEST_LABEL_PREFIX,
@@ -23,6 +24,7 @@ from zoomer_serve.profiling import (
     summarize_events,
 )
 from zoomer_serve.profiling.admin import check_access, is_loopback_peer
+from zoomer_serve.profiling.client import ProfilerClient
 from zoomer_serve.profiling.config import MAX_DURATION_MS_CAP, MAX_REQUESTS_CAP, check_trigger
 from zoomer_serve.profiling.stats import coefficient_of_variation, percentile
 
@@ -229,6 +231,24 @@ def test_admin_access_rules() -> None:
             for word in ("yes", "On", " 1 ", "no", "off", "FALSE", "")] == [True, True, True, False, False, False, False]
     with pytest.raises(ConfigError, match="ZOOMER_ADMIN_TOKEN is set but empty"):
         AdminConfig.from_env({"ZOOMER_ADMIN_TOKEN": " "})
+
+
+def test_a_token_that_cannot_travel_as_metadata_is_refused_on_both_sides(capsys: Any) -> None:
+    """A token read whole from a file ends with a newline: grpc refused the client's call with "INTERNAL: Invalid
+    metadata", and the server's token could never match. Both sides now name the character."""
+    for bad, shown in (("secret\n", "'\\n' at position 6"), ("s\u00e9cret", "'\u00e9' at position 1"),
+                       ("a\tb", "'\\t' at position 1")):
+        with pytest.raises(ConfigError, match=re.escape(f"ZOOMER_ADMIN_TOKEN holds {shown}")):
+            AdminConfig.from_env({"ZOOMER_ADMIN_TOKEN": bad})
+        with pytest.raises(ConfigError, match=re.escape(shown)):
+            ProfilerClient("127.0.0.1:1", token=bad)
+    assert AdminConfig(token="Bearer-ok ~!").token == "Bearer-ok ~!"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ZOOMER_ADMIN_TOKEN", "secret\r\n")
+        with pytest.raises(SystemExit) as exited:
+            cli_main(["profile", "status", "--target", "127.0.0.1:1"])
+    assert exited.value.code == 2
+    assert "ZOOMER_ADMIN_TOKEN holds '\\r' at position 6" in capsys.readouterr().err
 
 
 def test_order_statistics() -> None:

@@ -59,9 +59,14 @@ def register(subparsers: Any) -> None:
 
 
 def _client(args: argparse.Namespace) -> Any:
+    from zoomer_serve.config import ConfigError
     from zoomer_serve.profiling.client import ProfilerClient
 
-    return ProfilerClient(args.target, timeout_s=args.timeout_s)
+    try:
+        return ProfilerClient(args.target, timeout_s=args.timeout_s)
+    except ConfigError as exc:
+        _fail(str(exc))
+        raise SystemExit(2) from None
 
 
 def run_start(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ from zoomer_serve.profiling import profiler_control_pb2 as pb
 from zoomer_serve.profiling import profiler_control_pb2_grpc as pb_grpc
 from zoomer_serve.profiling import wire
 from zoomer_serve.profiling.admin import AUTH_HEADER, BEARER, MAX_STOP_WAIT_MS
-from zoomer_serve.profiling.config import TRIGGER_ON_DEMAND, SessionOptions
+from zoomer_serve.profiling.config import TRIGGER_ON_DEMAND, SessionOptions, check_admin_token
 from zoomer_serve.profiling.session import ControlReply, SessionInfo
 
 
@@ -43,13 +43,15 @@ class ProfilerClient:
         token: the shared admin token; default ``ZOOMER_ADMIN_TOKEN`` from the environment (None: send none).
         timeout_s: deadline of each call (a stop that waits gets its wait on top).
         channel: an existing channel to use instead of opening one.
+
+    Raises ConfigError when the token cannot travel as gRPC metadata (not printable ASCII).
     """
 
     def __init__(self, target: str, token: str | None = None, timeout_s: float = 30.0,
                  channel: grpc.Channel | None = None) -> None:
         self.target = target
         token = token if token is not None else os.environ.get("ZOOMER_ADMIN_TOKEN")
-        self._metadata = ((AUTH_HEADER, BEARER + token),) if token else ()
+        self._metadata = ((AUTH_HEADER, BEARER + check_admin_token(token)),) if token else ()
         self.timeout_s = timeout_s
         self._own_channel = channel is None
         self._channel = channel if channel is not None else grpc.insecure_channel(target)

@@ -206,6 +206,19 @@ class ProfilerConfig:
         return cls(**values)  # type: ignore[arg-type]
 
 
+def check_admin_token(token: str) -> str:
+    """``token`` if it can travel as gRPC metadata (``authorization: Bearer <token>``) and as a Thrift header:
+    printable ASCII (0x20 to 0x7E), not blank. Raises ConfigError naming the first character that cannot
+    (a newline from a file read whole, for example) and its position."""
+    if not token.strip():
+        raise ConfigError("ZOOMER_ADMIN_TOKEN is set but empty; unset it or give a token")
+    for i, ch in enumerate(token):
+        if not " " <= ch <= "~":
+            raise ConfigError(f"ZOOMER_ADMIN_TOKEN holds {ch!r} at position {i}: a token is printable ASCII "
+                              f"(it travels as gRPC metadata and Thrift headers)")
+    return token
+
+
 @dataclass(frozen=True)
 class AdminConfig:
     """Access to the ``ProfilerControl`` admin service (closed by default).
@@ -228,8 +241,8 @@ class AdminConfig:
     host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
-        if self.token is not None and not self.token.strip():
-            raise ConfigError("ZOOMER_ADMIN_TOKEN is set but empty; unset it or give a token")
+        if self.token is not None:
+            check_admin_token(self.token)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> AdminConfig:
