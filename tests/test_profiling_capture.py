@@ -59,3 +59,24 @@ def test_capture_on_a_torch_without_profile_all_threads_says_so(monkeypatch: pyt
 
 def test_capture_records_other_threads_on_this_torch(tmp_path: Path) -> None:
     assert "aten::mm" in _capture_ops(tmp_path)
+
+
+def test_stop_first_switches_off_operators_on_other_threads(tmp_path: Path) -> None:
+    """The stop's quiescing (the race of torch 2.13 that crashed a suite run: see capture's module docstring):
+    once it has run, operators that other threads start are no longer recorded, while those before it are."""
+    capture = Capture(SessionOptions(cuda=False), Activities(cuda=False))
+
+    def on_a_new_thread(n: int) -> None:
+        worker = threading.Thread(target=lambda: [torch.mm(torch.ones(8, 8), torch.ones(8, 8)) for _ in range(n)])
+        worker.start()
+        worker.join()
+
+    capture.start()
+    on_a_new_thread(3)
+    capture._quiesce()
+    on_a_new_thread(5)
+    capture.stop()
+    path = tmp_path / "trace.json"
+    capture.export_json(path)
+    events = json.loads(path.read_text())["traceEvents"]
+    assert sum(1 for e in events if e.get("name") == "aten::mm") == 3

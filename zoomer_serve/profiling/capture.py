@@ -4,6 +4,13 @@ The profiler is started with Kineto's ``profile_all_threads`` so that operators 
 server's worker threads) are recorded, not only those of the thread that started it. Start and stop
 must run on the same thread (the controller's session thread does both). The lines Kineto writes to the
 process's stderr on each start and stop go to the log at debug level (:mod:`.native_stderr`).
+
+Stopping while other threads run operators can crash the process in torch 2.13: the profiler's callbacks on
+those threads (``profile_all_threads``) still add to its record queue while the stop reads and frees it
+(pytorch/pytorch#185741 and #187483 fix it in torch). :meth:`Capture.stop` first switches off the collection of
+CPU operators (``toggle_collection_dynamic``) and waits :data:`QUIESCE_S` for the callbacks under way, so that
+none is left when the stop reads the queue. A thread that starts operators for the first time in the session
+during the stop was what crashed: ``benchmarks/profiler_stop_race.py`` counts crashes with and without this.
 """
 
 from __future__ import annotations
@@ -17,6 +24,9 @@ from typing import Any
 
 from zoomer_serve.profiling.config import SessionOptions
 from zoomer_serve.profiling.native_stderr import kineto_lines_to_log
+
+QUIESCE_S = 0.02
+"""Seconds :meth:`Capture.stop` waits after switching off CPU operator collection, before the profiler's stop."""
 
 
 class CaptureError(RuntimeError):
@@ -96,12 +106,27 @@ class Capture:
                 pass
 
     def stop(self) -> None:
-        """Stop recording (with CUDA this synchronizes the device). Raises CaptureError."""
+        """Stop recording (with CUDA this synchronizes the device), after switching off CPU operator collection
+        on every thread and waiting :data:`QUIESCE_S` (see the module docstring). Raises CaptureError."""
         try:
             with kineto_lines_to_log():
+                self._quiesce()
                 self._prof.__exit__(None, None, None)
         except Exception as exc:
             raise CaptureError(f"torch.profiler did not stop cleanly: {exc!r}") from exc
+
+    def _quiesce(self) -> None:
+        """Switch off the collection of CPU operators (the session's requests have drained by now; the kernels
+        they launched are still collected) and let the callbacks under way on other threads finish."""
+        import time
+
+        import torch
+
+        try:
+            self._prof.toggle_collection_dynamic(False, [torch.profiler.ProfilerActivity.CPU])
+        except Exception:  # a torch without it: stop as before
+            return
+        time.sleep(QUIESCE_S)
 
     def release(self) -> None:
         """Drop the profiler object and its Kineto results (every recorded event) once the trace is written,
