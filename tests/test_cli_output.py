@@ -127,6 +127,7 @@ def test_report_piped_table_never_cuts_a_name(store: Path) -> None:
     assert "2159" not in proc.stdout and "over 0.0 s" not in proc.stdout
 
 
+@pytest.mark.slow
 def test_report_names_the_store_and_the_analyze_command(store: Path) -> None:
     proc = zoomer("report", "--store", str(store))
     assert f"store: {store}" in proc.stdout
@@ -219,6 +220,7 @@ def test_the_locust_plugin_help_names_only_its_own_flags() -> None:
 NOISE = ("USDT:", "External init callback")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("log_level", ["WARNING", "DEBUG"])
 def test_serve_demo_session_is_named_for_the_service_quiet_on_stderr_and_names_its_files(
         collector: Any, tmp_path: Path, log_level: str) -> None:
@@ -285,6 +287,7 @@ def test_serve_demo_session_is_named_for_the_service_quiet_on_stderr_and_names_i
         assert logged == []
 
 
+@pytest.mark.slow
 def test_gevent_locust_process_says_nothing_about_per_request_cpu_time(collector: Any) -> None:
     """The locust process (gevent) printed a warning that requests get no per-request CPU time; its CLIENT
     spans never could: it is said once at debug level."""
@@ -303,6 +306,7 @@ def test_gevent_locust_process_says_nothing_about_per_request_cpu_time(collector
     assert runs["DEBUG"].stderr.count("per-request CPU time") == 1
 
 
+@pytest.mark.slow
 def test_demo_prints_json_tables_and_names_its_html_report(tmp_path: Path) -> None:
     """``demo --format json``: stdout is one JSON object (the steps and the progress go to stderr); the
     report's tables hold the service name whole; the HTML report is written and named."""
@@ -321,6 +325,7 @@ def test_demo_prints_json_tables_and_names_its_html_report(tmp_path: Path) -> No
     assert "embedded OTLP collector" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_loadtest_csv_tables_on_stdout_and_a_quiet_stderr(tmp_path: Path) -> None:
     """``loadtest --format csv``: stdout holds only the csv blocks (locust's output and our lines go to
@@ -346,6 +351,7 @@ def test_loadtest_csv_tables_on_stdout_and_a_quiet_stderr(tmp_path: Path) -> Non
     assert noise == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["markdown", "csv", "json"])
 def test_fleet_analyze_formats_parse(tmp_path: Path, fmt: str) -> None:
     """``fleet analyze --format``: the outliers and findings tables of a small synthetic fleet (12 replicas,

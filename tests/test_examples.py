@@ -51,6 +51,7 @@ def check_requests(rows: list[dict[str, Any]], service: str, method: str, ok: in
     return spans
 
 
+@pytest.mark.slow
 def test_grpc_server_example_serves_phases_and_stops_on_ctrl_c_with_every_span_stored(collector: Any) -> None:
     with server(["examples/grpc_server/server.py", "--port", "0"], telemetry_env(collector, "example-ranker")) \
             as (program, target):
@@ -70,6 +71,7 @@ def test_grpc_server_example_serves_phases_and_stops_on_ctrl_c_with_every_span_s
         assert parent["attributes"]["rpc.response.status_code"] == span["attributes"]["rpc.response.status_code"]
 
 
+@pytest.mark.slow
 def test_grpc_aio_server_example_serves_concurrent_calls_and_stops_on_sigterm_with_every_span_stored(
         collector: Any) -> None:
     with server(["examples/grpc_aio_server/server.py", "--port", "0"],
@@ -84,6 +86,7 @@ def test_grpc_aio_server_example_serves_concurrent_calls_and_stops_on_sigterm_wi
     assert {(s["trace_id"], s["parent_span_id"]) for s in spans} == clients and len(clients) == 16
 
 
+@pytest.mark.slow
 def test_thrift_server_example_answers_declared_errors_and_flushes_on_sigterm(collector: Any) -> None:
     with server(["examples/thrift_server/server.py", "--port", "0"],
                 telemetry_env(collector, "example-ranker-thrift")) as (program, target):
@@ -100,6 +103,7 @@ def test_thrift_server_example_answers_declared_errors_and_flushes_on_sigterm(co
     assert all(s["attributes"]["zoomer.rpc.business_error"] == "InvalidRequest" for s in refused)
 
 
+@pytest.mark.slow
 def test_locust_example_loads_the_grpc_example_and_every_request_has_its_server_span(collector: Any,
                                                                                      tmp_path: Path) -> None:
     summary_json = tmp_path / "summary.json"
@@ -134,6 +138,7 @@ def test_the_committed_generated_code_of_the_grpc_example_is_what_its_proto_give
             assert (Path(out) / name).read_text() == (folder / name).read_text(), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["grpc_server/client.py", "grpc_aio_server/client.py", "thrift_server/client.py"])
 def test_a_client_pointed_at_a_port_nobody_listens_on_says_so_in_one_line(script: str, collector: Any) -> None:
     """A wrong --target (a port with no server) ends the example client with exit 1 and one line naming the

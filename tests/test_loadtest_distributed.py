@@ -144,6 +144,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_master_and_two_workers_run_the_transport_chosen_on_the_master_and_count_what_the_server_served(
@@ -185,6 +186,7 @@ WORKERS_WITHOUT_THE_USER_CLASS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("workers", list(WORKERS_WITHOUT_THE_USER_CLASS))
 def test_workers_that_fail_make_the_master_fail_and_a_run_without_requests_is_never_profiled(
@@ -223,6 +225,7 @@ def test_workers_that_fail_make_the_master_fail_and_a_run_without_requests_is_ne
     assert [r for r in rows if r["kind"] == "SERVER"] == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_worker_killed_during_the_run_makes_the_master_fail_without_waiting_for_its_last_report(
         collector: Any, tmp_path: Path) -> None:
@@ -282,6 +285,7 @@ def slow_server(telemetry: Any, latency_s: float) -> Iterator[str]:
         server.stop(None).wait(5)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_calls_that_end_during_the_graceful_stop_are_in_the_masters_figures(collector: Any, telemetry: Any,
                                                                            tmp_path: Path) -> None:
