@@ -16,6 +16,7 @@ from zoomer_serve.analysis.store import detect_store, load_store
 from zoomer_serve.processes import wait_for_event
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _example_processes import free_port
 from _finding_claims import checked_ids
 
 
@@ -98,6 +99,23 @@ def test_bad_command_line_values_are_refused_before_anything_starts(argv):
     proc = subprocess.run([sys.executable, "-m", "zoomer_serve", *argv], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "is not" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env", [{"ZOOMER_PROFILES_DIR": "FILE"}, {"ZOOMER_ADMIN_TOKEN": "secret\n"}])
+def test_serve_demo_refuses_bad_profiling_settings_before_its_telemetry_starts(tmp_path, env):
+    """A profiles folder that is a file, a token gRPC metadata cannot carry: exit 2 naming it, and nothing
+    tries to export on the way out (the refusal came after the telemetry had started: 13 s of flush retries
+    against a closed port, their errors after the message)."""
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    env = {k: str(afile) if v == "FILE" else v for k, v in env.items()}
+    closed = f"http://127.0.0.1:{free_port()}"
+    proc = subprocess.run([sys.executable, "-m", "zoomer_serve", "serve-demo", "--port", "0"], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": closed, **env})
+    assert proc.returncode == 2
+    assert next(iter(env)) in proc.stderr and "Traceback" not in proc.stderr
+    assert "export" not in proc.stderr.lower() and "4317" not in proc.stderr
 
 
 def test_demo_with_an_unusable_store_says_why_without_a_traceback(tmp_path):

@@ -105,6 +105,7 @@ def run_serve_demo(args: argparse.Namespace) -> int:
         return 2
     stop = _stop_on_signals()
     try:
+        ServerProfiling.configs(args)  # checked before telemetry starts, whose shutdown would flush first
         # configure from OTEL_* / ZOOMER_* before the first request; spans and profiling sessions are named
         # for the service (the demo's name unless OTEL_SERVICE_NAME or OTEL_RESOURCE_ATTRIBUTES gives one)
         zoomer_serve.configure(config=demo_config(args.batch_max_size))

@@ -58,12 +58,13 @@ class ServerProfiling:
     admin_server: Any = None
     request_profiler: Any = None
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, telemetry: Any = None) -> ServerProfiling:
-        """Build and attach the controller from parsed :func:`add_profiling_options` options.
+    @staticmethod
+    def configs(args: argparse.Namespace) -> tuple[ProfilerConfig, AdminConfig, Any]:
+        """The controller's, the admin service's and on-request profiling's settings from parsed
+        :func:`add_profiling_options` options and the environment, checked; nothing starts.
 
         Raises ConfigError on a bad value (the message names it)."""
-        from zoomer_serve.profiling.controller import ProfilerController
+        from zoomer_serve.profiling.on_request import RequestProfilingConfig
 
         session = SessionOptions(max_requests=args.trigger_requests)
         overrides: dict[str, Any] = {}
@@ -76,13 +77,22 @@ class ServerProfiling:
             overrides["latency_slo"] = LatencySloConfig(
                 p99_ms=args.slo_p99_ms, window_ms=args.slo_window_ms, sustain_windows=args.slo_sustain_windows,
                 cooldown_ms=int(args.slo_cooldown_s * 1000), session=session)
-        controller = ProfilerController(ProfilerConfig.from_env(**overrides), telemetry).attach()
         admin = AdminConfig.from_env(open_loopback=True if args.admin_open_loopback else None)
-        from zoomer_serve.profiling.on_request import RequestProfiler, RequestProfilingConfig
-
         on_request = RequestProfilingConfig(threshold_ms=args.profile_over_ms,
                                             threshold_window_ms=args.profile_over_window_ms,
                                             threshold_attempts=args.profile_over_attempts)
+        return ProfilerConfig.from_env(**overrides), admin, on_request
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, telemetry: Any = None) -> ServerProfiling:
+        """Build and attach the controller from parsed :func:`add_profiling_options` options.
+
+        Raises ConfigError on a bad value (the message names it)."""
+        from zoomer_serve.profiling.controller import ProfilerController
+        from zoomer_serve.profiling.on_request import RequestProfiler
+
+        profiler, admin, on_request = cls.configs(args)
+        controller = ProfilerController(profiler, telemetry).attach()
         return cls(controller, admin, request_profiler=RequestProfiler(controller, admin, on_request).attach())
 
     def mount(self, server: Any) -> None:
