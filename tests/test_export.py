@@ -301,6 +301,34 @@ def test_exporter_self_metrics_count_exported_spans(collector):
     assert exported and max(p["value"] for p in exported) == 30
 
 
+@pytest.mark.parametrize("mode", ["process", "thread"])
+@pytest.mark.parametrize("off", ["OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER"])
+def test_an_exporter_set_to_none_sends_nothing_of_its_signal_and_all_of_the_other(collector, monkeypatch, off, mode):
+    """``OTEL_TRACES_EXPORTER=none``: no span reaches the collector, every call is still in the RPC metrics;
+    ``OTEL_METRICS_EXPORTER=none``: every span arrives and no metric point does (they were not read at all)."""
+    monkeypatch.setenv(off, "none")
+    zoomer_serve.configure(service_name="off", endpoint=collector.grpc_endpoint, export_mode=mode,
+                           schedule_delay_ms=50, set_global_providers=False)
+    _record_spans(25)
+    spans = collector.spans()
+    calls = sum(p["count"] for p in collector.metric_points("rpc.server.call.duration"))
+    exported = collector.metric_points("otel.sdk.exporter.span.exported")
+    if off == "OTEL_TRACES_EXPORTER":
+        assert spans == [] and calls == 25
+        assert max(p["value"] for p in exported if not p["attributes"]) == 0
+    else:
+        assert len(spans) == 25 and calls == 0 and exported == []
+
+
+@pytest.mark.parametrize("value", ["console", "otlp,console", "zipkin", "none,otlp"])
+def test_an_exporter_other_than_otlp_or_none_is_refused(value):
+    for variable in ("OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER"):
+        with pytest.raises(ConfigError, match=f"{variable}=.*exports OTLP only"):
+            ZoomerConfig.from_env({variable: value})
+    assert ZoomerConfig.from_env({"OTEL_TRACES_EXPORTER": " OTLP ", "OTEL_METRICS_EXPORTER": "None"}).export.metrics \
+        is False
+
+
 @pytest.mark.slow
 def test_shutdown_budget_shorter_than_the_export_timeout_is_kept(caplog):
     """C03: shutdown(timeout_s) bounds the whole shutdown (helper process and SDK providers) even when the

@@ -21,6 +21,7 @@ environment. A bad value raises :class:`ConfigError` naming the variable and the
 | exceptions as logs | ``OTEL_SEMCONV_EXCEPTION_SIGNAL_OPT_IN`` = ``logs`` / ``logs/dup``: not supported (no log export), said in a warning; exceptions stay span events | span events |
 | RPC names | ``OTEL_SEMCONV_STABILITY_OPT_IN``: ``rpc`` the unreleased conventions' renames (``rpc.status_code``), ``rpc/dup`` every name (deprecated ones and size metrics too); see :mod:`zoomer_serve.semconv` | semantic conventions v1.44.0 |
 | SDK off | ``OTEL_SDK_DISABLED=true`` (as the spec says, any value but ``true`` is false; one other than ``false`` logs a warning) | false |
+| exporters | ``OTEL_TRACES_EXPORTER``, ``OTEL_METRICS_EXPORTER``: ``otlp`` or ``none`` (zoomer-serve exports OTLP only; ``none`` sends no spans, or no metrics) | ``otlp`` |
 | export mode | ``ZOOMER_EXPORT_MODE``: ``process`` (a helper process encodes and sends), ``thread``, ``none`` | ``process`` |
 | span limits | ``OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT``, ``OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT``, ``OTEL_ATTRIBUTE_COUNT_LIMIT``, ``OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT``, ``OTEL_SPAN_EVENT_COUNT_LIMIT``, ``OTEL_SPAN_LINK_COUNT_LIMIT``, ``OTEL_EVENT_ATTRIBUTE_COUNT_LIMIT``, ``OTEL_LINK_ATTRIBUTE_COUNT_LIMIT`` (see :class:`SpanLimits`) | none for lengths, 128 for counts |
 | exception text | ``ZOOMER_EXCEPTION_VALUE_LENGTH_LIMIT``: characters kept of ``exception.message``, ``exception.stacktrace`` and error status messages | 8192 |
@@ -81,6 +82,9 @@ class ExportConfig:
     schedule_delay_ms: int = 5000
     metric_export_interval_ms: int = 60_000
     mode: str = "process"
+    # -- which signals leave (OTEL_TRACES_EXPORTER / OTEL_METRICS_EXPORTER: otlp, or none for False) -----------
+    traces: bool = True
+    metrics: bool = True
     # -- export request size (bytes) ------------------------------------------------------------------------
     # Every OTLP request (traces and metrics) is at most this long, uncompressed: well under the OpenTelemetry
     # Collector's default gRPC receive limit (4 MiB). ZOOMER_EXPORT_MAX_REQUEST_BYTES.
@@ -318,6 +322,18 @@ def check_url(url: str, variable: str) -> str:
     return url.strip()
 
 
+def _exporter(env: Mapping[str, str], variable: str) -> bool:
+    """Whether ``variable`` (``OTEL_TRACES_EXPORTER`` or ``OTEL_METRICS_EXPORTER``, a comma-separated list in
+    the spec) asks for the OTLP exporter: ``otlp`` (the default) True, ``none`` False. Raises ConfigError for
+    any other exporter (``console``, ``zipkin``, ``prometheus`` ...): zoomer-serve exports OTLP only."""
+    names = {n.strip().lower() for n in (env.get(variable) or "otlp").split(",") if n.strip()} or {"otlp"}
+    other = sorted(names - {"otlp", "none"})
+    if other or names == {"otlp", "none"}:
+        raise ConfigError(f"{variable}={env.get(variable)!r}: zoomer-serve exports OTLP only; use 'otlp' or 'none' "
+                          f"(point OTEL_EXPORTER_OTLP_ENDPOINT at a collector that forwards to the backend you want)")
+    return names == {"otlp"}
+
+
 def _export_from_env(env: Mapping[str, str]) -> ExportConfig:
     protocol_var, protocol = _signal(env, "TRACES", "PROTOCOL")
     protocol = (protocol or "grpc").strip().lower()  # the spec: enum values are read case-insensitively
@@ -341,6 +357,8 @@ def _export_from_env(env: Mapping[str, str]) -> ExportConfig:
         schedule_delay_ms=_int(env, "OTEL_BSP_SCHEDULE_DELAY", 5000),
         metric_export_interval_ms=_int(env, "OTEL_METRIC_EXPORT_INTERVAL", 60_000),
         mode=(env.get("ZOOMER_EXPORT_MODE") or "process").strip().lower(),
+        traces=_exporter(env, "OTEL_TRACES_EXPORTER"),
+        metrics=_exporter(env, "OTEL_METRICS_EXPORTER"),
         max_request_bytes=envvars.integer(env, "ZOOMER_EXPORT_MAX_REQUEST_BYTES", DEFAULT_MAX_REQUEST_BYTES,
                                           ConfigError, minimum=MIN_REQUEST_BYTES),
         semconv_rpc=rpc_opt_in(env.get("OTEL_SEMCONV_STABILITY_OPT_IN")),

@@ -208,10 +208,11 @@ class ExportWorker:
         encode, encode_child = self._encoder.encode_span, self._encoder.encode_child
         pending = self._pending
         max_spans, max_bytes = self.cfg.max_export_batch_size, self.cfg.max_request_bytes
+        sampled = r.F_SAMPLED if self.cfg.traces else 0  # OTEL_TRACES_EXPORTER=none: no span is encoded
         for rec in batch:
             self.stats.records += 1
             try:
-                if rec[r.R_FLAGS] & r.F_SAMPLED:
+                if rec[r.R_FLAGS] & sampled:
                     span = encode(rec)
                     pending.append(span)
                     self._pending_bytes += len(span)
@@ -335,6 +336,8 @@ class ExportWorker:
         """Send the cumulative metrics once, in requests of at most ``max_request_bytes``; failures are logged
         once (the next export carries the totals). True when every point was accepted."""
         self._last_metrics = time.monotonic()
+        if not self.cfg.metrics:  # OTEL_METRICS_EXPORTER=none
+            return True
         with self._metrics_lock:
             points = self._metrics.data_points(self._metrics_start_ns, time.time_ns(), self._counters())
         requests, too_large = self._metrics_encoder.pack(points, self.cfg.max_request_bytes)
