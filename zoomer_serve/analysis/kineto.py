@@ -680,8 +680,9 @@ class _Normalizer:
         if self.skipped.get("malformed event"):
             out.append(f"{self.skipped['malformed event']} malformed event(s) skipped (fields of the wrong type)")
         for key, n in sorted(self.skipped.items()):
-            if key.endswith(" without ts") and key[:-len(" without ts")] in _CATEGORY_ALIASES:
-                out.append(f"{n} {key[:-len(' without ts')]} event(s) without a \"ts\" (missing or null) skipped")
+            category = key.removesuffix(" without ts")
+            if category != key and category in _CATEGORY_ALIASES:
+                out.append(f"{n} {category} event(s) without a \"ts\" (missing or null) skipped")
         return out
 
 
