@@ -92,6 +92,18 @@ class ExportConfig:
     # -- which RPC names (zoomer_serve.semconv.rpc_opt_in): "default" (v1.44.0), "next" or "dup" ---------------
     semconv_rpc: str = "default"
 
+    @property
+    def sends_traces(self) -> bool:
+        """Whether spans leave the process (an export mode other than ``none``, ``OTEL_TRACES_EXPORTER`` not
+        ``none``)."""
+        return self.mode != "none" and self.traces
+
+    @property
+    def sends_metrics(self) -> bool:
+        """Whether metrics leave the process (an export mode other than ``none``, ``OTEL_METRICS_EXPORTER`` not
+        ``none``)."""
+        return self.mode != "none" and self.metrics
+
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
             raise ConfigError(f"OTLP protocol must be one of {PROTOCOLS}, got {self.protocol!r}")

@@ -211,7 +211,7 @@ def _build(cfg: ZoomerConfig, set_global: bool) -> Telemetry:
 
     resource = build_resource_attributes(cfg)
     pipeline = None
-    if cfg.export.mode != "none" and (cfg.export.traces or cfg.export.metrics):
+    if cfg.export.sends_traces or cfg.export.sends_metrics:
         pipeline = ExportPipeline(cfg.export, resource, __version__, cfg.span_limits)
         pipeline.start()
     recorder = RequestRecorder(pipeline.submit if pipeline else None, sampler, limits=cfg.span_limits)
@@ -264,12 +264,12 @@ def _sdk_providers(cfg: ZoomerConfig, resource: dict[str, Any], set_global: bool
     # shutdown_on_exit=False: Telemetry.shutdown (registered with atexit) shuts them down, within its budget
     tracer_provider = TracerProvider(resource=res, sampler=ParentBased(TraceIdRatioBased(cfg.sampler_ratio)),
                                      shutdown_on_exit=False)
-    if exp.mode != "none" and exp.traces:
+    if exp.sends_traces:
         tracer_provider.add_span_processor(BatchSpanProcessor(
             sdk_span_exporter(exp), max_queue_size=exp.max_queue_size, schedule_delay_millis=exp.schedule_delay_ms,
             max_export_batch_size=exp.max_export_batch_size, export_timeout_millis=exp.timeout_ms))
     readers = []
-    if exp.mode != "none" and exp.metrics:
+    if exp.sends_metrics:
         readers.append(PeriodicExportingMetricReader(sdk_metric_exporter(exp),
                                                      export_interval_millis=exp.metric_export_interval_ms,
                                                      export_timeout_millis=exp.timeout_ms))
