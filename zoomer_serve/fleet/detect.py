@@ -348,16 +348,17 @@ def detect_kernel_mix(replicas: list[ReplicaFigures], source: str) -> list[Findi
             cause = ("; it differs from its peers in " + ", ".join(f"{x['key']} = {x['value']} (peers: {x['peer_value']})"
                                                                    for x in diffs[:5])) if diffs else \
                 "; its resource attributes match its peers'"
+            at_stake = min(1.0, d)  # a total variation distance: at most 1, but for rounding
             out.append(Finding(
                 id="fleet.kernel-mix", title=f"Replica {r.instance} runs a different kernel mix",
-                severity=severity_for_share(min(1.0, d)),
+                severity=severity_for_share(at_stake),
                 summary=(f"{service} on {gpu or 'CPU'}: {d:.0%} of {r.instance}'s kernel time is distributed unlike its "
                          f"{len(mixed)} peers' median mix (peers: median distance {stats.median:.0%}); "
                          f"{len(only)} kernels only it runs, {len(missing)} it lacks{cause}."),
                 evidence={"service": service, "gpu_model": gpu, "instance": r.instance, "mix_distance": d,
                           "peer_median_distance": stats.median, "z": stats.z(d), "only_here": only[:MAX_ITEMS],
                           "missing_here": missing[:MAX_ITEMS], "resource_differences": diffs,
-                          "sessions": r.sessions, AT_STAKE: min(1.0, d)},
+                          "sessions": r.sessions, AT_STAKE: at_stake},
                 items=only[:MAX_ITEMS] + [{"kernel": m["kernel"], "missing": True} for m in missing[:MAX_ITEMS]],
                 recommendation=("Different kernels for the same model usually mean a different torch, CUDA, cuDNN or "
                                 "driver version (other kernel selection and fusion), a different model version or "
