@@ -50,6 +50,7 @@ from zoomer_serve.collector import (
     Store,
     StoreConfig,
     StoreError,
+    WriteStatus,
     default_store_path,
     open_readonly,
 )
@@ -383,6 +384,58 @@ def test_store_refuses_after_close_and_reports_lock(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="missing.duckdb"):
         open_readonly(tmp_path / "missing.duckdb")
     assert "CREATE TABLE IF NOT EXISTS spans" in SCHEMA
+
+
+def _rows(n: int, start: int = 0) -> list[tuple[object, ...]]:
+    return [(f"{i:032x}", f"{i:016x}", None, "svc/M", "SERVER", i, i + 5, 5, "UNSET", None, "svc", None, "scope",
+             f'{{"i":{i},"rpc.method":"svc/M"}}', '{"service.name":"svc"}', "[]", "[]", i) for i in range(start, start + n)]
+
+
+def _wal_bytes(path: Path) -> int:
+    wal = Path(f"{path}.wal")
+    return wal.stat().st_size if wal.exists() else 0
+
+
+def test_store_checkpoints_once_per_row_group(tmp_path: Path) -> None:
+    """The writer checkpoints after ``checkpoint_rows`` rows went into a table (one DuckDB row group by
+    default), not when DuckDB's log passes 16 MiB: those checkpoints fell inside row groups and cost 80 ms to
+    1.6 s of CPU each, more as the table grew (benchmarks/COLLECTOR.md)."""
+    path = tmp_path / "s.duckdb"
+    store = Store(path, StoreConfig(checkpoint_rows=1000))
+    try:
+        con = store.cursor()
+        assert con.execute("SELECT current_setting('checkpoint_threshold')").fetchone() == ("256.0 MiB",)
+        con.close()
+        for k in range(2):
+            assert store.write("spans", _rows(400, 400 * k)).status is WriteStatus.COMMITTED
+        assert store.stats().checkpoints == 0 and _wal_bytes(path) > 0  # 800 rows: still in the log
+        store.write("spans", _rows(400, 800))
+        _wait_for(lambda: store.stats().checkpoints == 1)  # 1200 rows >= 1000: moved into the file
+        assert _wal_bytes(path) == 0
+        store.write("spans", _rows(400, 1200))
+        store.write("metric_points", [])  # nothing written: counts for nothing
+        assert store.flush(timeout_s=60) and store.stats().checkpoints == 1  # 400 since: none yet
+        assert _wal_bytes(path) > 0
+    finally:
+        stats = store.close()
+    assert (stats.written, stats.checkpoints) == (1600, 1)
+    assert query(path, "SELECT count(*), count(DISTINCT span_id) FROM spans") == [(1600, 1600)]
+
+
+def test_store_leaves_checkpoints_to_duckdb_when_asked(tmp_path: Path) -> None:
+    path = tmp_path / "s.duckdb"
+    store = Store(path, StoreConfig(checkpoint_rows=0))
+    try:
+        con = store.cursor()
+        assert con.execute("SELECT current_setting('checkpoint_threshold')").fetchone() == ("16.0 MiB",)
+        con.close()
+        store.write("spans", _rows(1200))
+        assert store.stats().checkpoints == 0 and _wal_bytes(path) > 0
+    finally:
+        store.close()
+    assert query(path, "SELECT count(*) FROM spans") == [(1200,)]
+    with pytest.raises(ValueError, match="checkpoint_rows"):
+        StoreConfig(checkpoint_rows=-1)
 
 
 def test_default_store_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -193,7 +193,8 @@ class EmbeddedCollector:
         ``http_idle_closed``, ``http_headers_timeouts``, ``http_body_timeouts`` and its gauges
         ``http_connections_open`` / ``http_connections_peak``; the store's ``store_accepted``,
         ``store_written``, ``store_failed``, ``store_dropped``, ``store_queued`` (rows), ``store_batches``
-        (insert statements) and ``store_commit_timeouts``; with Parquet output the rotation's ``parquet_rotations``,
+        (insert statements), ``store_commit_timeouts`` and ``store_checkpoints`` (the writer's, one per row group
+        written); with Parquet output the rotation's ``parquet_rotations``,
         ``parquet_failed``, ``parquet_rows``, ``parquet_files``, ``parquet_bytes``, ``parquet_retries``,
         ``parquet_last_error``."""
         if self._store is None:

@@ -91,6 +91,17 @@ commit is more, smaller statements when a single exporter sends one request at a
 commit's ``fdatasync`` of DuckDB's log (milliseconds on a VM disk; it also makes the data survive a power
 loss): measured in ``benchmarks/COLLECTOR.md`` against the 1 s linger it replaced.
 
+Checkpoints: one per row group
+------------------------------
+DuckDB moves its write-ahead log into the file (a checkpoint) when the log passes ``checkpoint_threshold``
+(16 MiB by default), whatever rows that is. A checkpoint that falls inside one of DuckDB's row groups
+(:data:`DUCKDB_ROW_GROUP_ROWS` rows) rewrites that partly filled group at the next one, and now and then many
+more: inserting 512-row requests of 1.2 kB spans, checkpoints every ~26 000 rows cost 80 ms to 1.6 s of CPU
+each, larger as the table grew, 40 % of the store's CPU (``benchmarks/store_checkpoints.py``,
+``benchmarks/COLLECTOR.md``). So the writer checkpoints itself once ``StoreConfig.checkpoint_rows`` rows (a
+row group) went into a table since the last one, after it has answered the writes of that batch, and the
+size threshold is raised to :data:`CHECKPOINT_CAP` (a bound on the log for rows of several kB).
+
 :meth:`Store.submit` (queue without waiting) remains for callers that do their own flushing;
 :meth:`Store.flush` and :meth:`Store.close` write everything accepted before they return. A row that DuckDB
 refuses is logged and reported to its writer as failed (the receivers answer it as a rejected item in
@@ -120,6 +131,11 @@ NO_EXTENSION_DOWNLOADS: dict[str, str | bool | int | float | list[str]] = {
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
+DUCKDB_ROW_GROUP_ROWS = 122_880
+"""Rows in one of DuckDB's row groups (its default ``row_group_size``, which stores created here keep)."""
+CHECKPOINT_CAP = "256MiB"
+"""DuckDB's ``checkpoint_threshold`` while the writer checkpoints per row group: the write-ahead log's
+largest size before DuckDB checkpoints on its own (rows of over ~2 kB reach it before a row group is full)."""
 DEFAULT_STORE_RELPATH = Path("zoomer-data") / "zoomer.duckdb"
 STORE_ENV_VAR = "ZOOMER_STORE"
 
@@ -236,17 +252,23 @@ class StoreConfig:
             latency what it saves in statements.
         commit_timeout_s: longest a :meth:`Store.write` waits for its commit before it reports a timeout
             (the rows stay queued and are still written).
+        checkpoint_rows: rows written into one table after which the writer checkpoints the file (see
+            "Checkpoints" above); default one DuckDB row group. 0 leaves checkpoints to DuckDB's own
+            16 MiB log threshold.
     """
 
     max_queued_rows: int = 200_000
     batch_rows: int = 20_000
     linger_s: float = 0.0
     commit_timeout_s: float = 30.0
+    checkpoint_rows: int = DUCKDB_ROW_GROUP_ROWS
 
     def __post_init__(self) -> None:
         if self.max_queued_rows <= 0 or self.batch_rows <= 0:
             raise ValueError(f"max_queued_rows and batch_rows must be > 0, got {self.max_queued_rows}, "
                              f"{self.batch_rows}")
+        if self.checkpoint_rows < 0:
+            raise ValueError(f"checkpoint_rows must be >= 0, got {self.checkpoint_rows}")
         if self.linger_s < 0 or self.commit_timeout_s <= 0:
             raise ValueError(f"linger_s must be >= 0 and commit_timeout_s > 0, got {self.linger_s}, "
                              f"{self.commit_timeout_s}")
@@ -260,7 +282,8 @@ class StoreStats:
     insert raised (logged, and reported to :meth:`Store.write`'s caller); ``dropped`` = rows refused because
     the queue was full or the store closed (the caller was told, nothing acknowledged); ``queued`` = accepted,
     not yet written; ``batches`` = insert statements that committed rows; ``commit_timeouts`` = writes
-    whose caller stopped waiting before the commit (the rows are still written).
+    whose caller stopped waiting before the commit (the rows are still written); ``checkpoints`` = the
+    writer's own checkpoints (``StoreConfig.checkpoint_rows``; DuckDB's and the one at close not counted).
     """
 
     accepted: int
@@ -270,6 +293,7 @@ class StoreStats:
     queued: int
     batches: int
     commit_timeouts: int = 0
+    checkpoints: int = 0
 
 
 class WriteStatus(enum.Enum):
@@ -317,6 +341,10 @@ class Store:
         self.path = Path(path)
         self.config = config or StoreConfig()
         self._con = self._open(self.path)
+        if self.config.checkpoint_rows:
+            self._con.execute(f"SET checkpoint_threshold = '{CHECKPOINT_CAP}'")
+        self._since_checkpoint = dict.fromkeys(TABLES, 0)  # rows written per table since the last one
+        self._checkpoints = 0
         self._cond = threading.Condition()
         self._queue: deque[_Pending] = deque()
         self._queued = 0
@@ -409,7 +437,7 @@ class Store:
         """A consistent snapshot of the counters."""
         with self._cond:
             return StoreStats(self._accepted, self._written, self._failed, self._dropped, self._queued,
-                              self._batches, self._commit_timeouts)
+                              self._batches, self._commit_timeouts, self._checkpoints)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every row accepted so far is written (or failed), without waiting out the writer's
@@ -486,6 +514,24 @@ class Store:
                     p.done = True
                     p.rows = []  # the caller may wait a while longer; the rows are no longer needed
                 self._cond.notify_all()
+            self._count_for_checkpoint(batch[0].table, rows - failed)
+
+    def _count_for_checkpoint(self, table: str, written: int) -> None:
+        """Checkpoint once ``checkpoint_rows`` rows went into ``table`` since the last checkpoint (after the
+        batch's writers were answered: they do not wait for it). A failed checkpoint is logged; DuckDB's
+        size threshold still bounds the log."""
+        every = self.config.checkpoint_rows
+        self._since_checkpoint[table] += written
+        if not every or self._since_checkpoint[table] < every:
+            return
+        self._since_checkpoint = dict.fromkeys(TABLES, 0)  # a checkpoint covers every table
+        try:
+            self._con.execute("CHECKPOINT")
+        except duckdb.Error as exc:
+            log.warning("checkpoint of store %s failed: %s", self.path, exc)
+            return
+        with self._cond:
+            self._checkpoints += 1
 
     def _insert_batch(self, batch: list[_Pending]) -> None:
         """Insert the rows of ``batch`` (one table) with one statement; if it fails, each submission on its
