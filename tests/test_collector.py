@@ -438,6 +438,29 @@ def test_store_leaves_checkpoints_to_duckdb_when_asked(tmp_path: Path) -> None:
         StoreConfig(checkpoint_rows=-1)
 
 
+@pytest.mark.parametrize("suffix", ["json", "csv", "parquet"])
+def test_a_data_file_is_refused_as_a_store(tmp_path: Path, suffix: str) -> None:
+    """DuckDB opens an existing JSON, CSV or Parquet file as an in-memory database that reads it: a collector
+    given one acknowledged every span and kept none, and said it wrote them. Refused, the file untouched."""
+    import duckdb
+
+    path = tmp_path / f"data.{suffix}"
+    if suffix == "parquet":
+        con = duckdb.connect()
+        con.execute(f"COPY (SELECT 1 AS a) TO '{path}' (FORMAT parquet)")
+        con.close()
+    else:
+        path.write_text('{"a": 1}\n' if suffix == "json" else "a,b\n1,2\n")
+    before = path.read_bytes()
+    with pytest.raises(StoreError, match="not a DuckDB file"):
+        Store(path)
+    with pytest.raises(StoreError, match="not a DuckDB file"):
+        open_readonly(path)
+    with pytest.raises(StoreError, match="not a DuckDB file"):
+        EmbeddedCollector(path, grpc_port=0, http_port=None).start()
+    assert path.read_bytes() == before
+
+
 def test_default_store_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("ZOOMER_STORE", str(tmp_path / "x.duckdb"))
     assert default_store_path() == tmp_path / "x.duckdb"

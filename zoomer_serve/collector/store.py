@@ -227,13 +227,29 @@ def open_readonly(path: str | os.PathLike[str]) -> duckdb.DuckDBPyConnection:
     if not p.is_file():
         raise FileNotFoundError(f"store not found: {p}")
     try:
-        return duckdb.connect(str(p), read_only=True, config=NO_EXTENSION_DOWNLOADS)
+        con = duckdb.connect(str(p), read_only=True, config=NO_EXTENSION_DOWNLOADS)
     except duckdb.Error as exc:
         text = str(exc)
-        if "not a valid DuckDB database file" in text:
+        if "not a valid DuckDB database file" in text or "in-memory database" in text:
             raise StoreError(f"cannot open store {p}: not a DuckDB file ({text})") from exc
         hint = " (is a collector still running on it?)" if "Could not set lock" in text else ""
         raise StoreError(f"cannot open store {p} read-only: {text}{hint}") from exc
+    return _file_backed(con, p)
+
+
+def _file_backed(con: duckdb.DuckDBPyConnection, path: Path) -> duckdb.DuckDBPyConnection:
+    """``con`` if its database is the file at ``path``. DuckDB opens an existing JSON, CSV or Parquet file as
+    an in-memory database that reads it: rows written there would be acknowledged and lost.
+
+    Raises:
+        StoreError: it is such a file (``con`` is closed).
+    """
+    row = con.execute("SELECT path FROM duckdb_databases() WHERE database_name = current_database()").fetchone()
+    if row is None or row[0] is None:
+        con.close()
+        raise StoreError(f"cannot open store {path}: not a DuckDB file (DuckDB would only read it into memory: "
+                         "give a new path or an existing .duckdb store)")
+    return con
 
 
 @dataclass(frozen=True)
@@ -364,7 +380,7 @@ class Store:
     def _open(path: Path) -> duckdb.DuckDBPyConnection:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            con = duckdb.connect(str(path), config=NO_EXTENSION_DOWNLOADS)
+            con = _file_backed(duckdb.connect(str(path), config=NO_EXTENSION_DOWNLOADS), path)
             con.execute(SCHEMA)
             con.execute(
                 "INSERT OR IGNORE INTO zoomer_meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)]
