@@ -132,6 +132,25 @@ def test_two_windows_of_one_store(collector: Any, capsys: Any) -> None:
     assert parse_side(f"{store}@{iso}..").start_ns == 1_790_812_800_000_000_000
 
 
+@pytest.mark.slow
+def test_latency_figures_are_per_service_and_method(collector: Any) -> None:
+    """Two services serving the same method: each has its own percentile rows. The figures were keyed by the
+    method alone, so one service's percentiles stood for both, and a service missing from one side showed as a
+    latency change of the other."""
+    record_replica(collector, "a1", [Req([("forward", 1.0)]) for _ in range(20)], T0_NS, service="fast")
+    record_replica(collector, "b1", [Req([("forward", 5.0)]) for _ in range(20)], T0_NS, service="slow")
+    record_replica(collector, "a1", [Req([("forward", 1.0)]) for _ in range(20)], T0_NS + 10_000 * MS,
+                   service="fast")
+    collector.finish()
+    middle = (T0_NS + 5_000 * MS) / 1e9
+    report = diff(f"{collector.store_path}@..{middle}", f"{collector.store_path}@{middle}..")
+    fig = {r["figure"]: r for r in report.tables["figures"].rows()}
+    fast = next(r for name, r in fig.items() if name.startswith("fast ") and name.endswith(" p50"))
+    slow = next(r for name, r in fig.items() if name.startswith("slow ") and name.endswith(" p50"))
+    assert fast["before"] == pytest.approx(1.5, abs=0.01) and fast["delta"] == pytest.approx(0.0, abs=0.01)
+    assert slow["before"] == pytest.approx(5.5, abs=0.01) and slow["after"] is None  # none after
+
+
 @pytest.mark.parametrize("before, message", [
     (f"{ALEXNET}@1..2", "a time window needs a store"),
     ("nope.duckdb@soon..", "neither ISO 8601 time nor Unix seconds"),

@@ -5,7 +5,7 @@ seconds). The result holds, side by side with deltas:
 - ``figures``: GPU window, busy and idle time (host wait, kernel wait, other), computation, communication,
   memory time, kernels and their time, copies, launch calls and their CPU time, synchronising calls and the
   time they blocked, CPU ops, profiler steps (traces); requests, error share and latency percentiles per
-  method (stores);
+  service and method (stores: ``<service> <method> p50``);
 - ``kernels`` and ``cpu_ops``: per name, count, time and (kernels) launches before and after, with a status:
   appeared, vanished or changed (largest change of time first);
 - ``phases``: per request phase (store: ``zoomer.phase`` spans) or annotation (trace: ``record_function``
@@ -211,6 +211,8 @@ def _trace_figures(result: AnalysisResult) -> dict[str, tuple[float, str]]:
 
 
 def _store_figures(result: AnalysisResult) -> dict[str, tuple[float, str]]:
+    from zoomer_serve.analysis.store import _scope  # the findings' "service method" label
+
     out: dict[str, tuple[float, str]] = {}
     if result.store is None:
         return out
@@ -222,7 +224,7 @@ def _store_figures(result: AnalysisResult) -> dict[str, tuple[float, str]]:
         for row in pct.rows():
             for q in ("p50_ms", "p90_ms", "p99_ms"):
                 if q in row:
-                    out[f"{row['method']} {q[:3]}"] = (row[q], "ms")
+                    out[f"{_scope(row['service'], row['method'])} {q[:3]}"] = (row[q], "ms")
     return out
 
 
