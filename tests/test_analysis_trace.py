@@ -318,6 +318,28 @@ def test_idle_split_follows_the_hta_definition_on_a_hand_checked_trace() -> None
     assert gaps[0]["gap_us"] == 100.0 and gaps[0]["next_op"].startswith("at::cuda::")
 
 
+def test_overlapping_operations_on_a_stream_give_no_negative_idle_and_a_warning() -> None:
+    """Kernels that overlap on one stream (duplicated events: a stream runs one at a time) made negative gaps:
+    kernel wait -50 us against 50 us idle. The gaps are taken between merged intervals then, so the split adds
+    up to the idle time, and the reader says how many overlapped."""
+    evs = []
+    for ts, dur, c in ((100, 100, 1), (150, 100, 2), (300, 50, 3)):
+        evs.append({"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": ts, "dur": dur,
+                    "args": {"device": 0, "stream": 7, "correlation": c}})
+        evs.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1,
+                    "ts": ts - 10, "dur": 5, "args": {"correlation": c}})
+    t = load_trace_bytes(json.dumps({"traceEvents": evs}).encode())
+    assert [w for w in t.warnings if "same stream" in w] == [
+        "1 GPU operation(s) start before the one ahead of them on the same stream has ended (a stream runs one at "
+        "a time: duplicated events?); busy and idle time count the overlap once"]
+    for row in gpu_utilization(t).rows():  # the device row and the stream row alike
+        assert (row["busy_us"], row["idle_us"]) == (200.0, 50.0)
+        assert row["host_wait_us"] + row["kernel_wait_us"] + row["other_idle_us"] == 50.0
+        assert min(row["host_wait_us"], row["kernel_wait_us"], row["other_idle_us"]) >= 0.0
+    real = loaded("a100_cuda_event_sync")
+    assert not [w for w in real.warnings if "same stream" in w]
+
+
 def test_annotation_gpu_time_matches_a_direct_scan() -> None:
     """GPU time under each ProfilerStep of the V100 trace = durations of the GPU ops whose launch call
     (same correlation) started on the step's thread within the step."""

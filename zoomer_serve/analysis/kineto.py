@@ -656,6 +656,11 @@ class _Normalizer:
         if self.unpaired_flows:
             skipped["flow without its other end"] = self.unpaired_flows
         warnings.extend(self._warnings(notes))
+        overlapping = _overlapping_on_a_stream(tables["kernels"], memops)
+        if overlapping:
+            warnings.append(f"{overlapping} GPU operation(s) start before the one ahead of them on the same stream "
+                            "has ended (a stream runs one at a time: duplicated events?); busy and idle time count "
+                            "the overlap once")
         return KinetoTrace(
             path=path, origin_us=float(origin), kernels=tables["kernels"], memops=memops,
             runtime=tables["runtime"], syncs=tables["syncs"], cpu_ops=tables["cpu_ops"],
@@ -684,6 +689,25 @@ class _Normalizer:
             if category != key and category in _CATEGORY_ALIASES:
                 out.append(f"{n} {category} event(s) without a \"ts\" (missing or null) skipped")
         return out
+
+
+def _overlapping_on_a_stream(kernels: Table, memops: Table) -> int:
+    """Kernels and memory operations that start before an earlier one on their (device, stream) has ended."""
+    ts = np.concatenate([kernels["ts"], memops["ts"]])
+    if len(ts) < 2:
+        return 0
+    end = ts + np.concatenate([kernels["dur"], memops["dur"]])
+    device = np.concatenate([kernels["device"], memops["device"]])
+    stream = np.concatenate([kernels["stream"], memops["stream"]])
+    order = np.lexsort((ts, stream, device))
+    ts, end, device, stream = ts[order], end[order], device[order], stream[order]
+    first = np.ones(len(ts), dtype=bool)
+    first[1:] = (device[1:] != device[:-1]) | (stream[1:] != stream[:-1])
+    reach = end.copy()  # the latest end so far within each stream
+    starts = np.flatnonzero(first)
+    for start, stop in zip(starts, [*starts[1:], len(ts)]):
+        reach[start:stop] = np.maximum.accumulate(end[start:stop])
+    return int(np.count_nonzero(~first[1:] & (ts[1:] < reach[:-1])))
 
 
 _X_EVENT = ev.EVENT_TYPES["X"]

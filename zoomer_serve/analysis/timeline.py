@@ -13,7 +13,10 @@ Definitions (all times in microseconds):
   shorter than ``kernel_wait_threshold_us`` (30 us, HTA's ``consecutive_kernel_delay``: back-to-back
   launch overhead), else **other** (e.g. waiting on another stream or an event). Per stream, a gap is the
   time from the previous operation's end to the next one's start, exactly as HTA computes it; per device,
-  the gaps are those between the merged busy intervals of all its streams.
+  the gaps are those between the merged busy intervals of all its streams. A stream runs one operation at a
+  time, so its operations never overlap in a real trace; where they do (duplicated events, which the reader
+  warns about) a stream's gaps are also taken between merged intervals: no negative gap, and the three
+  categories still add up to the idle time.
 """
 
 from __future__ import annotations
@@ -85,7 +88,8 @@ def gpu_utilization(trace: KinetoTrace, kernel_wait_threshold_us: float = KERNEL
     rows = []
     for dev in np.unique(ops["device"]):
         dsel = ops["device"] == dev
-        rows.append(_device_row(int(dev), ops["ts"][dsel], ops["dur"][dsel], launch[dsel], kernel_wait_threshold_us))
+        rows.append(_merged_row(int(dev), -1, ops["ts"][dsel], ops["dur"][dsel], launch[dsel],
+                                kernel_wait_threshold_us))
         streams = ops["stream"][dsel]
         work = ops["kind"][dsel] != "sync"  # per stream, sync records are never work (HTA's idle breakdown too)
         for stream in np.unique(streams[work]):
@@ -106,6 +110,8 @@ def gpu_utilization(trace: KinetoTrace, kernel_wait_threshold_us: float = KERNEL
 def _stream_row(dev: int, stream: int, ts: np.ndarray, dur: np.ndarray, launch: np.ndarray,
                 threshold: float) -> tuple:
     end = ts + dur
+    if len(ts) > 1 and np.any(ts[1:] < np.maximum.accumulate(end)[:-1]):  # overlapping operations
+        return _merged_row(dev, stream, ts, dur, launch, threshold)
     window = float(end.max() - ts.min())
     busy = union_length(ts, end)
     gap = ts[1:] - end[:-1]
@@ -132,14 +138,16 @@ def _device_gaps(ts: np.ndarray, dur: np.ndarray, launch: np.ndarray
     return gap_start, gap_end, order[idx[1:]], np.array([busy])
 
 
-def _device_row(dev: int, ts: np.ndarray, dur: np.ndarray, launch: np.ndarray, threshold: float) -> tuple:
+def _merged_row(dev: int, stream: int, ts: np.ndarray, dur: np.ndarray, launch: np.ndarray,
+                threshold: float) -> tuple:
+    """A row whose gaps lie between the merged busy intervals of the operations (a device's, ``stream`` -1)."""
     gap_start, gap_end, after, busy_arr = _device_gaps(ts, dur, launch)
     busy = float(busy_arr[0])
     window = float((ts + dur).max() - ts.min())
     gap = gap_end - gap_start
     host, kernel = _categorise(gap, gap_start, launch[after], threshold)
     other = ~host & ~kernel
-    return (dev, -1, len(ts), window, busy, window - busy, busy / window if window > 0 else 1.0,
+    return (dev, stream, len(ts), window, busy, window - busy, busy / window if window > 0 else 1.0,
             float(gap[host].sum()), float(gap[kernel].sum()), float(gap[other].sum()),
             float(gap.max()) if len(gap) else 0.0)
 
