@@ -152,6 +152,19 @@ def test_latency_figures_are_per_service_and_method(collector: Any) -> None:
     assert slow["before"] == pytest.approx(5.5, abs=0.01) and slow["after"] is None  # none after
 
 
+@pytest.mark.parametrize("text", ["99999999999999999999", "1e400", "-1e308", "nan", "-5"])
+def test_times_outside_what_unix_ns_hold_are_refused(text: str) -> None:
+    """``--since 99999999999999999999`` and ``STORE@-1e308..1e308`` ended in OverflowError tracebacks."""
+    from zoomer_serve.fleet.cli import parse_since
+
+    with pytest.raises(ValueError, match="is not a time between 1970 and 2262"):
+        parse_since(text)
+    with pytest.raises(ValueError, match="is not a time between 1970 and 2262"):
+        parse_side(f"x.duckdb@{text}..")
+    with pytest.raises(ValueError, match="--since: '99999d' is not a time"):
+        parse_since("99999d")
+
+
 @pytest.mark.parametrize("before, message", [
     (f"{ALEXNET}@1..2", "a time window needs a store"),
     ("nope.duckdb@soon..", "neither ISO 8601 time nor Unix seconds"),

@@ -82,3 +82,18 @@ def test_a_store_a_collector_process_holds_gets_the_collector_hint(tmp_path):
         collector.kill()
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "is a collector still running on it?" in proc.stderr and "not a DuckDB" not in proc.stderr
+
+
+@pytest.mark.parametrize("command", [["report", "--store"], ["analyze", "--store"], ["fleet", "analyze"]])
+@pytest.mark.parametrize("location, message", [("", "is empty"),
+                                               ("ftp://zoomer-test.invalid/x", "cannot ")])
+def test_an_empty_or_unreachable_store_location_is_one_line(command, location, message, capsys):
+    """``--store ""`` gave a ConfigError traceback (report, fleet) and an unreachable URL a socket.gaierror
+    traceback (report) or an "internal error" (analyze): each is exit 2 with one line naming it."""
+    from zoomer_serve.cli import main
+
+    assert main([*command, location]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "internal error" not in err
+    assert message in err and location in err, err
+

@@ -48,21 +48,40 @@ class Side:
     end_ns: int | None = None
 
 
+_LATEST_NS = 2**63 - 1  # the last time an int64 of Unix ns holds (2262)
+
+
 def _time_ns(text: str, what: str) -> int | None:
+    """Unix ns of ``text`` (ISO 8601, UTC unless it says; or Unix seconds); None when empty.
+
+    Raises:
+        ValueError: neither form, or a time outside 1970..2262 (the message names ``what``).
+    """
     text = text.strip()
     if not text:
         return None
     try:
-        return int(float(text) * 1e9)
+        seconds = float(text)
     except ValueError:
-        pass
-    try:
-        t = dt.datetime.fromisoformat(text)
-    except ValueError:
-        raise ValueError(f"{what}: {text!r} is neither ISO 8601 time nor Unix seconds") from None
-    if t.tzinfo is None:
-        t = t.replace(tzinfo=dt.timezone.utc)
-    return int(t.timestamp() * 1e9)
+        try:
+            t = dt.datetime.fromisoformat(text)
+        except ValueError:
+            raise ValueError(f"{what}: {text!r} is neither ISO 8601 time nor Unix seconds") from None
+        if t.tzinfo is None:
+            t = t.replace(tzinfo=dt.timezone.utc)
+        seconds = t.timestamp()
+    return checked_time_ns(seconds * 1e9, what, text)
+
+
+def checked_time_ns(ns: float, what: str, text: str) -> int:
+    """``ns`` as an int when it is a time from 1970 to 2262 (what Unix ns in an int64 hold).
+
+    Raises:
+        ValueError: it is not (NaN, infinite, before 1970 or after 2262), naming ``what`` and ``text``.
+    """
+    if not 0 <= ns <= _LATEST_NS:  # NaN fails too
+        raise ValueError(f"{what}: {text!r} is not a time between 1970 and 2262")
+    return int(ns)
 
 
 def parse_side(spec: str) -> Side:

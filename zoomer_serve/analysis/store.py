@@ -211,7 +211,7 @@ def load_store(store_path: str | os.PathLike[str]) -> StoreData:
         StoreAnalysisError: it cannot be opened read-only (a collector still writes it, not DuckDB) or has
             no ``spans`` table.
     """
-    path: Path | str = os.fspath(store_path) if is_url(store_path) else Path(store_path)
+    path = os.fspath(store_path)  # a str: Path("") would be the working directory
     try:
         con = open_source(path)
     except StorageError as exc:

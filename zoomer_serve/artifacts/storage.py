@@ -45,7 +45,7 @@ def filesystem(location: str | os.PathLike[str]) -> tuple[Any, str]:
 
     Raises:
         StorageError: the URL's protocol is unknown to fsspec or its package is missing (the message names the
-            package to install).
+            package to install), or a backend that connects at once (ftp://, sftp://) cannot reach its host.
     """
     import fsspec.core
 
@@ -53,9 +53,12 @@ def filesystem(location: str | os.PathLike[str]) -> tuple[Any, str]:
     try:
         fs, path = fsspec.core.url_to_fs(url)
     except ImportError as exc:
-        raise StorageError(f"cannot open {url}: {exc} (for s3:// install 'zoomer-serve[s3]')") from None
+        hint = " (install 'zoomer-serve[s3]')" if url.startswith(("s3://", "s3a://")) else ""
+        raise StorageError(f"cannot open {url}: {exc}{hint}") from None
     except ValueError as exc:
         raise StorageError(f"cannot open {url}: {exc}") from None
+    except OSError as exc:
+        raise StorageError(f"cannot reach {url}: {type(exc).__name__}: {exc}") from None
     return fs, path
 
 

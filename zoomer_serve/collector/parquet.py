@@ -56,9 +56,12 @@ def open_source(location: str | os.PathLike[str]) -> duckdb.DuckDBPyConnection:
     Raises:
         FileNotFoundError: nothing there (no file, no folder, no Parquet file of either table).
         StoreError: a store file DuckDB cannot open read-only (a collector still writes it, not DuckDB).
-        StorageError: the URL's fsspec backend is missing.
+        StorageError: the location is empty, the URL's fsspec backend is missing, or the storage cannot be
+            listed (host unknown, refused, no permission: the message names the location and the error).
     """
     text = os.fspath(location)
+    if not text.strip():
+        raise StorageError("the store location is empty")
     if not is_url(text):
         path = Path(text)
         if path.is_file():
@@ -75,10 +78,15 @@ def open_dataset(location: str, since_ns: int | None = None) -> duckdb.DuckDBPyC
 
     Raises:
         FileNotFoundError: no Parquet file of either table under ``location``.
-        StorageError: the URL's fsspec backend is missing.
+        StorageError: the URL's fsspec backend is missing, or the storage cannot be listed.
     """
     fs, root = filesystem(location)
-    found = {t: bool(fs.glob(table_glob(root, t))) for t in TABLES}
+    try:
+        found = {t: bool(fs.glob(table_glob(root, t))) for t in TABLES}
+    except FileNotFoundError:
+        found = dict.fromkeys(TABLES, False)
+    except OSError as exc:  # fsspec backends raise their transport's errors (socket.gaierror, ConnectionError)
+        raise StorageError(f"cannot list {normalize(location)}: {type(exc).__name__}: {exc}") from exc
     if not any(found.values()):
         raise FileNotFoundError(f"store not found: no Parquet span data ({table_glob(normalize(location), 'spans')}) "
                                 f"under {normalize(location)}")

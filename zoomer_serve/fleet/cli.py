@@ -31,10 +31,12 @@ def parse_since(text: str, now_ns: int | None = None) -> int:
     """``--since``: a duration back from now (``90m``, ``6h``, ``7d``), ISO 8601 (UTC unless it says), or Unix
     seconds; returns Unix ns. Raises ValueError naming the value."""
     now_ns = time.time_ns() if now_ns is None else now_ns
+    from zoomer_serve.analysis.diff import _time_ns, checked_time_ns
+
     m = _RELATIVE.match(text.strip())
     if m:
-        return now_ns - int(float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)] * 1e9)
-    from zoomer_serve.analysis.diff import _time_ns
+        back_ns = float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)] * 1e9
+        return checked_time_ns(now_ns - back_ns, "--since", text)
 
     value = _time_ns(text.strip(), "--since")
     if value is None:
@@ -101,11 +103,14 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
                       console=err, transient=True) as bar:
             task = bar.add_task("traces", total=None)
             report = run_fleet_job(options, progress=lambda done, total: bar.update(task, completed=done, total=total))
-    except (StorageError, EngineError, OSError) as exc:
+    except (StorageError, EngineError) as exc:
         return _error(str(exc))
+    except OSError as exc:  # the storage's own errors (an unknown host, a refused connection)
+        return _error(f"cannot read {args.url}: {type(exc).__name__}: {exc}")
     if not report.counts.get("manifests") and not report.counts.get("span_requests"):
+        when = f" from --since {args.since} on" if args.since else ""
         return _error(f"no trace artifacts (artifacts/.../*.pt.trace.json.gz.manifest.json) and no span data "
-                      f"(spans/...parquet) under {report.source}")
+                      f"(spans/...parquet){when} under {report.source}")
     if args.html:
         from zoomer_serve.fleet.html import write_fleet_html
 

@@ -79,6 +79,8 @@ class FleetOptions:
     drill_down: int = 5
 
     def __post_init__(self) -> None:
+        if not self.url.strip():
+            raise ValueError("the storage URL (or folder) is empty")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.workers < 1 or self.retries < 0 or self.drill_down < 0:
