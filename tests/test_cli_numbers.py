@@ -39,7 +39,9 @@ from zoomer_serve.cli import build_parser
      "argument --profile-over-window-ms: 'abc' is not an integer >= 1"),
     (["serve-demo", "--profile-over-attempts", "0"], "argument --profile-over-attempts: '0' is not an integer >= 1"),
     (["serve-demo", "--torch-threads", "99999999999999"],
-     "argument --torch-threads: '99999999999999' is not an integer in 1..2147483647"),
+     "argument --torch-threads: '99999999999999' is not an integer in 1..1024"),
+    # torch.set_num_threads(100000) crashed the server with SIGSEGV
+    (["serve-demo", "--torch-threads", "100000"], "argument --torch-threads: '100000' is not an integer in 1..1024"),
     # grpc takes a port modulo 65536: 127.0.0.1:99999 would have called port 34463
     (["profile", "status", "--target", "127.0.0.1:99999"],
      "argument --target: '127.0.0.1:99999' is not HOST:PORT with a port in 1..65535"),

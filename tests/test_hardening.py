@@ -97,3 +97,20 @@ def test_an_empty_or_unreachable_store_location_is_one_line(command, location, m
     assert "Traceback" not in err and "internal error" not in err
     assert message in err and location in err, err
 
+
+@pytest.mark.parametrize("where, message", [("store-under-file", "cannot make the store's folder"),
+                                            ("html-missing-folder", "does not exist"),
+                                            ("html-folder", "is a folder")])
+def test_demo_refuses_outputs_it_cannot_write_before_the_load(tmp_path, where, message, capsys):
+    """A store under a file gave a FileExistsError traceback; an HTML report in a missing folder (or a folder
+    as its name) was found only after the whole load ran, and the demo still exited 0."""
+    from zoomer_serve.cli import main
+
+    (tmp_path / "afile").write_text("x")
+    args = {"store-under-file": ["--store", str(tmp_path / "afile" / "s.duckdb")],
+            "html-missing-folder": ["--store", str(tmp_path / "s.duckdb"), "--html", str(tmp_path / "no" / "r.html")],
+            "html-folder": ["--store", str(tmp_path / "s.duckdb"), "--html", str(tmp_path)]}[where]
+    assert main(["demo", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert not (tmp_path / "s.duckdb").exists()  # nothing started

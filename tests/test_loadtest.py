@@ -391,6 +391,9 @@ def test_the_cli_parses_without_locust_or_gevent() -> None:
     ({"stop_wait_s": float("inf")}, "--zoomer-stop-wait-s must be a finite number > 0, got inf"),
     ({"stable_cv": float("inf")}, "--zoomer-stable-cv must be a finite number > 0, got inf"),
     ({"warmup_s": float("nan")}, "--zoomer-warmup-s must be a finite number >= 0, got nan"),
+    # found only after the whole run (IsADirectoryError traceback, a stray .partial file left)
+    ({"summary_json": Path("/")}, "--zoomer-summary-json must be a file name, not a folder"),
+    ({"summary_json": Path("/no-such-folder/s.json")}, "--zoomer-summary-json must be in an existing folder"),
 ])
 def test_bad_options_are_refused_naming_the_option(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):

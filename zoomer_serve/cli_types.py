@@ -26,7 +26,7 @@ UINT32_MAX = 2**32 - 1
 
 
 def positive_int32(text: str) -> int:
-    """An int in 1..2147483647: what a C ``int`` takes (``torch.set_num_threads``, gRPC message size limits)."""
+    """An int in 1..2147483647: what a C ``int`` takes (gRPC message size limits)."""
     return int(_number(text, int, f"an integer in 1..{INT32_MAX}", lambda v: 1 <= v <= INT32_MAX))
 
 
@@ -37,6 +37,15 @@ def client_threads(text: str) -> int:
     """A count of load-generating client threads, 1..:data:`MAX_CLIENT_THREADS` (one OS thread each: more is a
     mistake that would exhaust threads or memory before any load ran; ``loadtest`` drives larger loads)."""
     return int(_number(text, int, f"an integer in 1..{MAX_CLIENT_THREADS}", lambda v: 1 <= v <= MAX_CLIENT_THREADS))
+
+
+MAX_TORCH_THREADS = 1024
+
+
+def torch_threads(text: str) -> int:
+    """torch's intra-op thread count, 1..:data:`MAX_TORCH_THREADS` (``torch.set_num_threads`` starts that many
+    OpenMP threads: 100000 of them crashed the process with SIGSEGV)."""
+    return int(_number(text, int, f"an integer in 1..{MAX_TORCH_THREADS}", lambda v: 1 <= v <= MAX_TORCH_THREADS))
 
 
 def positive_uint32(text: str) -> int:

@@ -23,7 +23,7 @@ from zoomer_serve.cli_types import (
     non_negative_int,
     port_number,
     positive_int,
-    positive_int32,
+    torch_threads,
 )
 from zoomer_serve.config import ConfigError
 from zoomer_serve.processes import start_zoomer_command, stop_process
@@ -54,7 +54,7 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--transport", choices=("grpc", "thrift"), default="grpc",
                        help="serve the Ranker over gRPC (ranker.proto) or Thrift (ranker.thrift) (default grpc)")
     serve.add_argument("--grace-s", type=non_negative_float, default=5.0, help="drain time for in-flight calls on stop")
-    serve.add_argument("--torch-threads", type=positive_int32, default=1,
+    serve.add_argument("--torch-threads", type=torch_threads, default=1,
                        help="torch intra-op threads (default 1: the gRPC worker threads already run in parallel)")
     serve.add_argument("--slow-preprocess", type=non_negative_int, default=0, metavar="N",
                        help=SLOW_PREPROCESS_HELP)
@@ -224,7 +224,11 @@ def run_demo(args: argparse.Namespace) -> int:
     # progress and the steps go to stdout with the tables, or to stderr when stdout holds markdown, csv or json
     console = Console(stderr=fmt != "table")
     store = (args.store or _default_store()).resolve()
-    store.parent.mkdir(parents=True, exist_ok=True)
+    html = (args.html or store.with_suffix(".html")).resolve()
+    problem = _output_problem(store, html)
+    if problem is not None:  # said before the load runs, not after
+        print(f"zoomer-serve demo: {problem}", file=sys.stderr)
+        return 2
     env = dict(os.environ)
     procs: list[subprocess.Popen[bytes]] = []
     results: list[Any] = []
@@ -264,8 +268,22 @@ def run_demo(args: argparse.Namespace) -> int:
         for proc in procs:
             proc.kill()
     out = TableOutput(fmt, console=console if fmt == "table" else None)
-    html = (args.html or store.with_suffix(".html")).resolve()
     return _finish(out, store, html, _merged(results), server_rc, collector_rc)
+
+
+def _output_problem(store: Path, html: Path) -> str | None:
+    """Why the store or the HTML report cannot be written where asked (their folder cannot be made, or the
+    path is a folder), or None; makes the store's folder."""
+    try:
+        store.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot make the store's folder {store.parent}: {exc.strerror or exc}"
+    for what, path in (("store", store), ("HTML report", html)):
+        if path.is_dir():
+            return f"the {what} {path} is a folder; give a file name"
+    if not html.parent.is_dir():
+        return f"the HTML report's folder {html.parent} does not exist"
+    return None
 
 
 def _merged(results: list[Any]) -> Any:

@@ -94,6 +94,11 @@ class LoadTestOptions:
             raise ConfigError(f"--zoomer-profile-requests / --zoomer-profile-duration-s: {exc}") from None
         if self.target is not None:
             grpc_target(self.target, "--zoomer-target")
+        if self.summary_json is not None:  # checked now, not after the whole run
+            _check(not self.summary_json.is_dir(), "--zoomer-summary-json", str(self.summary_json),
+                   "a file name, not a folder")
+            _check(self.summary_json.parent.is_dir(), "--zoomer-summary-json", str(self.summary_json),
+                   "in an existing folder")
 
     @property
     def duration_ms(self) -> int | None:
