@@ -260,3 +260,27 @@ def test_span_names_are_not_rich_markup(tmp_path: Path) -> None:
     buffer = io.StringIO()
     render_report(build_report(collector.store_path), Console(file=buffer, width=200, color_system=None))
     assert "[/]odd[red]" in buffer.getvalue() and "[bold]svc" in buffer.getvalue()
+
+
+def test_methods_of_the_older_rpc_conventions_keep_their_service(tmp_path: Path) -> None:
+    """Spans of other instrumentations that follow the older RPC conventions (``rpc.service`` = ``pkg.A``,
+    ``rpc.method`` = ``Get``) were grouped by ``rpc.method`` alone: ``pkg.A/Get`` (10 ms) and ``pkg.B/Get``
+    (500 ms) made one row with a p50 of 255 ms. Each is its own row, in the report and in ``analyze``."""
+    from zoomer_serve.analysis.store import load_store, request_percentiles
+
+    with running_collector(tmp_path) as collector:
+        provider = tracer_provider(collector, "http", service="other-instr")
+        tracer = provider.get_tracer("t")
+        t0 = 1_700_000_000_000_000_000
+        for i in range(20):
+            for service, ms in (("pkg.A", 10), ("pkg.B", 500)):
+                start = t0 + i * 10**9
+                span = tracer.start_span(f"{service}/Get", kind=SpanKind.SERVER, start_time=start,
+                                         attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": "Get"})
+                span.end(end_time=start + ms * 1_000_000)
+        provider.shutdown()
+    methods = {m.method: m for m in build_report(collector.store_path).methods}
+    assert set(methods) == {"pkg.A/Get", "pkg.B/Get"}
+    assert methods["pkg.A/Get"].count == 20 and methods["pkg.B/Get"].p50_ms == pytest.approx(500.0)
+    rows = {r["method"]: r for r in request_percentiles(load_store(collector.store_path)).rows()}
+    assert set(rows) == {"pkg.A/Get", "pkg.B/Get"} and rows["pkg.A/Get"]["p50_ms"] == pytest.approx(10.0)

@@ -119,3 +119,14 @@ def status_attributes(status: str, opt_in: OptIn) -> dict[str, str]:
     if opt_in == "next":
         return {RPC_STATUS_CODE: status}
     return {RPC_RESPONSE_STATUS_CODE: status, RPC_STATUS_CODE: status}
+
+
+def method_sql(alias: str = "") -> str:
+    """The SQL expression (DuckDB, over a store's ``spans``; ``alias`` = a table alias such as ``"s."``) that
+    names a request's method: ``rpc.method`` when it is ``pkg.Service/Method`` (these conventions); under the
+    older ones, which other instrumentations still emit (``rpc.service`` = ``pkg.A``, ``rpc.method`` = ``Get``),
+    ``rpc.service/rpc.method``, so that ``pkg.A/Get`` and ``pkg.B/Get`` stay apart; else the span name."""
+    method = f"({alias}attributes->>'$.\"{RPC_METHOD}\"')"  # parenthesised: || binds tighter than ->>
+    service = f"({alias}attributes->>'$.\"{RPC_SERVICE}\"')"
+    return (f"CASE WHEN {service} IS NOT NULL AND {method} IS NOT NULL AND strpos({method}, '/') = 0 "
+            f"THEN {service} || '/' || {method} ELSE coalesce({method}, {alias}name) END")

@@ -27,10 +27,11 @@ import numpy as np
 from zoomer_serve.analysis import labels as L
 from zoomer_serve.analysis.findings import AT_STAKE, Finding, severity_for_share
 from zoomer_serve.analysis.table import Table
-from zoomer_serve.artifacts.storage import StorageError, is_url
+from zoomer_serve.artifacts.storage import StorageError
 from zoomer_serve.batching.names import QUEUE_PHASE
 from zoomer_serve.collector.parquet import open_source
 from zoomer_serve.collector.store import StoreError
+from zoomer_serve.semconv import method_sql
 
 NS_PER_MS = 1e6
 
@@ -62,7 +63,7 @@ WITH uspans AS (
 """
 
 _REQUESTS_SQL = _UNIQUE + f"""
-SELECT trace_id, span_id, coalesce(attributes->>'$."{L.RPC_METHOD}"', name) AS method,
+SELECT trace_id, span_id, {method_sql()} AS method,
        coalesce(service_name, 'unknown_service') AS service,
        coalesce(service_instance_id, '') AS instance, start_ns, duration_ns,
        coalesce(attributes->>'$."{L.RPC_STATUS}"', attributes->>'$."{L.RPC_STATUS_NEXT}"', status_code) AS status,

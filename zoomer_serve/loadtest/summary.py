@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from zoomer_serve.semconv import method_sql
+
 NS_PER_MS = 1_000_000.0
 
 
@@ -167,11 +169,11 @@ def _client_entry(entry: Any) -> ClientStats:
 
 
 # -- server and gap ----------------------------------------------------------------------------------------
-_PAIRED_SQL = """
+_PAIRED_SQL = f"""
 WITH u AS (
     SELECT * FROM spans QUALIFY row_number() OVER (PARTITION BY trace_id, span_id ORDER BY received_ns) = 1
 )
-SELECT coalesce(s.attributes->>'$."rpc.method"', s.name) AS method, count(*),
+SELECT {method_sql("s.")} AS method, count(*),
        avg(c.duration_ns - s.duration_ns), quantile_cont(c.duration_ns - s.duration_ns, [0.5, 0.9, 0.99])
 FROM u c JOIN u s ON s.trace_id = c.trace_id AND s.parent_span_id = c.span_id
 WHERE c.kind = 'CLIENT' AND s.kind = 'SERVER'

@@ -17,6 +17,7 @@ from zoomer_serve.batching import names as bn
 from zoomer_serve.collector.parquet import open_source
 from zoomer_serve.collector.store import StoreError
 from zoomer_serve.report.model import BatchingStats, MethodStats, PhaseStats, Report, SlowTrace
+from zoomer_serve.semconv import method_sql
 
 NS_PER_MS = 1_000_000.0
 NS_PER_S = 1_000_000_000.0
@@ -30,7 +31,7 @@ class ReportError(RuntimeError):
 
 
 # Unique spans, then request spans with their method / status labels and error flag.
-_REQUESTS_CTE = """
+_REQUESTS_CTE = f"""
 WITH uspans AS (
     SELECT * FROM spans
     QUALIFY row_number() OVER (PARTITION BY trace_id, span_id ORDER BY received_ns) = 1
@@ -38,7 +39,7 @@ WITH uspans AS (
 req AS (
     SELECT trace_id, span_id, start_ns, end_ns, duration_ns,
            coalesce(service_name, 'unknown_service') AS service_name,
-           coalesce(attributes->>'$."rpc.method"', name) AS method,
+           {method_sql()} AS method,
            coalesce(attributes->>'$."rpc.response.status_code"', attributes->>'$."rpc.status_code"', status_code)
                AS status,
            status_code = 'ERROR' AS is_server_error,
