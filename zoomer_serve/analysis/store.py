@@ -6,8 +6,8 @@ that covered those requests (the top functions on its ``zoomer.profile`` span, l
 and says how much of the requests' wall time their thread spent on a CPU (``zoomer.request.cpu_time_ns``).
 
 Requests are SERVER-kind spans (de-duplicated on ``(trace_id, span_id)`` as the report does); their method
-is ``rpc.method`` (``pkg.Service/Method``), else the span name; their replica is the resource attribute
-``service.instance.id``. Phases are the direct children of a request that carry ``zoomer.phase``.
+is ``rpc.method`` (``pkg.Service/Method``; :func:`zoomer_serve.semconv.method_sql`), else the span name; their
+replica is the resource attribute ``service.instance.id``. Phases are the direct children of a request that carry ``zoomer.phase``.
 Latencies are in milliseconds, times in Unix epoch nanoseconds.
 """
 

@@ -53,7 +53,8 @@ class MethodStats:
 
     Attributes:
         service_name: resource ``service.name`` ("unknown_service" when absent).
-        method: span attribute ``rpc.method``, else the span name.
+        method: span attribute ``rpc.method`` (``rpc.service/rpc.method`` for the older conventions), else the
+            span name (:func:`zoomer_serve.semconv.method_sql`).
         count: requests.
         rate_per_s: requests per second over this method's first-start to last-end window (None when the
             window is shorter than ``build.MIN_RATE_WINDOW_S``, 1 s: a rate needs a time span).
