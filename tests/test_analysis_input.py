@@ -343,3 +343,17 @@ def test_strict_json_that_ends_after_the_event_array_is_not_called_lenient(tmp_p
     code, out, err = run_cli([str(path), "--json"], capsys)
     check_contract(code, out, err)
     assert code == 0 and "leniently" not in err, err
+
+
+def test_a_profiles_folder_is_analysed_without_the_other_artifacts(tmp_path: Path, capsys: Any) -> None:
+    """``analyze PROFILES_DIR`` failed (exit 2) on the session's ``.cpu.speedscope.json``: a serve-demo profiles
+    folder also holds session summaries, CPU profiles and manifests, which are no traces."""
+    trace = tmp_path / "s1.pt.trace.json.gz"
+    trace.write_bytes(ALEXNET.read_bytes())
+    for name in ("s1.summary.json", "s1.cpu.speedscope.json", "s1.pt.trace.json.gz.manifest.json"):
+        (tmp_path / name).write_text('{"not": "a trace"}')
+    (tmp_path / "mine.json").write_bytes(gzip.decompress(ALEXNET.read_bytes()))  # any other JSON: a trace
+    assert cli.trace_files(tmp_path) == [tmp_path / "mine.json", trace]
+    code, out, err = run_cli([str(tmp_path), "--json"], capsys)
+    assert code == 0, err
+    assert [t["summary"]["path"] for t in json.loads(out)["traces"]] == [str(tmp_path / "mine.json"), str(trace)]

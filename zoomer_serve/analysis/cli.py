@@ -146,8 +146,14 @@ def _run(args: argparse.Namespace, console: Console | None) -> int:
 
 
 def trace_files(folder: Path) -> list[Path]:
-    """The trace files of a folder (``*.json`` and ``*.json.gz``, as the ranks of a job write them), sorted."""
-    return sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith((".json", ".json.gz")))
+    """The trace files of a folder (``*.json`` and ``*.json.gz``, as the ranks of a job write them), sorted;
+    zoomer-serve's other artifacts in a profiles folder (session summaries, CPU profiles, manifests) are no
+    traces and are left out."""
+    from zoomer_serve.artifacts.layout import MANIFEST_SUFFIX, TRACE_SUFFIX, kind_of
+
+    return sorted(p for p in folder.iterdir()
+                  if p.is_file() and p.name.endswith((".json", ".json.gz")) and not p.name.endswith(MANIFEST_SUFFIX)
+                  and kind_of(p.name) in (kind_of(TRACE_SUFFIX), "other"))
 
 
 def _run_diff(args: argparse.Namespace, console: Console | None) -> int:
