@@ -473,3 +473,23 @@ def test_calls_cut_off_when_locust_stops_its_users_have_cancelled_client_spans(c
         status = span["attributes"]["rpc.response.status_code"]
         assert status == ("CANCELLED" if trace_id in cut else "OK"), (trace_id, span["attributes"])
     assert {clients[t]["attributes"]["error.type"] for t in cut} == {"CANCELLED"}
+
+
+def test_the_cli_reads_its_environment_variables_and_names_them(monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """``ZOOMER_LOADTEST_TRANSPORT`` was ignored by ``zoomer-serve loadtest`` (a bogus value too), and a bad
+    ``ZOOMER_LOADTEST_WARMUP_S`` was reported as a bad ``--warmup-s``, which the user had not given."""
+    from zoomer_serve.cli import build_parser, main
+
+    monkeypatch.setenv("ZOOMER_LOADTEST_TRANSPORT", "thrift")
+    assert build_parser().parse_args(["loadtest"]).transport == "thrift"
+    assert build_parser().parse_args(["loadtest", "--transport", "grpc"]).transport == "grpc"
+    monkeypatch.setenv("ZOOMER_LOADTEST_TRANSPORT", "bogus")
+    assert main(["loadtest", "--host", "127.0.0.1:1"]) == 2
+    assert "ZOOMER_LOADTEST_TRANSPORT='bogus' must be one of grpc, thrift" in capsys.readouterr().err
+    monkeypatch.delenv("ZOOMER_LOADTEST_TRANSPORT")
+    monkeypatch.setenv("ZOOMER_LOADTEST_WARMUP_S", "abc")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["loadtest"])
+    assert "ZOOMER_LOADTEST_WARMUP_S='abc' is not a valid float" in capsys.readouterr().err
+    assert build_parser().parse_args(["loadtest", "--warmup-s", "2"]).zoomer_warmup_s == 2.0

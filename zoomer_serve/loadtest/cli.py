@@ -36,7 +36,14 @@ from typing import Any
 from zoomer_serve.cli_output import TableOutput, add_format_option
 from zoomer_serve.cli_types import positive_float, positive_int
 from zoomer_serve.config import ConfigError
-from zoomer_serve.loadtest.config import LoadTestOptions, add_arguments, grpc_target, to_locust_args
+from zoomer_serve.loadtest.config import (
+    TRANSPORT_ENV,
+    TRANSPORTS,
+    LoadTestOptions,
+    add_arguments,
+    grpc_target,
+    to_locust_args,
+)
 from zoomer_serve.processes import start_zoomer_command, stop_process
 
 DEFAULT_LOCUSTFILE = Path(__file__).with_name("ranker_users.py")
@@ -52,7 +59,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "server started here when --host is not given; profile once the load is steady; print locust's "
         "summary, the profile and the server-side latency report.")
     p.add_argument("--host", default=None, help="HOST:PORT of a running server (default: start the demo here)")
-    p.add_argument("--transport", choices=("grpc", "thrift"), default="grpc", help="Ranker transport (default grpc)")
+    p.add_argument("--transport", choices=TRANSPORTS, default=os.environ.get(TRANSPORT_ENV, "").strip() or "grpc",
+                   help=f"Ranker transport (default ${TRANSPORT_ENV}, else grpc)")
     p.add_argument("--server", choices=("sync", "aio"), default="sync",
                    help="the demo server's flavour when it is started here (default sync)")
     p.add_argument("--users", type=positive_int, default=8, help="locust users (default 8)")
@@ -71,6 +79,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.transport not in TRANSPORTS:  # argparse does not check a default against the choices
+            raise ConfigError(f"{TRANSPORT_ENV}={args.transport!r} must be one of {', '.join(TRANSPORTS)}")
         options = LoadTestOptions.from_namespace(args)
         if args.host is not None:
             grpc_target(args.host)

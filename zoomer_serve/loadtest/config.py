@@ -23,6 +23,7 @@ The admin token is read from ``ZOOMER_ADMIN_TOKEN`` only (a token on a command l
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 from dataclasses import dataclass
@@ -33,6 +34,9 @@ from zoomer_serve.config import ConfigError
 from zoomer_serve.profiling.config import SessionOptions
 
 CUDA_CHOICES = ("auto", "on", "off")
+TRANSPORTS = ("grpc", "thrift")
+"""The demo Ranker's transports, as ``zoomer-serve loadtest --transport`` and the packaged users take them."""
+TRANSPORT_ENV = "ZOOMER_LOADTEST_TRANSPORT"
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,22 @@ def _path(value: Any) -> Path | None:
     return Path(value) if value not in (None, "") else None
 
 
+def _naming_env(convert: Any, env: str) -> Any:
+    """``convert`` (an argparse ``type``) whose error names ``env`` when the bad text is that variable's value
+    (argparse alone names the option, which the user did not give)."""
+
+    def from_text(text: str) -> Any:
+        try:
+            return convert(text)
+        except ValueError:
+            if text != _env(env):
+                raise
+            raise argparse.ArgumentTypeError(f"{env}={text!r} is not a valid {convert.__name__}") from None
+
+    from_text.__name__ = convert.__name__
+    return from_text
+
+
 def _env(name: str) -> str | None:
     value = os.environ.get(name, "").strip()
     return value or None
@@ -165,6 +185,8 @@ def add_arguments(parser: Any, prefix: str = "--zoomer-") -> None:
                 kwargs["env_var"] = env
             elif _env(env) is not None:
                 kwargs["default"] = _env(env)  # a string default: argparse converts (and checks) it at parse time
+                if "type" in kwargs:
+                    kwargs["type"] = _naming_env(kwargs["type"], env)
         if kwargs.get("action") is None and "choices" not in kwargs:
             kwargs["metavar"] = name.split("-")[-1].upper() if name != "target" else "HOST:PORT"
         group.add_argument(prefix + name, dest="zoomer_" + name.replace("-", "_"), **kwargs)

@@ -20,6 +20,7 @@ from typing import Any
 
 from locust import between, events, task
 
+from zoomer_serve.loadtest.config import TRANSPORT_ENV, TRANSPORTS
 from zoomer_serve.loadtest.plugin import GrpcUser, ThriftUser
 from zoomer_serve.loadtest.trigger import decides
 
@@ -27,7 +28,6 @@ BATCH_SIZES = (1, 4, 8, 16, 24, 32, 48, 64, 128)
 BATCH_WEIGHTS = (2, 4, 10, 14, 12, 10, 5, 3, 1)
 POOL_SIZE = 48
 STREAM_MESSAGES = (2, 5)
-TRANSPORTS = ("grpc", "thrift")
 
 
 @functools.lru_cache(maxsize=1)
@@ -102,7 +102,7 @@ class RankerThriftUser(ThriftUser):
 
 @events.init_command_line_parser.add_listener
 def _add_transport(parser: Any, **_: Any) -> None:
-    parser.add_argument("--zoomer-transport", choices=TRANSPORTS, default="grpc", env_var="ZOOMER_LOADTEST_TRANSPORT",
+    parser.add_argument("--zoomer-transport", choices=TRANSPORTS, default="grpc", env_var=TRANSPORT_ENV,
                         include_in_web_ui=False,
                         help="run the Ranker user of this transport when no user class is named (default grpc)")
 
