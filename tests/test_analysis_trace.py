@@ -233,6 +233,23 @@ def test_broken_json_in_a_middle_piece_names_the_offset(tmp_path: Path) -> None:
         load_trace(tmp_path / "missing.json.gz")
 
 
+@pytest.mark.parametrize("chunk_bytes", [4096, 1 << 22])  # the array in many pieces, or in one
+@pytest.mark.parametrize(("tail", "bad"), [(', "traceName": oops}', "oops"), ("}xyz", "xyz")])
+def test_broken_json_after_the_event_array_names_its_offset(tmp_path: Path, chunk_bytes: int, tail: str,
+                                                            bad: str) -> None:
+    """Bad text after the event array was reported at the offset where the array's last piece began (byte 3385
+    of a 320 kB file whose error was at its end)."""
+    good = json.dumps({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "x" * 50, "pid": 1, "tid": 1,
+                                        "ts": i, "dur": 1} for i in range(2000)]})
+    broken = good[:-1] + tail
+    p = tmp_path / "broken.json"
+    p.write_text(broken)
+    with pytest.raises(TraceFormatError, match=r"after the event array near byte (\d+)") as info:
+        load_trace(p, chunk_bytes=chunk_bytes)
+    offset = int(str(info.value).split("near byte ")[1].split(":")[0])
+    assert abs(offset - broken.index(bad)) <= 2, (offset, broken.index(bad))
+
+
 # ---- analyzers --------------------------------------------------------------------------------------------
 
 

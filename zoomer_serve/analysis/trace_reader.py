@@ -220,7 +220,7 @@ class EventChunks:
             if closed:  # the array ended in this piece: the rest of the file is the top-level tail
                 while not self._eof:
                     buf += self._read(fh, self.chunk_bytes)
-                self._after_array(buf, array_format)
+                self._after_array(buf, array_format, self._consumed)
                 return
         yield self._tail(buf, array_format)
 
@@ -357,14 +357,17 @@ class EventChunks:
             return None
         return (value, end) if isinstance(value, list) else None
 
-    def _after_array(self, rest: bytes, array_format: bool) -> None:
-        """Parse what follows the closed event array: the remaining top-level keys (object format)."""
+    def _after_array(self, rest: bytes, array_format: bool, at: int) -> None:
+        """Parse what follows the closed event array: the remaining top-level keys (object format). ``at``: the
+        offset of ``rest`` in the (decompressed) file, for the error messages."""
+        at += len(rest) - len(rest.lstrip(_WS))
         rest = rest.strip(_WS)
         if array_format:
             if rest:
-                raise self._error("unexpected content after the event array", offset=self._consumed)
+                raise self._error("unexpected content after the event array", offset=at)
             return
         body = rest[1:] if rest.startswith(b",") else rest
+        at += len(rest) - len(body) - 1  # text[i] below is at + i in the file (its '{' stands for the comma)
         if body.strip(_WS) in (b"}", b""):
             if not body.strip(_WS):
                 self.notes.truncated = self.notes.truncated or f"the file ends after the event array " \
@@ -380,7 +383,8 @@ class EventChunks:
                     f"the file ends inside the keys after the event array ({self.notes.bytes_read} bytes read)")
                 return
             if parsed.error >= 0 or parsed.end != len(text):
-                raise self._error("invalid JSON after the event array", offset=self._consumed) from None
+                where = parsed.error if parsed.error >= 0 else parsed.end
+                raise self._error("invalid JSON after the event array", offset=at + where) from None
             self.notes.lenient_pieces += 1
             doc = parsed.value
         if not isinstance(doc, dict):
@@ -396,17 +400,17 @@ class EventChunks:
             events = self.decode(piece)
             if isinstance(events, list):
                 if not array_format:  # an object whose closing '}' is missing
-                    self._after_array(b"", array_format)
+                    self._after_array(b"", array_format, self._consumed + len(buf))
                 return events
         except Malformed as exc:
             closed = self._closed(piece, exc.pos) if exc.pos < len(piece) else None
             if closed is not None:
-                self._after_array(piece[closed[1]:], array_format)
+                self._after_array(piece[closed[1]:], array_format, self._consumed + closed[1] - 1)
                 return closed[0]
         parsed = _Lenient(piece)
         if parsed.error < 0 and isinstance(parsed.value, list):
             self.notes.lenient_pieces += 1
-            self._after_array(piece[parsed.end:], array_format)
+            self._after_array(piece[parsed.end:], array_format, self._consumed + parsed.end - 1)
             return parsed.value
         if parsed.error >= 0 and not parsed.ran_out:
             raise self._error("invalid JSON", offset=self._consumed + max(0, parsed.error - 1),
