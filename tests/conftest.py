@@ -27,6 +27,21 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+@pytest.fixture(autouse=True)
+def _process_recorder_as_found() -> Iterator[None]:
+    """The process keeps one request recorder across configure() calls (zoomer_serve.runtime): what a test
+    hangs on it and leaves there (a SpanWatch, an observer of its own) is taken off after the test, so that the
+    next test's recorder is as the process would have it."""
+    from zoomer_serve import runtime
+
+    before = runtime._recorder
+    observers = before.observers if before is not None else ()
+    yield
+    after = runtime._recorder
+    if after is not None:
+        after.observers = tuple(o for o in after.observers if o in observers)
+
+
 @dataclass
 class CollectorHandle:
     """A running embedded collector; :meth:`finish` stops telemetry and the collector and reads the store."""

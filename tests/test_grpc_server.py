@@ -473,3 +473,32 @@ def test_request_bytes_are_the_bytes_received_not_the_message_encoded_again(tele
     attrs = span["attributes"]
     assert (attrs["zoomer.rpc.request.messages"], attrs["zoomer.rpc.request.bytes"]) == (1, 4)
     assert (attrs["zoomer.rpc.response.messages"], attrs["zoomer.rpc.response.bytes"]) == (1, 2)
+
+
+def test_an_interceptor_built_before_configure_records_into_the_configured_telemetry(start_echo, collector,
+                                                                                    monkeypatch):
+    """An interceptor built first configures telemetry from the environment and keeps its recorder; the
+    ``configure()`` that followed (the usual order in a server's main) replaced that telemetry, and every call
+    was lost uncounted (ExportStats records=0). One recorder now serves each telemetry in turn; a call after
+    ``shutdown()`` is counted as dropped."""
+    zoomer_serve.shutdown(timeout_s=2)
+    monkeypatch.setenv("ZOOMER_EXPORT_MODE", "none")  # what the environment gives: nothing sent
+    server, target = start_echo(server_address="127.0.0.1")
+    tel = zoomer_serve.configure(service_name="late", endpoint=collector.grpc_endpoint, export_mode="process",
+                                 schedule_delay_ms=50, set_global_providers=False)
+    watch = SpanWatch(tel.recorder)
+    client = grpc_echo.Client(target)
+    try:
+        for i in range(12):
+            assert client.unary(b"m%d" % i) == b"m%d" % i
+        assert watch.wait_ended(12)
+        stats = zoomer_serve.shutdown(timeout_s=5)
+        dropped = zoomer_serve.records_after_shutdown()
+        assert client.unary(b"after") == b"after"
+    finally:
+        client.close()
+        server.stop(None)
+    assert stats is not None and stats.records == 12 and stats.exported == 12
+    assert zoomer_serve.records_after_shutdown() == dropped + 1
+    spans = collector.spans("SERVER")
+    assert len(spans) == 12 and {s["service_name"] for s in spans} == {"late"}

@@ -7,7 +7,9 @@ The public API of the core:
 - :func:`phase`: time a block of request work (preprocess, forward, ...) as a child span and a
   torch.profiler range.
 - :func:`current_request`: the request span active on this thread or task.
-- :func:`get_recorder`: the framework-neutral request recorder that transport adapters call.
+- :func:`get_recorder`: the framework-neutral request recorder that transport adapters call (one per
+  process, kept across :func:`configure` calls); :func:`records_after_shutdown`: requests it dropped while no
+  telemetry was active.
 """
 
 from __future__ import annotations
@@ -20,7 +22,15 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from zoomer_serve.config import ConfigError, ExportConfig, ZoomerConfig
     from zoomer_serve.recording import RequestRecorder, RequestSpan, current_request, phase
-    from zoomer_serve.runtime import Telemetry, configure, force_flush, get_recorder, get_telemetry, shutdown
+    from zoomer_serve.runtime import (
+        Telemetry,
+        configure,
+        force_flush,
+        get_recorder,
+        get_telemetry,
+        records_after_shutdown,
+        shutdown,
+    )
 
 # Loaded on first use (PEP 562), so that importing a subpackage (``zoomer_serve.analysis`` reading a trace)
 # does not pay for the export pipeline and OpenTelemetry (0.3 s).
@@ -31,6 +41,7 @@ _LAZY = {
     "Telemetry": "zoomer_serve.runtime", "configure": "zoomer_serve.runtime", "force_flush": "zoomer_serve.runtime",
     "get_recorder": "zoomer_serve.runtime",
     "get_telemetry": "zoomer_serve.runtime", "shutdown": "zoomer_serve.runtime",
+    "records_after_shutdown": "zoomer_serve.runtime",
 }
 
 
@@ -61,5 +72,6 @@ __all__ = [
     "get_recorder",
     "get_telemetry",
     "phase",
+    "records_after_shutdown",
     "shutdown",
 ]

@@ -1,8 +1,11 @@
 """Telemetry setup: :func:`configure` builds the recorder, the export pipeline and the OpenTelemetry SDK
 providers from the environment (``OTEL_*``, then ``ZOOMER_*``; see :mod:`zoomer_serve.config`) and code.
 
-One :class:`Telemetry` is active per process. Adapters that are created before anyone called
-:func:`configure` configure it from the environment (at construction, never on the request path).
+One :class:`Telemetry` is active per process, and one :class:`~zoomer_serve.recording.RequestRecorder` serves
+every telemetry the process configures in turn: adapters that are created before anyone called
+:func:`configure` configure it from the environment (at construction, never on the request path), and when
+:func:`configure` is called later their requests go to the new telemetry. A request recorded while no
+telemetry is active (after :func:`shutdown`) is dropped and counted (:func:`records_after_shutdown`).
 :func:`shutdown` (also registered with ``atexit``, and run before SIGTERM's default action) flushes within the
 export timeout plus one second; :func:`force_flush` exports what was recorded so far without stopping. How
 signals and fork are handled: :mod:`zoomer_serve.lifecycle`.
@@ -30,6 +33,25 @@ logger = logging.getLogger("zoomer_serve")
 _lock = threading.RLock()
 _active: Telemetry | None = None
 _stopping: Telemetry | None = None  # the last one shut down by shutdown()
+_recorder: RequestRecorder | None = None  # the process's recorder, kept from one telemetry to the next
+_after_shutdown = [0]  # records that came while no telemetry was active
+_after_shutdown_lock = threading.Lock()
+
+
+def _count_after_shutdown(record: tuple[Any, ...]) -> None:
+    """The sink of the recorder while no telemetry is active: counts the record, warns the first time."""
+    with _after_shutdown_lock:
+        _after_shutdown[0] += 1
+        first = _after_shutdown[0] == 1
+    if first:
+        logger.warning("zoomer-serve: a request was recorded after telemetry was shut down; it is dropped, as "
+                       "are later ones until configure() is called again (counted: records_after_shutdown())")
+
+
+def records_after_shutdown() -> int:
+    """Request records (spans with their phases) dropped because they ended while no telemetry was active:
+    after :func:`shutdown`, or on a recorder whose telemetry was shut down, until the next :func:`configure`."""
+    return _after_shutdown[0]
 
 
 @dataclass
@@ -87,7 +109,7 @@ class Telemetry:
         stats = self.pipeline.shutdown(remaining) if self.pipeline is not None else ExportStats()
         for t in threads:  # SDK providers still retrying past the deadline are left behind (daemon threads)
             t.join(max(0.0, deadline - time.monotonic()))
-        self.recorder.sink = lambda record: None
+        self.recorder.sink = _count_after_shutdown  # until the next configure() gives the recorder a new sink
         return stats
 
     def force_flush(self, timeout_s: float | None = None) -> bool:
@@ -206,7 +228,7 @@ def _build(cfg: ZoomerConfig, set_global: bool) -> Telemetry:
         raise ConfigError(f"sampler: {exc}") from None
     if cfg.sdk_disabled:
         logger.info("zoomer-serve: OTEL_SDK_DISABLED=true; recording nothing")
-        return Telemetry(cfg, {}, RequestRecorder(None, sampler, otel_context=False), None, None, None)
+        return Telemetry(cfg, {}, _process_recorder(None, sampler, cfg, False), None, None, None)
     from zoomer_serve import __version__
 
     resource = build_resource_attributes(cfg)
@@ -214,12 +236,22 @@ def _build(cfg: ZoomerConfig, set_global: bool) -> Telemetry:
     if cfg.export.sends_traces or cfg.export.sends_metrics:
         pipeline = ExportPipeline(cfg.export, resource, __version__, cfg.span_limits)
         pipeline.start()
-    recorder = RequestRecorder(pipeline.submit if pipeline else None, sampler, limits=cfg.span_limits)
+    recorder = _process_recorder(pipeline.submit if pipeline else None, sampler, cfg, True)
     tracer_provider, meter_provider = _sdk_providers(cfg, resource, set_global)
     telemetry = Telemetry(cfg, resource, recorder, pipeline, tracer_provider, meter_provider)
     telemetry.gpu = _gpu_telemetry(cfg, recorder, meter_provider)
     telemetry.host = _host_telemetry(cfg, recorder, meter_provider)
     return telemetry
+
+
+def _process_recorder(sink: Any, sampler: Sampler, cfg: ZoomerConfig, otel_context: bool) -> RequestRecorder:
+    """The process's recorder, made on the first call and pointed at ``sink`` on the later ones."""
+    global _recorder
+    if _recorder is None:
+        _recorder = RequestRecorder(sink, sampler, otel_context=otel_context, limits=cfg.span_limits)
+    else:
+        _recorder.reconfigure(sink, sampler, cfg.span_limits, otel_context)
+    return _recorder
 
 
 def _gpu_telemetry(cfg: ZoomerConfig, recorder: RequestRecorder, meter_provider: Any) -> Any:

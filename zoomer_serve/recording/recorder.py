@@ -299,6 +299,17 @@ class RequestRecorder:
         if direct is not None:
             self.otel_attach, self.otel_detach = direct
 
+    def reconfigure(self, sink: Sink | None, sampler: Sampler, limits: SpanLimits, otel_context: bool) -> None:
+        """Point this recorder at another telemetry's export (``configure()`` again): adapters built earlier
+        keep it and go on recording into the new one. Observers and shutdown hooks stay."""
+        self.sink = sink or _drop
+        self.sampler = sampler
+        self.limits = limits
+        if not otel_context:
+            self.otel_attach = None  # otel_detach stays: spans activated before still detach
+        elif self.otel_attach is None:
+            self._setup_otel_bridge()
+
     def add_observer(self, observer: RequestObserver) -> None:
         """Add an observer of request spans (see :class:`RequestObserver`)."""
         self.observers = (*self.observers, observer)
