@@ -363,3 +363,16 @@ def test_configure_refuses_what_the_environment_refuses(kwargs, needle):
     with pytest.raises(ConfigError, match=needle):
         zoomer_serve.configure(**kwargs)
     assert zoomer_serve.runtime._current() is before
+
+
+@pytest.mark.parametrize("timeout_s", [float("inf"), float("nan"), -1, "abc", True])
+def test_a_timeout_that_is_no_finite_number_of_seconds_is_refused(timeout_s):
+    """``force_flush(timeout_s=inf)`` overflowed inside the SDK's and the threads' waits (a string failed deep
+    inside); ``shutdown`` with one let go of the telemetry before failing. Both refuse it first."""
+    tel = zoomer_serve.configure(export_mode="none", set_global_providers=False)
+    with pytest.raises(ValueError, match=r"force_flush\(timeout_s=...\) must be a finite number of seconds"):
+        zoomer_serve.force_flush(timeout_s=timeout_s)
+    with pytest.raises(ValueError, match=r"shutdown\(timeout_s=...\) must be a finite number of seconds"):
+        zoomer_serve.shutdown(timeout_s=timeout_s)
+    assert zoomer_serve.get_telemetry() is tel and not tel.shut_down  # still the active one
+    assert zoomer_serve.shutdown(timeout_s=1) is not None

@@ -17,6 +17,7 @@ import atexit
 import concurrent.futures.thread  # noqa: F401  (its fork hooks must be registered before the SDK providers')
 import dataclasses
 import logging
+import math
 import os
 import threading
 import time
@@ -77,7 +78,12 @@ class Telemetry:
 
     def shutdown(self, timeout_s: float | None = None) -> ExportStats:
         """Flush and stop everything within about ``timeout_s`` (default: the OTLP export timeout) + 1 s.
-        Returns the export counters; calling it again returns the same counters."""
+        Returns the export counters; calling it again returns the same counters.
+
+        Raises:
+            ValueError: ``timeout_s`` is not a finite number of seconds >= 0.
+        """
+        _check_timeout(timeout_s, "shutdown")
         if self._stats is not None:
             return self._stats
         self.shutting_down = True
@@ -115,7 +121,12 @@ class Telemetry:
     def force_flush(self, timeout_s: float | None = None) -> bool:
         """Export everything recorded so far (spans, the RPC metrics, and the SDK providers' data) and wait for
         it, within ``timeout_s`` (default: the export timeout); True when all of it was sent or counted as
-        dropped in time. Telemetry keeps running."""
+        dropped in time. Telemetry keeps running.
+
+        Raises:
+            ValueError: ``timeout_s`` is not a finite number of seconds >= 0.
+        """
+        _check_timeout(timeout_s, "force_flush")
         if self._stats is not None:
             return True
         budget = self.config.export.timeout_ms / 1000 if timeout_s is None else timeout_s
@@ -145,11 +156,25 @@ class Telemetry:
         _update_sdk_resource(self.resource, self.tracer_provider, self.meter_provider)
 
 
+def _check_timeout(timeout_s: Any, what: str) -> None:
+    """Refuse a ``timeout_s`` that is not None or a finite number >= 0 (infinity overflowed the SDK's and the
+    threads' waits; a string failed deep inside)."""
+    if timeout_s is None:
+        return
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 <= timeout_s < math.inf:
+        raise ValueError(f"{what}(timeout_s=...) must be a finite number of seconds >= 0, got {timeout_s!r}")
+
+
 def _shutdown_provider(provider: Any, budget_s: float) -> None:
     try:
         if hasattr(provider, "force_flush"):
             provider.force_flush(int(budget_s * 1000))
         provider.shutdown()
+    except RuntimeError as exc:
+        if "before it is started" not in str(exc):
+            logger.warning("zoomer-serve: SDK provider shutdown failed: %r", exc)
+        # else: a forked child stopped (SIGTERM) while the SDK's fork hook had made its new worker thread and
+        # not yet started it: that worker never ran here, so it holds nothing to flush
     except Exception as exc:
         logger.warning("zoomer-serve: SDK provider shutdown failed: %r", exc)
 
@@ -330,6 +355,7 @@ def get_recorder() -> RequestRecorder:
 def shutdown(timeout_s: float | None = None) -> ExportStats | None:
     """Flush and stop the active telemetry (see :meth:`Telemetry.shutdown`); None when none is active."""
     global _active, _stopping
+    _check_timeout(timeout_s, "shutdown")  # before the telemetry is let go
     with _lock:
         active, _active = _active, None
         if active is not None:
@@ -340,6 +366,7 @@ def shutdown(timeout_s: float | None = None) -> ExportStats | None:
 def force_flush(timeout_s: float | None = None) -> bool:
     """Export what the active telemetry recorded so far and wait for it (see :meth:`Telemetry.force_flush`);
     True when nothing is active."""
+    _check_timeout(timeout_s, "force_flush")
     active = _active
     return active.force_flush(timeout_s) if active is not None else True
 
