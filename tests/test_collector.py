@@ -263,6 +263,9 @@ def test_http_rejections(tmp_path: Path) -> None:
         assert status == 400 and _status(body).code == code_pb2.INVALID_ARGUMENT
         status, _, body = http_post(port, "/v1/traces", b"{not json", {"Content-Type": "application/json"})
         assert status == 400 and json.loads(body)["code"] == code_pb2.INVALID_ARGUMENT
+        for top in (b"[]", b'"x"', b"3"):  # JSON, but no object: "[]" was answered 200 (an empty export)
+            status, _, body = http_post(port, "/v1/traces", top, {"Content-Type": "application/json"})
+            assert status == 400 and "not an object" in json.loads(body)["message"], (top, body)
 
         status, headers, body = http_post(port, "/v1/traces", b"\0" * (limit + 1))
         assert status == 413 and _status(body).code == code_pb2.RESOURCE_EXHAUSTED
@@ -298,7 +301,7 @@ def test_http_rejections(tmp_path: Path) -> None:
                                     {"Content-Type": "application/json"})
         assert status == 200, body
         stats = collector.stop()
-    assert stats["rejected_invalid"] == 3 and stats["rejected_too_large"] == 2
+    assert stats["rejected_invalid"] == 6 and stats["rejected_too_large"] == 2
     assert stats["http_404"] == 2 and stats["http_405"] == 1 and stats["http_415"] == 2
     rows = query(collector.store_path, "SELECT trace_id, span_id, parent_span_id, kind, duration_ns, service_name "
                                        "FROM spans WHERE name = 'json-span'")

@@ -243,6 +243,8 @@ def parse_json_request(signal: Signal, body: bytes) -> Any:
     """
     try:
         tree = _hex_ids_to_base64(json.loads(body))
+        if not isinstance(tree, dict):  # ParseDict takes a list (or a string) for an empty message
+            raise HttpError(400, f"invalid OTLP/JSON body: the top level is a {type(tree).__name__}, not an object")
         message = REQUEST_TYPES[signal]()
         json_format.ParseDict(tree, message, ignore_unknown_fields=True)
     except HttpError:
