@@ -169,11 +169,13 @@ def test_a_kernel_with_a_null_ts_is_skipped_with_a_warning() -> None:
     kernel = {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "dur": 5,
               "args": {"device": 0, "stream": 7, "correlation": 1}}
     evs = [{**kernel, "ts": None}, {**kernel, "name": "k_missing"}, {**kernel, "name": "kept", "ts": 10},
+           {**kernel, "name": "k_true", "ts": True},  # was read as ts 1: a window of 53 years
            {"ph": "X", "cat": "python_function", "name": "f", "pid": 1, "tid": 1, "dur": 1}]
     t = load_trace_bytes(json.dumps({"traceEvents": evs}).encode())
     assert t.kernels["name"].tolist() == ["kept"]
-    assert t.skipped["kernel without ts"] == 2 and t.skipped["python_function without ts"] == 1
-    assert [w for w in t.warnings if "without" in w] == ['2 kernel event(s) without a "ts" (missing or null) skipped']
+    assert t.skipped["kernel without ts"] == 3 and t.skipped["python_function without ts"] == 1
+    assert [w for w in t.warnings if "without" in w] == [
+        '3 kernel event(s) without a "ts" (missing, null or true/false) skipped']
 
 
 @pytest.mark.parametrize("content,message", [

@@ -471,9 +471,9 @@ class _Normalizer:
                     name = names.setdefault(name, name)
                     a = e.args or empty
                     ts = e.ts
-                    if ts is None:
-                        raise TypeError("no ts")
                     dur = e.dur
+                    if ts is None or ts is True or ts is False or dur is True or dur is False:
+                        raise TypeError("no ts, or a bool for a time")  # repaired or counted by _repair
                     if kind == "cpu_op":
                         cpu_ops.append((ts, dur, e.pid, e.tid, a.external_id, name))
                     elif kind == "runtime" or kind == "driver":
@@ -583,7 +583,8 @@ class _Normalizer:
             elif name == "thread_name":
                 self.thread_names[(_as_int(e.get("pid")), _as_int(e.get("tid")))] = _text(a.get("name", ""))
             return None
-        has_ts = e.get("ts") is not None
+        ts = e.get("ts")
+        has_ts = ts is not None and not isinstance(ts, bool)  # true would be read as 1: a time 53 years off
         if ph in ("X", "s", "f") and has_ts and (cat_key in _CATEGORY_ALIASES or ph != "X"):
             fixed = {"pid": -1, "tid": -1, "name": "", "id": -1, **e, "cat": cat_key,
                      "args": {k: v for k, v in a.items() if isinstance(k, str)}}
@@ -592,7 +593,7 @@ class _Normalizer:
             for key in ("pid", "tid"):
                 if not isinstance(fixed[key], (int, float, str)):
                     fixed[key] = -1
-            if "dur" in fixed and fixed["dur"] is None:
+            if "dur" in fixed and (fixed["dur"] is None or isinstance(fixed["dur"], bool)):
                 fixed["dur"] = NAN
             return fixed
         if ph in ("i", "I"):
@@ -687,7 +688,7 @@ class _Normalizer:
         for key, n in sorted(self.skipped.items()):
             category = key.removesuffix(" without ts")
             if category != key and category in _CATEGORY_ALIASES:
-                out.append(f"{n} {category} event(s) without a \"ts\" (missing or null) skipped")
+                out.append(f"{n} {category} event(s) without a \"ts\" (missing, null or true/false) skipped")
         return out
 
 
