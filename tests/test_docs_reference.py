@@ -212,3 +212,11 @@ def test_listed_metric_units_are_the_units_the_code_gives_its_instruments() -> N
     listed = {n.name: n.unit for n in NAMES}  # zoomer.batch.size is a span attribute and a metric
     assert len(code_units) > 40
     assert {name: (listed.get(name), unit) for name, unit in code_units.items() if listed.get(name) != unit} == {}
+
+
+def test_run_outside_the_repository_root_says_so(tmp_path, capsys):
+    """Run from another folder it ended in a FileNotFoundError traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--check", "--root", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "is not the repository root: no docs/reference/configuration.md" in capsys.readouterr().err

@@ -100,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="only compare; exit 1 when a page is out of date")
     parser.add_argument("--root", type=Path, default=Path("."), help="the repository root (default: .)")
     args = parser.parse_args(argv)
+    missing = [rel for rel in PAGES if not (args.root / rel).is_file()]
+    if missing:
+        parser.error(f"{args.root} is not the repository root: no {missing[0]} (run it there, or give --root)")
     stale = stale_pages(args.root, write=not args.check)
     for rel in stale:
         print(f"{rel}: {'out of date (run python -m zoomer_serve.reference)' if args.check else 'rewritten'}",
