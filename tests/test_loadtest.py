@@ -393,6 +393,8 @@ def test_the_cli_parses_without_locust_or_gevent() -> None:
     ({"warmup_s": float("nan")}, "--zoomer-warmup-s must be a finite number >= 0, got nan"),
     # found only after the whole run (IsADirectoryError traceback, a stray .partial file left)
     ({"summary_json": Path("/")}, "--zoomer-summary-json must be a file name, not a folder"),
+    # said "must be a positive integer" though 0 is allowed
+    ({"profile_requests": -1}, "--zoomer-profile-requests must be >= 0 \\(0: bounded by --zoomer-profile-duration-s"),
     ({"summary_json": Path("/no-such-folder/s.json")}, "--zoomer-summary-json must be in an existing folder"),
 ])
 def test_bad_options_are_refused_naming_the_option(kwargs: dict[str, Any], message: str) -> None:

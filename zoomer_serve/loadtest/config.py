@@ -92,6 +92,9 @@ class LoadTestOptions:
         _check(self.cuda in CUDA_CHOICES, "--zoomer-cuda", self.cuda, f"one of {', '.join(CUDA_CHOICES)}")
         _check(0 < self.stop_wait_s < math.inf, "--zoomer-stop-wait-s", self.stop_wait_s, "a finite number > 0")
         _check(self.top_kernels >= 1, "top_kernels", self.top_kernels, ">= 1")
+        if self.profile_requests is not None:  # 0 on the command line stands for None: no request bound
+            _check(self.profile_requests >= 1, "--zoomer-profile-requests", self.profile_requests,
+                   ">= 0 (0: bounded by --zoomer-profile-duration-s only)")
         try:
             self.session_options().bounded()
         except ConfigError as exc:
