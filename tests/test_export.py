@@ -195,6 +195,21 @@ def test_an_integer_too_large_to_use_is_refused_naming_the_variable(variable, va
     assert ZoomerConfig.from_env({variable: "2147483647"}) is not None
 
 
+@pytest.mark.parametrize("value", ["\u0661\u0660\u0660", "1_000", "0x10", "1e3"])
+def test_an_integer_is_plain_ascii_digits(value):
+    """int() took Arabic-Indic digits ("١٠٠") and "1_000": an OTEL_* integer is ASCII digits, as other SDKs read
+    it."""
+    with pytest.raises(ConfigError, match="OTEL_EXPORTER_OTLP_TIMEOUT must be an integer"):
+        ZoomerConfig.from_env({"OTEL_EXPORTER_OTLP_TIMEOUT": value})
+    assert ZoomerConfig.from_env({"OTEL_EXPORTER_OTLP_TIMEOUT": " +250 "}).export.timeout_ms == 250
+
+
+def test_an_empty_sampler_argument_is_unset():
+    """``OTEL_TRACES_SAMPLER_ARG=""`` was an error where every other empty OTEL_* variable counts as unset."""
+    cfg = ZoomerConfig.from_env({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": " "})
+    assert cfg.sampler_ratio == 1.0
+
+
 def test_an_otel_boolean_other_than_true_or_false_warns_once_naming_it_and_reads_as_false(caplog):
     """The OpenTelemetry spec: a boolean variable is true only for "true" (any case); any other value is
     false, and a value other than true/false gets a warning."""

@@ -286,7 +286,7 @@ def _sampler_from_env(env: Mapping[str, str]) -> tuple[str, float]:
         raise ConfigError(f"OTEL_TRACES_SAMPLER={name!r} is not supported; use one of {', '.join(SAMPLER_NAMES)}")
     ratio = 1.0
     if name.endswith("traceidratio"):
-        raw = env.get("OTEL_TRACES_SAMPLER_ARG", "1.0")
+        raw = (env.get("OTEL_TRACES_SAMPLER_ARG") or "").strip() or "1.0"  # empty counts as unset, as elsewhere
         try:
             ratio = float(raw)
         except ValueError:

@@ -5,6 +5,7 @@ package."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 TRUE_WORDS = ("1", "true", "on", "yes")
@@ -34,6 +35,9 @@ of other languages read these variables. Larger values are mistakes (a timeout o
 waits at shutdown), refused when read rather than failing later."""
 
 
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+
+
 def integer(env: Mapping[str, str], name: str, default: int, error: type[Exception],
             minimum: int | None = None, maximum: int = INT_MAX) -> int:
     """``name`` as an int (spaces around ignored); ``default`` when unset or empty.
@@ -44,10 +48,9 @@ def integer(env: Mapping[str, str], name: str, default: int, error: type[Excepti
     raw = (env.get(name) or "").strip()
     if not raw:
         return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise error(f"{name} must be an integer, got {raw!r}") from None
+    if not _INTEGER.fullmatch(raw):  # int() also takes "1_000" and other scripts' digits ("١٠٠")
+        raise error(f"{name} must be an integer, got {raw!r}")
+    value = int(raw)
     if minimum is not None and value < minimum:
         raise error(f"{name} must be >= {minimum}, got {raw!r}")
     if value > maximum:
