@@ -399,6 +399,14 @@ def _wal_bytes(path: Path) -> int:
     return wal.stat().st_size if wal.exists() else 0
 
 
+def _checkpoint_threshold(store: Store) -> str:
+    con = store.cursor()
+    try:
+        return str(con.execute("SELECT current_setting('checkpoint_threshold')").fetchone()[0])
+    finally:
+        con.close()
+
+
 def test_store_checkpoints_once_per_row_group(tmp_path: Path) -> None:
     """The writer checkpoints after ``checkpoint_rows`` rows went into a table (one DuckDB row group by
     default), not when DuckDB's log passes 16 MiB: those checkpoints fell inside row groups and cost 80 ms to
@@ -406,9 +414,7 @@ def test_store_checkpoints_once_per_row_group(tmp_path: Path) -> None:
     path = tmp_path / "s.duckdb"
     store = Store(path, StoreConfig(checkpoint_rows=1000))
     try:
-        con = store.cursor()
-        assert con.execute("SELECT current_setting('checkpoint_threshold')").fetchone() == ("256.0 MiB",)
-        con.close()
+        assert _checkpoint_threshold(store) == "256.0 MiB"
         for k in range(2):
             assert store.write("spans", _rows(400, 400 * k)).status is WriteStatus.COMMITTED
         assert store.stats().checkpoints == 0 and _wal_bytes(path) > 0  # 800 rows: still in the log
@@ -429,9 +435,7 @@ def test_store_leaves_checkpoints_to_duckdb_when_asked(tmp_path: Path) -> None:
     path = tmp_path / "s.duckdb"
     store = Store(path, StoreConfig(checkpoint_rows=0))
     try:
-        con = store.cursor()
-        assert con.execute("SELECT current_setting('checkpoint_threshold')").fetchone() == ("16.0 MiB",)
-        con.close()
+        assert _checkpoint_threshold(store) == "16.0 MiB"
         store.write("spans", _rows(1200))
         assert store.stats().checkpoints == 0 and _wal_bytes(path) > 0
     finally:
