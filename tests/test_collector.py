@@ -526,3 +526,24 @@ def test_cli_ready_line_and_clean_stop_on_sigterm(tmp_path: Path, capsys: pytest
     stopped = json.loads(out.strip().splitlines()[-1])
     assert stopped["event"] == "stopped" and stopped["spans_received"] == 10 and stopped["store_written"] == 10
     assert query(store, "SELECT count(*) FROM spans") == [(10,)]
+
+
+def test_a_store_with_a_table_named_like_the_writers_batch_is_refused(tmp_path: Path) -> None:
+    """The writer inserts each batch by reading a Python variable by its name; DuckDB looks a name up in the
+    file's catalog first, so a table of that name would be inserted instead of the batch. Refused, the file
+    left without the store's tables."""
+    import duckdb
+
+    from zoomer_serve.collector.store import BATCH_NAME
+
+    path = tmp_path / "theirs.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute(f"CREATE TABLE {BATCH_NAME} AS SELECT 1 AS a")
+    con.close()
+    with pytest.raises(StoreError, match=f"table or view named '{BATCH_NAME}'"):
+        Store(path)
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        assert [t for (t,) in con.execute("SELECT table_name FROM duckdb_tables()").fetchall()] == [BATCH_NAME]
+    finally:
+        con.close()
