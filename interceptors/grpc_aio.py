@@ -56,6 +56,7 @@ import contextvars
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from time import monotonic_ns
 from typing import Any, NoReturn
 
 import grpc
@@ -258,7 +259,7 @@ def _wrap_coroutine(tracer: ServerCallTracer, behavior: Callable[..., Awaitable[
         if span is not None:
             span.deactivate()
             if not streaming_response and tracer.late_end and span.is_open and context.code() in _SERIALIZED:
-                leave_for_serializer((tracer, span, context, counts, False, response, span.now_ns()))
+                leave_for_serializer((tracer, span, context, counts, False, response, monotonic_ns()))
                 return response
         handler_returned(tracer, span, context, counts, False, None if streaming_response else response)
         return response

@@ -55,7 +55,8 @@ PROFILE_KEY = "zoomer-profile"
 PROFILE_BAGGAGE_KEY = "zoomer.profile"
 _MAX_PEERS = 4096
 _OK = grpc.StatusCode.OK
-_NO_PARENT: tuple[None, None] = (None, None)
+_NO_ASKS: tuple[None, None, None] = (None, None, None)
+_OK_STATUS: tuple[grpc.StatusCode, None, None] = (grpc.StatusCode.OK, None, None)
 
 
 @dataclass(frozen=True)
@@ -121,33 +122,26 @@ def _parse_peer(peer: str) -> dict[str, Any]:
     return {"network.peer.address": peer}
 
 
-def parent_from_metadata(metadata: Iterable[Any] | None) -> tuple[ParentContext | None, str | None]:
-    """The caller's W3C ``traceparent``/``tracestate`` and raw ``baggage`` from gRPC invocation metadata.
-    Malformed values give ``(None, ...)``; never raises for bad input."""
-    traceparent = tracestate = baggage = None
-    if metadata:
-        for item in metadata:
-            key = item[0]
-            if key == "traceparent":
-                traceparent = item[1]
-            elif key == "tracestate":
-                tracestate = item[1]
-            elif key == "baggage":
-                baggage = item[1]
-    if traceparent is None:
-        return None, baggage if isinstance(baggage, str) else None
-    return parse_traceparent(traceparent, tracestate), baggage if isinstance(baggage, str) else None
-
-
-def _profile_ask(span: RequestSpan, metadata: Iterable[Any]) -> None:
-    """Hand a ``zoomer-profile`` metadata entry, if any, to the request-scoped profiler
-    (:mod:`zoomer_serve.profiling.on_request`, which checks the admin token)."""
+def caller_metadata(metadata: Iterable[Any]) -> tuple[ParentContext | None, str | None, Any]:
+    """What the caller's gRPC invocation metadata asks, read in one pass: ``(parent, baggage, profile)``, the
+    W3C ``traceparent``/``tracestate`` (None when absent or malformed), the raw ``baggage`` header (None unless
+    text) and the ``zoomer-profile`` entry's value (None when absent). Never raises for bad input."""
+    traceparent = tracestate = baggage = profile = None
     for item in metadata:
-        if item[0] == PROFILE_KEY:
-            from zoomer_serve.profiling.on_request import asked
-
-            asked(span, item[1])
-            return
+        key = item[0]
+        if key == "traceparent":
+            traceparent = item[1]
+        elif key == "tracestate":
+            tracestate = item[1]
+        elif key == "baggage":
+            baggage = item[1]
+        elif key == PROFILE_KEY and profile is None:
+            profile = item[1]
+    if not isinstance(baggage, str):
+        baggage = None
+    if traceparent is None:
+        return None, baggage, profile
+    return parse_traceparent(traceparent, tracestate), baggage, profile
 
 
 def baggage_context(baggage: str | None) -> Any:
@@ -262,6 +256,8 @@ def _sized(deserializer: Callable[[bytes], Any], sync: bool) -> Callable[[bytes]
 
 def message_size(message: Any) -> int:
     """Serialized size in bytes of a protobuf message (``ByteSize()``), or of bytes; 0 when unknown."""
+    if message.__class__ is bytes:  # raw-bytes methods: no AttributeError raised and caught per message
+        return len(message)
     try:
         return message.ByteSize()
     except AttributeError:
@@ -345,7 +341,7 @@ class ServerCallTracer:
         failed (counted; the call goes on untraced)."""
         try:
             metadata = context.invocation_metadata()
-            parent, baggage = parent_from_metadata(metadata) if metadata else _NO_PARENT
+            parent, baggage, profile = caller_metadata(metadata) if metadata else _NO_ASKS
             peer = context.peer()
             base = self._by_peer.get(peer)
             if base is None:
@@ -357,8 +353,10 @@ class ServerCallTracer:
                     from zoomer_serve.profiling.on_request import asked_in_baggage
 
                     asked_in_baggage(span)
-            if metadata:
-                _profile_ask(span, metadata)
+            if profile is not None:
+                from zoomer_serve.profiling.on_request import asked
+
+                asked(span, profile)
             return span
         except Exception as exc:
             internal_error(self.place + ".start", exc)
@@ -382,12 +380,16 @@ class ServerCallTracer:
         ``(code, details, error_type)`` is used instead of reading it from the context (an aio ``abort()``
         that is about to send it, a response that grpc could not serialize); ``end_ns``: the end time (the
         span's clock, ns; default now)."""
-        if span is None or not span.is_open:
+        if span is None or not span._open:  # span.is_open without the property's call
             return
         try:
             if status is None:
                 over = self.call_over(context, exc) if call_over is None else call_over
-                status = final_status(context, exc, over)
+                code = None if exc is not None or over else context.code()
+                if (code is None or code is _OK) and exc is None and not over:
+                    status = _OK_STATUS  # final_status's common path, without its call
+                else:
+                    status = final_status(context, exc, over)
             code, details, error_type = status
             if exc is not None and not is_quiet_exception(exc):
                 span.record_exception(exc)

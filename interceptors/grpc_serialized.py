@@ -25,9 +25,10 @@ from interceptors.grpc_common import ServerCallTracer, message_size
 from zoomer_serve.recording import RequestSpan
 
 Entry = tuple[ServerCallTracer, RequestSpan, Any, list[int], bool, Any, int]
-"""A call left for the serializer: ``(tracer, span, context, counts, deferred, response, end_ns)``; ``deferred``:
-grpc's done-callback ends the span (sync, streamed request), the serializer only ends it when it fails;
-``end_ns``: when the handler returned (the span's clock)."""
+"""A call left for the serializer: ``(tracer, span, context, counts, deferred, response, returned_mono_ns)``;
+``deferred``: grpc's done-callback ends the span (sync, streamed request), the serializer only ends it when it
+fails; ``returned_mono_ns``: when the handler returned, a ``time.monotonic_ns()`` reading (made the span's time only
+where a span ends then)."""
 Failed = Callable[[Entry, "BaseException | None"], None]
 """Ends an entry's span as grpc answers a response that its serializer rejected (the exception, or None when
 the serializer returned None)."""
@@ -66,8 +67,8 @@ def leave_for_serializer(entry: Entry) -> None:
 
 
 def _end_as_returned(entry: Entry) -> None:
-    tracer, span, context, counts, deferred, response, end_ns = entry
-    handler_returned(tracer, span, context, counts, deferred, response, end_ns)
+    tracer, span, context, counts, deferred, response, returned_mono_ns = entry
+    handler_returned(tracer, span, context, counts, deferred, response, span.time_at(returned_mono_ns))
 
 
 def end_left_calls() -> None:
@@ -97,7 +98,12 @@ def unary_serializer(tracer: ServerCallTracer, serializer: Callable[[Any], bytes
                 failed(entry, exc)
             raise
         if entry is not None:
-            _serialized(entry, data, failed)
+            if data.__class__ is bytes and not entry[4]:  # _serialized's common path, without its call
+                counts = entry[3]
+                counts[2], counts[3] = 1, len(data)
+                tracer.finish(entry[1], entry[2], None, counts)
+            else:
+                _serialized(entry, data, failed)
         return data
 
     return serialize

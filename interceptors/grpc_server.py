@@ -39,6 +39,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from threading import get_ident
+from time import monotonic_ns
 from typing import Any, NoReturn
 
 import grpc
@@ -151,7 +152,15 @@ def _wrap_unary_response(tracer: ServerCallTracer, behavior: Callable[..., Any],
     refuse = not streaming_request  # a unary request is checked here, a streamed one by _counting
 
     def call(request: Any, context: grpc.ServicerContext) -> Any:
-        span, request, counts = _open_call(tracer, request, context, streaming_request, sized)
+        if streaming_request:
+            span, request, counts = _open_call(tracer, request, context, True, sized)
+        else:  # _open_call's unary request, without its call
+            span = tracer.start(context)
+            if sized:
+                request, size = request
+            else:
+                size = message_size(request)
+            counts = [1, size, 0, 0, 0]
         deferred = streaming_request and _end_when_done(tracer, span, context, counts)
         if span is not None:
             span.activate()
@@ -169,7 +178,7 @@ def _wrap_unary_response(tracer: ServerCallTracer, behavior: Callable[..., Any],
             if tracer.late_end:
                 if deferred:  # counted now: grpc's callback ends the span, unless the serializer ends it first
                     handler_returned(tracer, span, context, counts, True, response)
-                leave_for_serializer((tracer, span, context, counts, deferred, response, span.now_ns()))
+                leave_for_serializer((tracer, span, context, counts, deferred, response, monotonic_ns()))
                 return response
         handler_returned(tracer, span, context, counts, deferred, response)
         return response

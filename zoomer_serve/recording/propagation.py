@@ -17,6 +17,11 @@ _HEX = frozenset("0123456789abcdef")
 _MAX_TRACESTATE_LEN = 512
 
 
+random_bits = _rng.getrandbits
+"""``random_bits(k)``: k random bits from this module's generator (reseeded in a forked child), for callers on the
+request path that make ids without a call to :func:`new_trace_id` / :func:`new_span_id` (0 must become 1)."""
+
+
 def new_trace_id() -> int:
     """A random, non-zero 128-bit trace id."""
     return _rng.getrandbits(128) or 1

@@ -25,7 +25,7 @@ from typing import Any, Protocol, TypeVar
 from zoomer_serve.config import SpanLimits
 from zoomer_serve.recording import records as r
 from zoomer_serve.recording.errors import internal_error
-from zoomer_serve.recording.propagation import ParentContext, new_span_id, new_trace_id
+from zoomer_serve.recording.propagation import ParentContext, new_span_id, random_bits
 from zoomer_serve.recording.sampling import Sampler
 
 Sink = Callable[[tuple[Any, ...]], None]
@@ -69,9 +69,9 @@ class RequestSpan:
         self.dropped_events = 0
         self.dropped_links = 0
         self.attributes = attributes
-        self.span_id = new_span_id()
+        self.span_id = random_bits(64) or 1  # new_span_id() / new_trace_id() without the calls
         if parent is None:
-            self.trace_id = new_trace_id()
+            self.trace_id = random_bits(128) or 1
             self.parent_id = 0
             self.parent_remote = False
             self.trace_state = None
@@ -228,7 +228,8 @@ class RequestSpan:
         if self.dropped_events or self.dropped_links:
             self.attributes[r.DROPPED_KEY] = (self.dropped_events, self.dropped_links)
         rec = (self.trace_id, self.span_id, self.parent_id, self.parent_remote, self.trace_flags,
-               self.trace_state, self.name, self.kind, self.start_ns, end_ns or self.now_ns(), self.status,
+               self.trace_state, self.name, self.kind, self.start_ns,
+               end_ns or self.start_ns + (_mono_ns() - self.mono_ns), self.status,
                self.status_message, self.attributes, self.events, self.links, self.children, self._flags)
         try:
             self._recorder.sink(rec)
@@ -356,7 +357,8 @@ class RequestRecorder:
         span = RequestSpan(self, name, kind, attributes if attributes is not None else {}, parent, wall, True,
                            is_request, mono)
         if sampled is None:
-            sampled = self.sampler.should_sample(span.trace_id, None)
+            sampler = self.sampler
+            sampled = sampler.roots_always or sampler.should_sample(span.trace_id, None)
         if not sampled:
             span.trace_flags = 0
             span._flags &= ~r.F_SAMPLED
@@ -378,9 +380,10 @@ def _otel_bridge_class() -> type:
     from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
 
     class RequestSpanBridge(NonRecordingSpan):
+        _ctx: SpanContext | None = None  # built on first ask
+
         def __init__(self, request: RequestSpan) -> None:  # NonRecordingSpan.__init__ is not called
             self._request = request
-            self._ctx: SpanContext | None = None
 
         def get_span_context(self) -> SpanContext:
             if self._ctx is None:
@@ -414,12 +417,14 @@ def _direct_otel_context(bridge_cls: type) -> tuple[Callable[[RequestSpan], Any]
     key = next(iter(probe))  # the key OpenTelemetry keeps the current span under
     context_cls = otel_context.Context
     get, set_ = var.get, var.set
+    new = object.__new__
 
     def attach(span: RequestSpan) -> Any:
         base = span.otel_parent_context
-        values = dict(get() if base is None else base)
-        values[key] = bridge_cls(span)
-        return set_(context_cls(values))
+        current = get() if base is None else base
+        bridge: Any = new(bridge_cls)  # bridge_cls(span) without its __init__ call
+        bridge._request = span
+        return set_(context_cls({**current, key: bridge}) if current else context_cls({key: bridge}))
 
     return attach, var.reset
 

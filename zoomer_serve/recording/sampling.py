@@ -8,7 +8,7 @@ present. An unsampled request still counts in the metrics; only its span is not 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from zoomer_serve.recording.propagation import ParentContext
 
@@ -40,6 +40,10 @@ class Sampler:
         root = self.name.removeprefix("parentbased_")
         object.__setattr__(self, "_root", root)
         object.__setattr__(self, "_parent_based", self.name.startswith("parentbased_"))
+        object.__setattr__(self, "roots_always", root == "always_on")
+
+    roots_always: bool = field(init=False, repr=False, compare=False, default=False)
+    """True when every new trace (no parent) is sampled: the recorder then skips :meth:`should_sample`."""
 
     def should_sample(self, trace_id: int, parent: ParentContext | None) -> bool:
         """Whether a new span in ``trace_id`` (with the given parent, if any) is sampled."""
