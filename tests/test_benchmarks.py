@@ -376,3 +376,21 @@ def test_modes_use_many_short_slices_and_paired_phases_sized_by_their_servers() 
     for bad in ("0", "301"):
         with pytest.raises(SystemExit):
             overhead.parse_args(["--paired-s", bad])
+
+
+def test_request_path_benchmark_calls_the_wrapped_handler_as_grpc_does() -> None:
+    """benchmarks/request_path.py's loop body: the interceptor's wrapped handler and serializer answer what the
+    handler answers, and each call ends one request span (the sink sees it)."""
+    import request_path
+
+    from zoomer_serve.demo import ranker_pb2
+    from zoomer_serve.recording import RequestRecorder
+
+    seen: list[tuple] = []
+    recorder = RequestRecorder(sink=seen.append)
+    assert request_path.build("bare", recorder)() == b"x" * 1024
+    assert request_path.build("echo", recorder)() == b"x" * 1024
+    response = ranker_pb2.PredictResponse.FromString(request_path.build("model", recorder)())
+    assert list(response.scores) == [0.5] * 16
+    assert [rec[6] for rec in seen] == ["bench.Echo/Echo", "zoomer.demo.Ranker/Predict"]
+    assert seen[0][12]["zoomer.rpc.request.bytes"] == 1024 and seen[0][12]["rpc.response.status_code"] == "OK"
