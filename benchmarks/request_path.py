@@ -21,7 +21,8 @@ entry, the peer as bytes decoded to text, ``is_active()`` under a condition lock
 - ``echo``: raw bytes in and out (no serializers), 1 KiB, the overhead benchmark's echo method;
 - ``model``: the demo's ``PredictRequest`` (16 candidates) through its protobuf deserializer and the response
   serializer, the handler returning a prepared response;
-- ``bare``: the echo handler called directly (no interceptor): the loop's own floor.
+- ``bare``: the echo handler called directly (no interceptor): the loop's own floor;
+- ``model_bare``: the ``model`` kind's deserializer, handler and serializer called directly (no interceptor).
 
 Measures: ``instructions`` (callgrind: the instructions of N2 - N1 calls, divided by N2 - N1; needs valgrind) and
 ``time`` (µs per call: the best of 7 rounds of 20 000 calls, timeit). With ``--baseline`` the package folders of
@@ -45,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-KINDS = ("bare", "echo", "model")
+KINDS = ("bare", "echo", "model_bare", "model")
 PACKAGES = ("zoomer_serve", "interceptors")
 CALLS = (2_000, 12_000)  # callgrind: the instructions of the second count minus the first, per call
 
@@ -96,6 +97,25 @@ def _echo(request: Any, context: Any) -> Any:
     return request
 
 
+def _model_handler() -> Any:
+    """The demo's ``Predict`` method as grpc holds it, its handler returning a prepared 16-score response."""
+    import grpc
+
+    from zoomer_serve.demo import ranker_pb2
+
+    response = ranker_pb2.PredictResponse(scores=[0.5] * 16)
+    return grpc.unary_unary_rpc_method_handler(lambda request, ctx: response, ranker_pb2.PredictRequest.FromString,
+                                               ranker_pb2.PredictResponse.SerializeToString)
+
+
+def _model_request() -> bytes:
+    import numpy as np
+
+    from zoomer_serve.demo.load import make_request
+
+    return make_request(np.random.default_rng(0), 16).SerializeToString()
+
+
 def build(kind: str, recorder: Any = None) -> Any:
     """The function one call runs: grpc's calls of the handler and the serializer for one request (``recorder``:
     the interceptor's; default the process's, configured from the environment)."""
@@ -107,20 +127,18 @@ def build(kind: str, recorder: Any = None) -> Any:
         return lambda: _echo(request, context)
     from interceptors import ZoomerServerInterceptor
 
+    if kind == "model_bare":
+        handler = _model_handler()
+        behavior, deserialize, serialize = handler.unary_unary, handler.request_deserializer, \
+            handler.response_serializer
+        data = _model_request()
+        return lambda: serialize(behavior(deserialize(data), context))
     if kind == "echo":
         handler = grpc.unary_unary_rpc_method_handler(_echo)
         method, data = "/bench.Echo/Echo", b"x" * 1024
     else:
-        import numpy as np
-
-        from zoomer_serve.demo import ranker_pb2
-        from zoomer_serve.demo.load import make_request
-
-        response = ranker_pb2.PredictResponse(scores=[0.5] * 16)
-        handler = grpc.unary_unary_rpc_method_handler(
-            lambda request, ctx: response, ranker_pb2.PredictRequest.FromString,
-            ranker_pb2.PredictResponse.SerializeToString)
-        method, data = "/zoomer.demo.Ranker/Predict", make_request(np.random.default_rng(0), 16).SerializeToString()
+        handler = _model_handler()
+        method, data = "/zoomer.demo.Ranker/Predict", _model_request()
 
     class Details:
         pass

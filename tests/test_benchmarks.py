@@ -391,6 +391,7 @@ def test_request_path_benchmark_calls_the_wrapped_handler_as_grpc_does() -> None
     assert request_path.build("bare", recorder)() == b"x" * 1024
     assert request_path.build("echo", recorder)() == b"x" * 1024
     response = ranker_pb2.PredictResponse.FromString(request_path.build("model", recorder)())
+    assert request_path.build("model_bare", recorder)() == response.SerializeToString()
     assert list(response.scores) == [0.5] * 16
     assert [rec[6] for rec in seen] == ["bench.Echo/Echo", "zoomer.demo.Ranker/Predict"]
     assert seen[0][12]["zoomer.rpc.request.bytes"] == 1024 and seen[0][12]["rpc.response.status_code"] == "OK"
