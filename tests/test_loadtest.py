@@ -495,3 +495,21 @@ def test_the_cli_reads_its_environment_variables_and_names_them(monkeypatch: pyt
         build_parser().parse_args(["loadtest"])
     assert "ZOOMER_LOADTEST_WARMUP_S='abc' is not a valid float" in capsys.readouterr().err
     assert build_parser().parse_args(["loadtest", "--warmup-s", "2"]).zoomer_warmup_s == 2.0
+
+
+def test_a_bad_cuda_choice_in_the_environment_is_refused_naming_the_variable(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse checks choices only on the command line: ``ZOOMER_LOADTEST_CUDA=yes`` passed the parser and was
+    then refused as a bad ``--zoomer-cuda``, an option the user had not given."""
+    from zoomer_serve.cli import build_parser
+
+    monkeypatch.setenv("ZOOMER_LOADTEST_CUDA", "yes")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["loadtest"])
+    assert "ZOOMER_LOADTEST_CUDA='yes' is not one of auto, on, off" in capsys.readouterr().err
+    assert build_parser().parse_args(["loadtest", "--cuda", "on"]).zoomer_cuda == "on"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["loadtest", "--cuda", "maybe"])
+    assert "invalid choice: 'maybe'" in capsys.readouterr().err
+    monkeypatch.setenv("ZOOMER_LOADTEST_CUDA", "off")
+    assert build_parser().parse_args(["loadtest"]).zoomer_cuda == "off"

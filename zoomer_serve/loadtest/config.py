@@ -136,6 +136,19 @@ def _path(value: Any) -> Path | None:
     return Path(value) if value not in (None, "") else None
 
 
+def _env_choice(choices: tuple[str, ...], env: str) -> Any:
+    """An argparse ``type`` for an option with ``choices`` whose default is ``env``'s value: that value, when it is
+    not one of ``choices``, is refused naming ``env`` (argparse checks only the values given on the command line,
+    which it still does, with its own words)."""
+
+    def checked(text: str) -> str:
+        if text not in choices and text == _env(env):
+            raise argparse.ArgumentTypeError(f"{env}={text!r} is not one of {', '.join(choices)}")
+        return text
+
+    return checked
+
+
 def _naming_env(convert: Any, env: str) -> Any:
     """``convert`` (an argparse ``type``) whose error names ``env`` when the bad text is that variable's value
     (argparse alone names the option, which the user did not give)."""
@@ -190,6 +203,8 @@ def add_arguments(parser: Any, prefix: str = "--zoomer-") -> None:
                 kwargs["default"] = _env(env)  # a string default: argparse converts (and checks) it at parse time
                 if "type" in kwargs:
                     kwargs["type"] = _naming_env(kwargs["type"], env)
+                elif "choices" in kwargs:  # argparse checks a default against no choices
+                    kwargs["type"] = _env_choice(kwargs["choices"], env)
         if kwargs.get("action") is None and "choices" not in kwargs:
             kwargs["metavar"] = name.split("-")[-1].upper() if name != "target" else "HOST:PORT"
         group.add_argument(prefix + name, dest="zoomer_" + name.replace("-", "_"), **kwargs)
