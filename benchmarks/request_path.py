@@ -170,7 +170,7 @@ def child(kind: str, measure: str, calls: int) -> None:
 
 
 def _run(tree: Path, kind: str, measure: str) -> float:
-    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONHASHSEED": "0", "ZOOMER_EXPORT_MODE": "none"}
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONHASHSEED": "0"}  # the child sets ZOOMER_EXPORT_MODE
     script = str(Path(__file__).resolve())
     if measure == "time":
         out = subprocess.run([sys.executable, script, "--child", kind, "--measure", "time"], env=env, cwd=tree,

@@ -57,6 +57,7 @@ _MAX_PEERS = 4096
 _OK = grpc.StatusCode.OK
 _NO_ASKS: tuple[None, None, None] = (None, None, None)
 _OK_STATUS: tuple[grpc.StatusCode, None, None] = (grpc.StatusCode.OK, None, None)
+_NO_CODE_OR_OK = (None, _OK)  # what ``context.code()`` says when the handler set no error code
 
 
 @dataclass(frozen=True)
@@ -385,8 +386,7 @@ class ServerCallTracer:
         try:
             if status is None:
                 over = self.call_over(context, exc) if call_over is None else call_over
-                code = None if exc is not None or over else context.code()
-                if (code is None or code is _OK) and exc is None and not over:
+                if exc is None and not over and context.code() in _NO_CODE_OR_OK:
                     status = _OK_STATUS  # final_status's common path, without its call
                 else:
                     status = final_status(context, exc, over)

@@ -30,6 +30,8 @@ class Sampler:
 
     name: str = "parentbased_always_on"
     ratio: float = 1.0
+    roots_always: bool = field(init=False, repr=False, compare=False, default=False)
+    """True when every new trace (no parent) is sampled: the recorder then skips :meth:`should_sample`."""
 
     def __post_init__(self) -> None:
         if self.name not in SAMPLER_NAMES:
@@ -41,9 +43,6 @@ class Sampler:
         object.__setattr__(self, "_root", root)
         object.__setattr__(self, "_parent_based", self.name.startswith("parentbased_"))
         object.__setattr__(self, "roots_always", root == "always_on")
-
-    roots_always: bool = field(init=False, repr=False, compare=False, default=False)
-    """True when every new trace (no parent) is sampled: the recorder then skips :meth:`should_sample`."""
 
     def should_sample(self, trace_id: int, parent: ParentContext | None) -> bool:
         """Whether a new span in ``trace_id`` (with the given parent, if any) is sampled."""
