@@ -506,7 +506,7 @@ def _check_batch_records(ctx: Context, taken: list[tuple[Any, ...]]) -> None:
         batch = batches.get(bid)
         if batch is None:
             continue
-        for j, child in enumerate([c for c in batch[r.R_CHILDREN] or () if c[r.R_ATTRS].get("zoomer.phase")]):
+        for j, child in enumerate([c for c in r.child_records(batch) if c[r.R_ATTRS].get("zoomer.phase")]):
             if sum(m[bn.PHASE_SHARE_NS][j] for m in group) != child[r.R_END_NS] - child[r.R_START_NS]:
                 phase_bad += 1
     ctx.row("batching", "batches recorded; members' phase-time shares add up to each phase (exact)",

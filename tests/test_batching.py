@@ -110,14 +110,14 @@ def test_batch_span_links_every_member_and_records_size_fill_reason_and_phases()
     assert attrs[bn.MESSAGING_OPERATION_TYPE] == "process" and attrs[bn.MESSAGING_DESTINATION] == "q"
     assert [(tid, sid) for tid, sid, _ in batch[r.R_LINKS]] == [(s.trace_id, s.span_id) for s in spans]
     assert [la[bn.SHARE] for _, _, la in batch[r.R_LINKS]] == [0.1, 0.3, 0.6]
-    assert [c[r.R_NAME] for c in batch[r.R_CHILDREN]] == ["forward", "gather"]
+    assert [c[r.R_NAME] for c in r.child_records(batch)] == ["forward", "gather"]
     assert batching.stats.batches == 1 and batching.stats.members == 3 and batching.stats.late == 0
 
 
 def test_members_get_shares_that_add_up_to_the_batch_and_queue_waits_that_end_at_its_start() -> None:
     got, spans, _ = _batch_of_three()
     (batch,) = _by_name(got, "process q")
-    phases = {c[r.R_NAME]: c for c in batch[r.R_CHILDREN]}
+    phases = {c[r.R_NAME]: c for c in r.child_records(batch)}
     members = [rec for rec in got if rec[r.R_NAME].startswith("svc/")]
     assert len(members) == 3
     shares = [m[r.R_ATTRS][bn.SHARE] for m in members]
@@ -131,12 +131,12 @@ def test_members_get_shares_that_add_up_to_the_batch_and_queue_waits_that_end_at
     for i, m in enumerate(members):
         a = m[r.R_ATTRS]
         assert a[bn.BATCH_ID] == f"{batch[r.R_SPAN_ID]:016x}" and a[bn.SIZE] == 3 and a[bn.INDEX] == i
-        queue = [c for c in m[r.R_CHILDREN] if c[r.R_ATTRS].get("zoomer.phase") == bn.QUEUE_PHASE]
+        queue = [c for c in r.child_records(m) if c[r.R_ATTRS].get("zoomer.phase") == bn.QUEUE_PHASE]
         assert len(queue) == 1
         # enqueue + wait = the batch's start (each span on its own clock: within 1 ms)
         assert abs(queue[0][r.R_START_NS] + a[bn.QUEUE_WAIT] - batch[r.R_START_NS]) < 1_000_000
         assert queue[0][r.R_END_NS] - queue[0][r.R_START_NS] == a[bn.QUEUE_WAIT]
-        copies = {c[r.R_NAME]: c for c in m[r.R_CHILDREN] if c[r.R_ATTRS].get(bn.BATCH_ID) and c is not queue[0]}
+        copies = {c[r.R_NAME]: c for c in r.child_records(m) if c[r.R_ATTRS].get(bn.BATCH_ID) and c is not queue[0]}
         assert set(copies) == {"forward", "gather"}
         for name, c in copies.items():
             assert abs(c[r.R_START_NS] - phases[name][r.R_START_NS]) < 1_000_000

@@ -205,7 +205,7 @@ def _phase_children(servicer: RankerServicer, request: ranker_pb2.PredictRequest
         pass
     finally:
         span.deactivate()
-    return list(span.children or [])
+    return span.child_records()
 
 
 def test_score_records_three_phases_inside_a_request(model: DLRM) -> None:

@@ -135,6 +135,31 @@ def test_children_with_a_cached_shape_encode_like_encode_span():
     assert [type(_attrs(s.attributes)["ok"]) for s in spans if s.name == "flag"] == [bool, int] * 3
 
 
+def test_phase_entries_encode_byte_for_byte_like_their_full_child_records():
+    """encode_phase writes a phase entry from the entry and its record (cached name, kind and tail per name and
+    trace flags): the same bytes as encode_span of the expanded child record, for sampled and unsampled trace
+    flags, nested phases, a trace state (written by encode_span), a name over the cache's string limit, and a
+    phase name cut by the attribute value length limit."""
+    from zoomer_serve.config import SpanLimits
+
+    for limits in (None, SpanLimits(attribute_value_length=4)):
+        enc, plain = SpanEncoder({}, "s", "v", limits), SpanEncoder({}, "s", "v", limits)
+        for i, (flags, state) in enumerate([(1, None), (0, None), (1, "vendor=x"), (1, None)]):
+            rec = _record(R_TRACE_ID=(i + 1) << 70 | 7, R_TRACE_FLAGS=flags, R_TRACE_STATE=state,
+                          R_PARENT_REMOTE=bool(i % 2))
+            entries = [(10 + i, rec[r.R_SPAN_ID], "preprocess", 100, 200 + i),
+                       (20 + i, 10 + i, "inner", 110, 150),
+                       (30 + i, rec[r.R_SPAN_ID], "p" * 300, 300, 400)]
+            for entry in entries * 2:  # the second time from the cache
+                expected = plain.encode_span(r.child_record(rec, entry))
+                assert enc.encode_phase(rec, entry) == expected
+                span = Span.FromString(expected)
+                assert (span.span_id, span.parent_span_id) == (entry[0].to_bytes(8, "big"), entry[1].to_bytes(8, "big"))
+                assert (span.start_time_unix_nano, span.end_time_unix_nano) == (entry[3], entry[4])
+                assert _attrs(span.attributes) == {"zoomer.phase": entry[2][:4] if limits else entry[2]}
+    assert not any(name.startswith("ppp") for name, _ in enc._phase_cache)
+
+
 def test_span_limits_cut_values_and_counts_and_say_how_much_in_the_dropped_fields():
     """C14: the OpenTelemetry span limits, applied when the span is encoded (off the request path): values cut to
     the length limit (strings, bytes, strings in arrays), attributes / events / links and their own attributes cut

@@ -53,7 +53,7 @@ def test_phase_outside_a_request_records_nothing_and_inside_makes_children():
     assert current_request() is None
     span.end()
     (record,) = got
-    children = record[r.R_CHILDREN]
+    children = r.child_records(record)
     assert [c[r.R_NAME] for c in children] == ["forward", "postprocess"]
     assert all(c[r.R_PARENT_ID] == span.span_id for c in children)
     assert children[1][r.R_STATUS] == r.STATUS_ERROR
@@ -182,29 +182,44 @@ def test_activation_makes_the_request_the_current_otel_span_and_restores_the_cal
         otel_context.detach(outer_token)
 
 
-def test_plain_phases_share_one_attribute_dict_per_name_and_others_get_their_own() -> None:
-    """A plain phase's attributes are one shared ``{"zoomer.phase": name}`` per name (records are read-only);
-    a phase with attributes of its own or that raised gets a dict of its own with them."""
+def test_plain_phases_are_phase_entries_and_others_full_child_records() -> None:
+    """A plain phase (ended normally, no attributes of its own) is recorded as a phase entry, the short form that
+    the encoder writes directly; a phase with attributes of its own or that raised is a full child record. Both
+    expand to the same full records (``child_records``), on the record and on the span alike."""
     records: list[tuple] = []
     recorder = RequestRecorder(records.append, otel_context=False)
     for _ in range(2):
         span = recorder.start("svc/M")
         span.activate()
         with phase("forward"):
-            pass
+            with phase("inner"):
+                pass
         with phase("forward", {"batch": 4}):
             pass
         with pytest.raises(ValueError), phase("forward"):
             raise ValueError("x")
         span.deactivate()
+        on_span = span.child_records()
         span.end()
-    first, second = ([child[r.R_ATTRS] for child in rec[r.R_CHILDREN]] for rec in records)
-    assert first == [{"zoomer.phase": "forward"}, {"zoomer.phase": "forward", "batch": 4},
-                     {"zoomer.phase": "forward", "error.type": "ValueError"}]
-    assert second == first
-    assert first[0] is second[0]
-    assert first[1] is not second[1] and first[2] is not second[2]
-    assert first[0] == {"zoomer.phase": "forward"}  # the errored phase did not write into the shared dict
+        assert r.child_records(records[-1]) == on_span
+    for rec in records:
+        raw = rec[r.R_CHILDREN]
+        assert [len(c) for c in raw] == [r.PHASE_ENTRY_LEN, r.PHASE_ENTRY_LEN, len(rec), len(rec)]
+        inner, outer = raw[0], raw[1]
+        assert (inner[r.PH_NAME], inner[r.PH_PARENT_ID]) == ("inner", outer[r.PH_SPAN_ID])
+        assert (outer[r.PH_NAME], outer[r.PH_PARENT_ID]) == ("forward", rec[r.R_SPAN_ID])
+        assert rec[r.R_START_NS] <= outer[r.PH_START_NS] <= inner[r.PH_START_NS] <= inner[r.PH_END_NS] \
+            <= outer[r.PH_END_NS] <= rec[r.R_END_NS]
+        full = r.child_records(rec)
+        assert [c[r.R_ATTRS] for c in full] == [
+            {"zoomer.phase": "inner"}, {"zoomer.phase": "forward"}, {"zoomer.phase": "forward", "batch": 4},
+            {"zoomer.phase": "forward", "error.type": "ValueError"}]
+        assert [c[r.R_STATUS] for c in full] == [r.STATUS_UNSET] * 3 + [r.STATUS_ERROR]
+        for c in full:
+            assert len(c) == len(rec)
+            assert (c[r.R_TRACE_ID], c[r.R_TRACE_FLAGS], c[r.R_KIND], c[r.R_FLAGS]) == (
+                rec[r.R_TRACE_ID], rec[r.R_TRACE_FLAGS], r.KIND_INTERNAL, r.F_SAMPLED)
+        assert full[0][r.R_SPAN_ID] == inner[r.PH_SPAN_ID] and full[0][r.R_END_NS] == inner[r.PH_END_NS]
 
 
 def test_thread_joins_follow_a_request_to_the_other_threads_its_phases_run_on() -> None:
@@ -270,7 +285,7 @@ def test_thread_joins_follow_a_request_to_the_other_threads_its_phases_run_on() 
     thread.join()
     assert [c[:2] for c in calls] == [("enter", "b"), ("exit", "token-b")] * 2
     span.end()
-    assert sorted(c[6] for c in got[0][15]) == ["again", "again", "home", "inner", "inner", "outer", "outer"]
+    assert sorted(c[r.R_NAME] for c in r.child_records(got[0])) == ["again", "again", "home", "inner", "inner", "outer", "outer"]
 
 
 def test_phases_on_another_thread_open_the_requests_profiler_range_there(tmp_path) -> None:

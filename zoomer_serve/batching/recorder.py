@@ -306,7 +306,7 @@ class Batch:
             if self._range is not None:
                 self._close_range()
             span.deactivate()
-            phases = [c for c in span.children or () if c[r.R_PARENT_ID] == span.span_id
+            phases = [c for c in span.child_records() if c[r.R_PARENT_ID] == span.span_id
                       and c[r.R_ATTRS].get(_PHASE_KEY) is not None]
             if span.thread_joins and self.members:
                 _await_allocations(span, self.members, self.weights)

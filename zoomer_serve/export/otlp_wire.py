@@ -23,6 +23,11 @@ from zoomer_serve.recording.records import (
     EV_ATTRS,
     EV_NAME,
     EV_TIME_NS,
+    PH_END_NS,
+    PH_NAME,
+    PH_PARENT_ID,
+    PH_SPAN_ID,
+    PH_START_NS,
     R_ATTRS,
     R_END_NS,
     R_EVENTS,
@@ -38,6 +43,7 @@ from zoomer_serve.recording.records import (
     R_TRACE_FLAGS,
     R_TRACE_ID,
     R_TRACE_STATE,
+    child_record,
 )
 from zoomer_serve.semconv import SCHEMA_URL
 
@@ -47,6 +53,7 @@ _pack_d = struct.Struct("<d").pack
 # (field 2); parent_span_id (field 4); start/end_time_unix_nano (fields 7, 8, fixed64); flags (field 16, fixed32)
 _pack_ids = struct.Struct(">HQQHQ").pack
 _pack_parent = struct.Struct(">HQ").pack
+_pack_phase_ids = struct.Struct(">HQQHQHQ").pack  # trace_id, span_id and parent_span_id of a phase entry
 _pack_times = struct.Struct("<BQBQ").pack
 _pack_flags = struct.Struct("<HI").pack
 _LOW64 = (1 << 64) - 1
@@ -144,6 +151,7 @@ class SpanEncoder:
         self._key_cache: dict[str, bytes] = {}
         self._name_cache: dict[tuple[str, int], bytes] = {}
         self._tail_cache: dict[tuple[Any, ...], bytes] = {}  # encode_child: what follows the timestamps
+        self._phase_cache: dict[tuple[str, int], tuple[bytes, bytes]] = {}  # encode_phase: name and kind, and the tail
 
     def _cut(self, value: Any) -> Any:
         """``value`` within the attribute value length limit (strings, bytes, and the strings of a list)."""
@@ -230,6 +238,28 @@ class SpanEncoder:
             if len(self._tail_cache) < _MAX_CACHE:
                 self._tail_cache[key] = tail
         return self._head(rec) + tail
+
+    def encode_phase(self, rec: Sequence[Any], entry: Sequence[Any]) -> bytes:
+        """:meth:`encode_span` of a phase entry of ``rec`` (see :mod:`zoomer_serve.recording.records`), the same
+        bytes as of its full child record, written from the entry: the fields after the span's timestamps and
+        its name and kind are cached per (name, trace flags), at most :data:`_MAX_CACHE` of them; a record with a
+        trace state or a name over :data:`_MAX_CACHED_STR` characters takes :meth:`encode_span`."""
+        name = entry[PH_NAME]
+        key = (name, rec[R_TRACE_FLAGS])
+        parts = self._phase_cache.get(key)
+        if parts is None:
+            if rec[R_TRACE_STATE] or len(name) > _MAX_CACHED_STR:
+                return self.encode_span(child_record(rec, entry))
+            full = child_record(rec, entry)
+            parts = (self._name_kind(name, full[R_KIND]), self._tail(full))
+            if len(self._phase_cache) < _MAX_CACHE:
+                self._phase_cache[key] = parts
+        elif rec[R_TRACE_STATE]:
+            return self.encode_span(child_record(rec, entry))
+        trace_id = rec[R_TRACE_ID]
+        return b"".join((_pack_phase_ids(0x0A10, trace_id >> 64, trace_id & _LOW64, 0x1208, entry[PH_SPAN_ID],
+                                         0x2208, entry[PH_PARENT_ID]),
+                         parts[0], _pack_times(0x39, entry[PH_START_NS], 0x41, entry[PH_END_NS]), parts[1]))
 
     def _head(self, rec: Sequence[Any]) -> bytes:
         """The ``Span`` fields up to the timestamps: ids, trace state, parent, name, kind, start and end."""

@@ -206,6 +206,7 @@ class ExportWorker:
                 except Exception as exc:  # a malformed record must not stop the exporter
                     logger.warning("zoomer-serve: could not aggregate a request record: %r", exc)
         encode, encode_child = self._encoder.encode_span, self._encoder.encode_child
+        encode_phase, phase_entry = self._encoder.encode_phase, r.PHASE_ENTRY_LEN
         pending = self._pending
         max_spans, max_bytes = self.cfg.max_export_batch_size, self.cfg.max_request_bytes
         sampled = r.F_SAMPLED if self.cfg.traces else 0  # OTEL_TRACES_EXPORTER=none: no span is encoded
@@ -217,7 +218,7 @@ class ExportWorker:
                     pending.append(span)
                     self._pending_bytes += len(span)
                     for child in rec[r.R_CHILDREN] or ():
-                        span = encode_child(child)
+                        span = encode_phase(rec, child) if len(child) == phase_entry else encode_child(child)
                         pending.append(span)
                         self._pending_bytes += len(span)
             except Exception as exc:  # a malformed record must not stop the exporter

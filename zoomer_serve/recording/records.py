@@ -15,11 +15,18 @@ Fields (units):
 - ``R_STATUS_MSG`` str or None; ``R_ATTRS`` dict[str, scalar or list]
 - ``R_EVENTS`` list of ``(time_ns, name, attrs)`` or None; ``R_LINKS`` list of ``(trace_id, span_id, attrs)``
   or None
-- ``R_CHILDREN`` list of child records (phases) exported with this one, or None
+- ``R_CHILDREN`` list of the children exported with this one (its phases), or None: each either a child record
+  (this same layout) or a *phase entry*, the short form of a plain phase (below)
 - ``R_FLAGS`` int, ``F_SAMPLED`` (export the span) | ``F_REQUEST`` (count it in the RPC metrics)
 
 Times: ``R_START_NS`` is read from the wall clock once; the end and every time inside the span are that start plus
 a monotonic delta (see :class:`~zoomer_serve.recording.recorder.RequestSpan`).
+
+A phase entry is a 5-tuple ``(span_id, parent_id, name, start_ns, end_ns)`` (indexes ``PH_*``): a phase span that
+ended normally and has no attributes of its own, so everything else about it follows from its record: the
+record's trace id, trace flags, trace state and sampled flag, kind ``KIND_INTERNAL``, status unset, attributes
+``{PHASE_KEY: name}``, no events or links. The request path builds one for most phases (a third of a full
+child's pickle); :func:`child_record` turns it into the full child record, and the encoder writes it directly.
 
 ``R_ATTRS`` may hold :data:`DROPPED_KEY`: ``(events, links)`` the span dropped past its count limits; the encoder
 takes it out and writes the OTLP ``dropped_events_count`` / ``dropped_links_count`` fields instead.
@@ -27,6 +34,7 @@ takes it out and writes the OTLP ``dropped_events_count`` / ``dropped_links_coun
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 R_TRACE_ID = 0
@@ -65,6 +73,14 @@ F_SAMPLED = 1
 F_REQUEST = 2
 
 DROPPED_KEY = "zoomer.internal.dropped"
+PHASE_KEY = "zoomer.phase"  # the attribute naming a phase span's phase
+
+PH_SPAN_ID = 0
+PH_PARENT_ID = 1
+PH_NAME = 2
+PH_START_NS = 3
+PH_END_NS = 4
+PHASE_ENTRY_LEN = 5
 
 SpanRecord = tuple[Any, ...]
 
@@ -75,3 +91,25 @@ def exported_spans(rec: SpanRecord) -> int:
     if not rec[R_FLAGS] & F_SAMPLED:
         return 0
     return 1 + len(rec[R_CHILDREN] or ())
+
+
+def phase_record(trace_id: int, trace_flags: int, trace_state: str | None, sampled: int,
+                 entry: Sequence[Any]) -> SpanRecord:
+    """The full child record of a phase entry (see the module docstring) of a span with these ids and flags
+    (``sampled``: its ``F_SAMPLED`` bit)."""
+    name = entry[PH_NAME]
+    return (trace_id, entry[PH_SPAN_ID], entry[PH_PARENT_ID], False, trace_flags, trace_state, name, KIND_INTERNAL,
+            entry[PH_START_NS], entry[PH_END_NS], STATUS_UNSET, None, {PHASE_KEY: name}, None, None, None, sampled)
+
+
+def child_record(rec: Sequence[Any], child: Sequence[Any]) -> Sequence[Any]:
+    """A child of ``rec`` (an element of its ``R_CHILDREN``) as a full record: a phase entry expanded, a child
+    record as it is."""
+    if len(child) != PHASE_ENTRY_LEN:
+        return child
+    return phase_record(rec[R_TRACE_ID], rec[R_TRACE_FLAGS], rec[R_TRACE_STATE], rec[R_FLAGS] & F_SAMPLED, child)
+
+
+def child_records(rec: Sequence[Any]) -> list[Sequence[Any]]:
+    """Every child of ``rec`` as a full record (:func:`child_record`), in the order they ended."""
+    return [child_record(rec, child) for child in rec[R_CHILDREN] or ()]
