@@ -307,7 +307,11 @@ class ZoomerServerInterceptor(ServerInterceptorCore, grpc.ServerInterceptor):
         return self._handler_for(continuation(handler_call_details), handler_call_details.method)
 
     def _call_over(self, context: Any, exc: BaseException | None) -> bool:
-        return not context.is_active()
+        # grpc's record of a client cancel (a passed deadline and a stopping server cancel too), read without
+        # is_active()'s lock: four Python calls and a lock fewer per call. Where grpc keeps no such record,
+        # is_active(); it also says False once the status is sent, which no caller of this has seen happen.
+        cancelled = _client_cancelled(context)
+        return not context.is_active() if cancelled is None else cancelled
 
     def _wrap_behavior(self, tracer: ServerCallTracer, behavior: Callable[..., Any], request_streaming: bool,
                        response_streaming: bool, sized: bool) -> Callable[..., Any]:

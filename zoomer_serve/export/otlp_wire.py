@@ -279,7 +279,7 @@ class SpanEncoder:
         """The ``Span`` fields after the timestamps: attributes, events, links (each within the span limits, with
         their ``dropped_*_count``), status, flags."""
         parts = []
-        attr = self._attr
+        attr, cached = self._attr, self._attr_cache.get
         limits = self.limits
         kept = dropped = 0
         dropped_events = dropped_links = 0
@@ -292,7 +292,10 @@ class SpanEncoder:
             if kept >= limits.attribute_count:
                 dropped += 1
                 continue
-            parts.append(attr(key, value))
+            # _attr's cache hit, without its call (what a cached value's key is: see _attr)
+            kind = type(value)
+            hit = cached((key, kind, value)) if kind is str or kind is int or kind is bool else None
+            parts.append(hit if hit is not None else attr(key, value))
             kept += 1
         if dropped:
             parts.append(b"\x50" + varint(dropped))  # Span.dropped_attributes_count (field 10)

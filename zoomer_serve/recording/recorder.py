@@ -581,9 +581,16 @@ class phase:
             span_id = stack.pop()
             parent_id = stack[-1] if stack else None
             base = req.start_ns - req.mono_ns  # req.time_at() of both readings without the calls
-            if self._attrs is None and exc_type is None:  # a plain phase: its short form
-                req.add_phase(span_id, parent_id or req.span_id, self.name, base + self._start_mono,
-                              base + end_mono)
+            if self._attrs is None and exc_type is None:  # a plain phase: its short form (add_phase, inlined)
+                if req._open:
+                    children = req.children
+                    if children is None:
+                        children = req.children = []
+                    children.append((span_id, parent_id or req.span_id, self.name, base + self._start_mono,
+                                     base + end_mono))
+                else:
+                    req.add_phase(span_id, parent_id or req.span_id, self.name, base + self._start_mono,
+                                  base + end_mono)
                 return
             attrs = {r.PHASE_KEY: self.name}
             if self._attrs:
