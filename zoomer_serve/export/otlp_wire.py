@@ -245,17 +245,15 @@ class SpanEncoder:
         its name and kind are cached per (name, trace flags), at most :data:`_MAX_CACHE` of them; a record with a
         trace state or a name over :data:`_MAX_CACHED_STR` characters takes :meth:`encode_span`."""
         name = entry[PH_NAME]
+        if rec[R_TRACE_STATE] or len(name) > _MAX_CACHED_STR:
+            return self.encode_span(child_record(rec, entry))
         key = (name, rec[R_TRACE_FLAGS])
         parts = self._phase_cache.get(key)
         if parts is None:
-            if rec[R_TRACE_STATE] or len(name) > _MAX_CACHED_STR:
-                return self.encode_span(child_record(rec, entry))
             full = child_record(rec, entry)
             parts = (self._name_kind(name, full[R_KIND]), self._tail(full))
             if len(self._phase_cache) < _MAX_CACHE:
                 self._phase_cache[key] = parts
-        elif rec[R_TRACE_STATE]:
-            return self.encode_span(child_record(rec, entry))
         trace_id = rec[R_TRACE_ID]
         return b"".join((_pack_phase_ids(0x0A10, trace_id >> 64, trace_id & _LOW64, 0x1208, entry[PH_SPAN_ID],
                                          0x2208, entry[PH_PARENT_ID]),

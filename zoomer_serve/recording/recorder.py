@@ -182,7 +182,7 @@ class RequestSpan:
 
     def add_phase(self, span_id: int, parent_id: int, name: str, start_ns: int, end_ns: int) -> None:
         """Record a plain phase (ended normally, no attributes of its own) as a phase entry
-        (:mod:`~zoomer_serve.recording.records`: exported as :meth:`add_child` would, pickled in a third of the
+        (:mod:`~zoomer_serve.recording.records`: exported as :meth:`add_child` would, pickled in under half the
         bytes). After the span has ended, the phase is sent on its own as a full record."""
         if self._open:
             children = self.children
