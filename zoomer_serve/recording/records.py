@@ -25,8 +25,8 @@ a monotonic delta (see :class:`~zoomer_serve.recording.recorder.RequestSpan`).
 A phase entry is a 5-tuple ``(span_id, parent_id, name, start_ns, end_ns)`` (indexes ``PH_*``): a phase span that
 ended normally and has no attributes of its own, so everything else about it follows from its record: the
 record's trace id, trace flags, trace state and sampled flag, kind ``KIND_INTERNAL``, status unset, attributes
-``{PHASE_KEY: name}``, no events or links. The request path builds one for most phases (its pickle is under half of a full
-child's); :func:`child_record` turns it into the full child record, and the encoder writes it directly.
+``{PHASE_KEY: name}``, no events or links. The request path builds one for most phases (its pickle is under half
+of a full child's); :func:`child_record` turns it into the full child record, and the encoder writes it directly.
 
 ``R_ATTRS`` may hold :data:`DROPPED_KEY`: ``(events, links)`` the span dropped past its count limits; the encoder
 takes it out and writes the OTLP ``dropped_events_count`` / ``dropped_links_count`` fields instead.
