@@ -23,6 +23,7 @@ BARE = "bare"
 CONTRIB = "contrib"
 ZOOMER = "zoomer"
 PYTHON_WORK = "python_work"
+OFFLOAD_WORK = "offload_work"
 
 # Transports: how a configuration plugs into a server kind.
 GRPC = "grpc"  # interceptors are grpc.ServerInterceptor objects for grpc.server(interceptors=...)
@@ -232,6 +233,89 @@ def python_work_thrift(transport: str = THRIFT) -> Instrumentation:
     return Instrumentation([build], lambda: {"python_work_us": PYTHON_WORK_US, "loop_iterations": iterations})
 
 
+OFFLOAD_WORK_US = 30.0
+"""The CPU per call that the ``offload_work`` control row spends in a child process, in µs of a hot loop: about
+what zoomer-serve's export helper and the collector spend together per Thrift span in the full runs (22 and 10
+µs, 2026-12-02)."""
+OFFLOAD_CALLS_PER_BYTE = 64  # the server writes one byte to the child per this many calls
+
+_OFFLOAD_CHILD = """
+import os, sys
+os.nice(5)  # as zoomer-serve's export helper
+iterations = int(sys.argv[1])
+while True:
+    chunk = os.read(0, 4096)
+    if not chunk:
+        break
+    for _ in range(len(chunk) * iterations):
+        pass
+"""
+
+
+def _children_cpu_s(who: int) -> float:
+    """User + system CPU seconds of the waited-for child processes (``resource.getrusage``)."""
+    import resource
+
+    usage = resource.getrusage(who)
+    return round(usage.ru_utime + usage.ru_stime, 4)
+
+
+def offload_work_thrift(transport: str = THRIFT) -> Instrumentation:
+    """A control row, not instrumentation: thriftpy2's plain server that hands work to a child process, as
+    zoomer-serve hands its export to a helper process, and records nothing. The processor counts its calls and
+    writes one byte to the child's stdin per :data:`OFFLOAD_CALLS_PER_BYTE` calls (a non-blocking pipe: a byte
+    that does not fit is counted in ``bytes_skipped``, never waited for); the child, at niceness 5 as the export
+    helper, runs :data:`OFFLOAD_WORK_US` µs of plain Python (an empty loop, calibrated when the server starts)
+    per call for each byte. What that much CPU per call in another process costs the server's latency, to set
+    beside the zoomer row's: on a machine whose cores the client and server already fill, work in any other
+    process takes CPU time from them whatever its priority. The child is the server's descendant, so its CPU
+    counts in the row's CPU per request; its counters give the calls, the bytes skipped and the child's CPU
+    seconds once it has exited (``child_cpu_s``). Thrift only."""
+    import itertools
+    import subprocess
+    import sys
+
+    from thriftpy2.thrift import TProcessor
+
+    if transport != THRIFT:
+        raise ValueError(f"the offload_work control row has no {transport!r} form")
+    iterations = _spin_iterations(OFFLOAD_WORK_US)
+    child = subprocess.Popen([sys.executable, "-c", _OFFLOAD_CHILD, str(iterations * OFFLOAD_CALLS_PER_BYTE)],
+                             stdin=subprocess.PIPE, close_fds=True)
+    assert child.stdin is not None
+    fd = child.stdin.fileno()
+    os.set_blocking(fd, False)
+    calls, skipped = itertools.count(1), [0]
+
+    class OffloadProcessor(TProcessor):  # type: ignore[misc]
+        def process_in(self, iprot: Any) -> Any:
+            decoded = super().process_in(iprot)
+            if next(calls) % OFFLOAD_CALLS_PER_BYTE == 0:
+                try:
+                    os.write(fd, b"w")
+                except BlockingIOError:
+                    skipped[0] += 1
+            return decoded
+
+    def build(service: Any, handler: object, host: str, port: int, client_timeout: int) -> PlainThriftServer:
+        return PlainThriftServer(service, handler, host, port, OffloadProcessor, client_timeout=client_timeout)
+
+    def shutdown() -> dict[str, Any]:
+        assert child.stdin is not None
+        child.stdin.close()
+        try:
+            child.wait(10.0)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        import resource
+
+        return {"offload_work_us": OFFLOAD_WORK_US, "loop_iterations": iterations, "calls": next(calls) - 1,
+                "bytes_skipped": skipped[0], "child_cpu_s": _children_cpu_s(resource.RUSAGE_CHILDREN)}
+
+    return Instrumentation([build], shutdown)
+
+
 @dataclass(frozen=True)
 class Configuration:
     """One instrumentation setup: ``name`` (a JSON key), ``label`` (for tables), ``instrument`` (factory run
@@ -264,6 +348,8 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
                   "(ZOOMER_HOST_REQUEST_CPU_TIME_ONE_IN=1)", zoomer_cpu_time_every, default=False),
     Configuration(PYTHON_WORK, f"control: plain processor + {PYTHON_WORK_US:.0f} µs of plain Python per call",
                   python_work_thrift, exports=False, transports=(THRIFT,)),
+    Configuration(OFFLOAD_WORK, f"control: plain processor + {OFFLOAD_WORK_US:.0f} µs of CPU per call in a child "
+                  "process (niceness 5)", offload_work_thrift, exports=False, default=False, transports=(THRIFT,)),
 )
 
 

@@ -4,8 +4,9 @@ the OpenTelemetry contrib gRPC interceptor, both exporting over real OTLP to the
 Server kinds: sync gRPC echo, the demo DLRM model server, grpc.aio echo, thriftpy2 echo (no contrib row: the
 contrib project has no Thrift interceptor; its zoomer overhead is compared with the gRPC echo's, judged in its
 round's paired phase, which measures a gRPC echo bare and zoomer server side by side with the Thrift rows, beside
-a ``python_work`` control row that adds plain Python to each call and records nothing; its p99 ÷ bare with the
-gRPC echo's in the same run). Extra rows
+a ``python_work`` control row that adds plain Python to each call and records nothing, and an ``offload_work``
+control row that hands as much CPU per call as zoomer-serve's export costs to a child process; its p99 ÷ bare
+with the gRPC echo's in the same run). Extra rows
 (``--extras``, ``{"what", "value", "unit"}`` each, under ``extra_rows`` in the JSON): GPU telemetry over fake
 sources (``_bench_gpu.py``), the profiler idle and inside a session (``_bench_profiling.py``), host telemetry
 and the CPU samplers (``_bench_host.py``).
@@ -70,6 +71,8 @@ from _bench_configs import (  # noqa: E402
     BARE,
     CONFIGURATIONS,
     CONTRIB,
+    OFFLOAD_WORK,
+    OFFLOAD_WORK_US,
     PYTHON_WORK,
     PYTHON_WORK_US,
     SERVER_KINDS,
@@ -85,6 +88,10 @@ TARGET_OVERHEAD_RATIO_VS_CONTRIB = 0.5
 TARGET_P99_RATIO_VS_BARE = 1.3
 TARGET_P99_THREADS = 8
 TARGET_THRIFT_OVERHEAD_RATIO_VS_GRPC = 1.1  # Thrift zoomer overhead within 10 % of the sync gRPC echo's
+CONTROL_ROWS = {  # the Thrift kind's control rows: what each adds to a plain server's call
+    PYTHON_WORK: f"plain processor, {PYTHON_WORK_US:.0f} µs of plain Python per call",
+    OFFLOAD_WORK: f"plain processor, {OFFLOAD_WORK_US:.0f} µs of CPU per call in a child process at niceness 5",
+}
 TARGET_THRIFT_P99_RATIO_VS_GRPC = 1.3  # Thrift zoomer p99 ÷ bare, 8 client threads: within 1.3 × the gRPC echo's
 GRPC_REFERENCE_KIND = "echo"  # the gRPC interceptor's overhead the Thrift row is compared with
 REFERENCE_SEP = ":"  # a reference row of a Thrift round's paired phase: "echo:bare", "echo:zoomer"
@@ -615,7 +622,9 @@ def _thrift_targets(kind_out: dict[str, Any], grpc_out: dict[str, Any] | None) -
     (``overhead_ratio_vs_grpc``, ``overhead_met_by_threads``; null when the echo kind was not run). Those two
     overheads are measured minutes apart, and each moves by 20 to 30 % between runs. The ``python_work`` control
     row (plain Python per call, no instrumentation) measures what that much Python per call costs in the same
-    run: ``control_overhead_us``.
+    run: ``control_overhead_us``; the ``offload_work`` control row what that much CPU per call in a child process
+    costs (zoomer-serve's export runs in one). Both rows' overhead and p99 ÷ bare per thread count:
+    ``control_rows``.
 
     Latency: zoomer's p99 ÷ bare's at :data:`TARGET_P99_THREADS` client threads (the slices) within
     :data:`TARGET_THRIFT_P99_RATIO_VS_GRPC` times the gRPC interceptor's (the echo kind's zoomer row, same run):
@@ -630,6 +639,10 @@ def _thrift_targets(kind_out: dict[str, Any], grpc_out: dict[str, Any] | None) -
     kind_out["overhead_us_grpc"] = ref_us
     control = kind_out["configs"].get(PYTHON_WORK, {}).get("threads", {})
     kind_out["control_overhead_us"] = {n: control[n]["overhead_us"] for n in control}
+    kind_out["control_rows"] = {
+        name: {"overhead_us": {n: t["overhead_us"] for n, t in rows.items()},
+               "p99_ratio_vs_bare": {n: t["p99_ratio_vs_bare"] for n, t in rows.items()}}
+        for name in CONTROL_ROWS if (rows := kind_out["configs"].get(name, {}).get("threads"))}
     paired = kind_out["paired"]["configs"]
     reference = paired.get(reference_row(ZOOMER), {})
     paired_ref = reference.get("overhead_us")
@@ -862,15 +875,17 @@ def _thrift_lines(k: dict[str, Any]) -> list[str]:
     ratios = ", ".join(f"{n} thr: {_fmt(v, '.2f')}{over[n]} ({_fmt(k['configs'][ZOOMER]['threads'][n]['overhead_us'], '+.0f')}"
                        f" vs {_fmt(k['overhead_us_grpc'][n], '+.0f')} µs)"
                        for n, v in k["overhead_ratio_vs_grpc"].items())
-    control = ", ".join(f"{n} thr: {_fmt(v, '+.0f')} µs" for n, v in k["control_overhead_us"].items())
+    controls = [f"- control row {name} ({CONTROL_ROWS[name]}, no instrumentation): overhead over bare "
+                + ", ".join(f"{n} thr: {_fmt(v, '+.0f')} µs" for n, v in row["overhead_us"].items())
+                + "; p99 ÷ bare " + _threads_line(row["p99_ratio_vs_bare"])
+                for name, row in k.get("control_rows", {}).items()]
     side = ", ".join(f"{n} thr: {_fmt(p.get('overhead_ratio_vs_grpc'), '.2f')}"
                      for n, p in k.get("paired_by_threads", {}).items())
     p99_limit = tg.get("p99_ratio_vs_grpc_max")
     return [f"- zoomer overhead ÷ the {GRPC_REFERENCE_KIND} kind's zoomer overhead in its own round: "
             f"{ratios} (target ≤ {limit}; shown, not judged: measured minutes apart; judged side by side in the "
             f"paired phase below, {reference_row(ZOOMER)}: {side})",
-            f"- control row {PYTHON_WORK} (plain processor, {PYTHON_WORK_US:.0f} µs of plain Python per call, "
-            f"no instrumentation), overhead over bare: {control or 'not run'}",
+            *(controls or ["- control rows: not run"]),
             "- no contrib row: OpenTelemetry contrib has no Thrift interceptor (ratio vs contrib: null)",
             f"- zoomer p99 ÷ bare p99: {_threads_line(k['p99_ratio_vs_bare'])}; ÷ the {GRPC_REFERENCE_KIND} kind's "
             f"zoomer p99 ÷ bare p99: {_threads_line(k.get('p99_ratio_vs_grpc', {}))} (target ≤ {p99_limit} at "

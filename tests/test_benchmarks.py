@@ -114,10 +114,40 @@ def test_thrift_control_row_adds_plain_python_and_no_spans(smoke: dict) -> None:
     assert thrift["control_overhead_us"] == {n: control["threads"][n]["overhead_us"] for n in ("1", "8")}
     assert "python_work" in thrift["paired"]["configs"]
     assert "control row python_work" in overhead.markdown(smoke)
+    assert thrift["control_rows"] == {"python_work": {
+        "overhead_us": thrift["control_overhead_us"],
+        "p99_ratio_vs_bare": {n: control["threads"][n]["p99_ratio_vs_bare"] for n in ("1", "8")}}}
     helpers = smoke["meta"]["helper_processes"]
     assert all(n == 0 for s, n in helpers.items() if "-python_work-" in s), helpers
     counters = [c for s, c in smoke["meta"]["instrumentation_counters"].items() if "-python_work-" in s]
     assert counters and all(c["python_work_us"] == 15.0 and c["loop_iterations"] >= 1 for c in counters)
+
+
+@pytest.mark.slow
+def test_offload_work_control_row_burns_its_cpu_per_call_in_a_child_process() -> None:
+    """The offload_work control row (not a default one): a plain Thrift server that hands OFFLOAD_WORK_US of CPU
+    per call to a child process at niceness 5, as zoomer-serve hands its export to a helper. The child is found
+    as the server's helper process, its CPU counts in the row's (about OFFLOAD_WORK_US per call), no byte was
+    skipped, nothing is exported, and the verdict lines give its overhead and p99 beside python_work's."""
+    proc = _run("--smoke", "--kinds", "thrift_echo", "--configs", "bare,zoomer,python_work,offload_work", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads(proc.stdout)
+    thrift = run["thrift_echo"]
+    row = thrift["configs"]["offload_work"]
+    assert row["spans_lost"] is None and row["requests_answered"] > 0
+    assert set(thrift["control_rows"]) == {"python_work", "offload_work"}
+    assert thrift["control_rows"]["offload_work"]["p99_ratio_vs_bare"] == {
+        n: row["threads"][n]["p99_ratio_vs_bare"] for n in ("1", "8")}
+    helpers = run["meta"]["helper_processes"]
+    assert [n for s, n in helpers.items() if "-offload_work-" in s] == [1], helpers
+    counters = [c for s, c in run["meta"]["instrumentation_counters"].items() if "-offload_work-" in s]
+    assert counters and all(c["offload_work_us"] == 30.0 and c["loop_iterations"] >= 1 and c["bytes_skipped"] == 0
+                            for c in counters), counters
+    for c in counters:  # the child ran 30 µs of loop per call, in bytes of 64 calls (calibrated: at least half)
+        assert c["calls"] >= row["requests_answered"] and c["child_cpu_s"] >= 0.5 * (c["calls"] // 64) * 64 * 30e-6, c
+    text = overhead.markdown(run)
+    assert "control row offload_work (plain processor, 30 µs of CPU per call in a child process" in text
+    assert "control row python_work (plain processor, 15 µs of plain Python per call" in text
 
 
 @pytest.mark.slow
@@ -138,7 +168,8 @@ def test_extras_are_on_in_the_full_run_only_and_gpu_row_only_when_asked() -> Non
     assert overhead.parse_args(["--no-extras"]).extras == ()
     assert "zoomer_gpu_fake" not in full.configs
     assert "zoomer_gpu_fake" in overhead.parse_args(["--gpu"]).configs
-    assert full.kind_configs("thrift_echo") == ("bare", "zoomer", "python_work")
+    assert full.kind_configs("thrift_echo") == ("bare", "zoomer", "python_work")  # offload_work: asked for only
+    assert "offload_work" not in full.configs
     assert overhead.parse_args(["--gpu"]).kind_configs("echo_aio") == ("bare", "zoomer", "contrib")
 
 
