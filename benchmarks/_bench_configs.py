@@ -233,10 +233,10 @@ def python_work_thrift(transport: str = THRIFT) -> Instrumentation:
     return Instrumentation([build], lambda: {"python_work_us": PYTHON_WORK_US, "loop_iterations": iterations})
 
 
-OFFLOAD_WORK_US = 30.0
-"""The CPU per call that the ``offload_work`` control row spends in a child process, in µs of a hot loop: about
-what zoomer-serve's export helper and the collector spend together per Thrift span in the full runs (22 and 10
-µs, 2026-12-02)."""
+OFFLOAD_WORK_US = 15.0
+"""The work per call that the ``offload_work`` control row hands to a child process, in µs of a hot loop. In the
+saturated benchmark the child's loop costs about twice that in CPU (59 µs per call for 30 in a run of 2026-12-02),
+so 15 come to about what zoomer-serve's export helper spends per Thrift span there (22 to 28 µs)."""
 OFFLOAD_CALLS_PER_BYTE = 64  # the server writes one byte to the child per this many calls
 
 _OFFLOAD_CHILD = """
@@ -266,7 +266,9 @@ def offload_work_thrift(transport: str = THRIFT) -> Instrumentation:
     writes one byte to the child's stdin per :data:`OFFLOAD_CALLS_PER_BYTE` calls (a non-blocking pipe: a byte
     that does not fit is counted in ``bytes_skipped``, never waited for); the child, at niceness 5 as the export
     helper, runs :data:`OFFLOAD_WORK_US` µs of plain Python (an empty loop, calibrated when the server starts)
-    per call for each byte. What that much CPU per call in another process costs the server's latency, to set
+    per call for each byte. Like the export helper's, the child's work runs partly after its slice of the
+    benchmark has ended, in the next row's slice (the next configuration in ``--configs``; after the last, the
+    first). What that much CPU per call in another process costs the server's latency, to set
     beside the zoomer row's: on a machine whose cores the client and server already fill, work in any other
     process takes CPU time from them whatever its priority. The child is the server's descendant, so its CPU
     counts in the row's CPU per request; its counters give the calls, the bytes skipped and the child's CPU

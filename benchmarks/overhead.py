@@ -17,6 +17,7 @@ Usage::
     python benchmarks/overhead.py --quick    # under 2 minutes, no extra rows
     python benchmarks/overhead.py --quick --json   # one JSON object on stdout, progress on stderr
     python benchmarks/overhead.py --gpu      # + the zoomer_gpu_fake row on the sync gRPC kinds
+    python benchmarks/overhead.py --kinds thrift_echo --configs bare,zoomer_record_only,python_work,zoomer,offload_work
 
 Method (see benchmarks/RESULTS.md for figures):
 
