@@ -3,7 +3,7 @@
 One command runs one *phase*: the same number of client threads against several servers in turn, in short
 time slices, so that whatever else the machine does hits every server alike::
 
-    {"kind": K, "threads": N, "warmup_s": W, "slice_s": S, "cycles": C, "collector_pid": PID,
+    {"kind": K, "threads": N, "warmup_s": W, "slice_s": S, "cycles": C, "lead_s": L, "collector_pid": PID,
      "targets": [{"name": CONFIG, "target": "127.0.0.1:P", "server_pid": PID, "helper_pids": [PID]}, ...],
      "paired": false}
 
@@ -18,7 +18,10 @@ in a paired phase mixes the servers' effects on each other and is not a per-serv
 N threads, each with its own channel to every server, send one request at a time (the kind's payloads,
 round-robin) to the server of the current slice. First each server gets ``warmup_s`` of load (not
 measured; in a paired phase all servers get one ``warmup_s`` together). Then C cycles run one ``slice_s``
-slice per server, in an order that rotates every cycle. The CPU (``_bench_proc``: process CPU clocks, ns) of
+slice per server, in an order that rotates every cycle, each slice after ``lead_s`` (default 0) of the same
+server's load whose calls are not measured: what the previous slice's server still does after its slice (an
+export helper's and the collector's work on its last half second of spans, a batch processor's last batch) falls
+there, and the server's own export work runs in its measured slice as it does under steady load. The CPU (``_bench_proc``: process CPU clocks, ns) of
 every server's process tree (the server plus its helper processes), of the collector and of this client is read
 once when the measured part starts and once when it ends: a server's CPU over the whole phase (its export work included, whenever it
 ran) is divided by the requests it answered in its slices. The answer is one JSON line::
@@ -26,6 +29,7 @@ ran) is divided by the requests it answered in its slices. The answer is one JSO
     {"measured_s": ..., "collector_cpu_s": ..., "client_cpu_s": ...,
      "per_target": {CONFIG: {"requests": completed in measured slices, "slices_s": their total length,
                              "latency_us": [client-side µs of each], "server_cpu_s": ..., "helpers_cpu_s": ...,
+                             "answered": successful calls between the two CPU readings (lead-ins included),
                              "total_ok": successful calls of the phase (warm-up included), "errors": {..}}}}
 
 An empty line or EOF ends the process.
@@ -112,11 +116,22 @@ def _snapshot(pids: list[int], helpers: list[tuple[int, ...]]) -> list[TreeCpu]:
     return [tree_cpu(pid, extra) for pid, extra in zip(pids, helpers)]
 
 
-def _slices(switch: _Switch, slice_s: float, cycles: int, slices_s: list[float]) -> None:
-    """The servers in turn, one slice each per cycle, the order rotating every cycle."""
+def _answered(workers: list[_Worker], n: int) -> list[int]:
+    """Successful calls so far per target, over all threads."""
+    return [sum(w.ok[index] for w in workers) for index in range(n)]
+
+
+def _slices(switch: _Switch, slice_s: float, cycles: int, slices_s: list[float], lead_s: float = 0.0) -> None:
+    """The servers in turn, one slice each per cycle, the order rotating every cycle; each slice after ``lead_s``
+    of unmeasured calls to the same server (a call counts for the slice it started in)."""
     for cycle in range(cycles):
         for k in range(len(slices_s)):
             index = (cycle + k) % len(slices_s)
+            if lead_s > 0:
+                switch.measured = False
+                switch.target = index
+                time.sleep(lead_s)
+                switch.measured = True
             start = time.monotonic()
             switch.target = index
             time.sleep(slice_s)
@@ -156,17 +171,17 @@ def run_phase(cmd: dict[str, Any], payload_cache: dict[str, list[bytes]]) -> dic
             time.sleep(float(cmd["warmup_s"]))
         switch.measured = True
         cpu0, coll0 = _snapshot(pids, helpers), process_cpu_s(collector_pid)
-        client0, t0 = process_cpu_s(me), time.monotonic()
+        client0, t0, ok0 = process_cpu_s(me), time.monotonic(), _answered(workers, len(targets))
         if cmd.get("paired"):
             _paired(switch, slice_s * cycles * len(targets), slices_s)
         else:
-            _slices(switch, slice_s, cycles, slices_s)
+            _slices(switch, slice_s, cycles, slices_s, float(cmd.get("lead_s", 0.0)))
         switch.target = -1
         deadline = time.monotonic() + 15.0
         while any(w.busy for w in workers) and time.monotonic() < deadline:  # calls in flight finish first
             time.sleep(0.001)
         cpu1, coll1 = _snapshot(pids, helpers), process_cpu_s(collector_pid)
-        client1, t1 = process_cpu_s(me), time.monotonic()
+        client1, t1, ok1 = process_cpu_s(me), time.monotonic(), _answered(workers, len(targets))
     finally:
         switch.stop = True
         for w in workers:
@@ -184,6 +199,7 @@ def run_phase(cmd: dict[str, Any], payload_cache: dict[str, list[bytes]]) -> dic
             "latency_us": latencies,
             "server_cpu_s": cpu1[index].main_s - cpu0[index].main_s,
             "helpers_cpu_s": cpu1[index].helpers_s - cpu0[index].helpers_s,
+            "answered": ok1[index] - ok0[index],
             "total_ok": sum(w.ok[index] for w in workers),
             "errors": errors,
         }

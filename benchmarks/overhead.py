@@ -38,8 +38,10 @@ Method (see benchmarks/RESULTS.md for figures):
   contrib's in the same round (``_rounds``, ``_spread``: lowest and highest).
 - Slices (latency, throughput): after a warm-up per server, the client cycles through the servers in short
   slices (``--slice`` seconds, ``--cycles`` per server, the order rotating every cycle), so that drift and the
-  neighbours' load hit all configurations alike, and one server at a time has the load. Latency percentiles are
-  client-side, over every measured request of every round. The collector's CPU counts for no configuration
+  neighbours' load hit all configurations alike, and one server at a time has the load. Each slice follows a
+  lead-in (``--lead`` seconds) of the same server's load that is not measured: the previous row's leftover export
+  work falls there, and the row's own runs in its slice as under steady load (see ``MODES``). Latency
+  percentiles are client-side, over every measured request of every round. The collector's CPU counts for no configuration
   (shown per phase).
 - After the run, the collector's store is read: for each server process, SERVER spans stored versus
   requests it answered (``spans_lost``).
@@ -117,6 +119,7 @@ class Plan:
     extras: tuple[str, ...] = ()  # sections of extra rows to measure (--extras, --extra-sections)
     paired_s: float | None = None  # seconds of each paired phase (--paired-s); None: paired_per_server_s per server
     paired_per_server_s: float = 3.0
+    lead_s: float = 0.0  # seconds of unmeasured load before each slice, on the slice's server (--lead)
 
     def paired_seconds(self, rows: int) -> float:
         """How long one paired phase of ``rows`` servers measures: ``--paired-s``, else
@@ -130,10 +133,10 @@ class Plan:
 
     def longest_pause_s(self, kind: str) -> float:
         """The longest time one client connection to a ``kind`` server waits while the other rows take their
-        turn: the others' warm-ups, or 2 × (rows − 1) slices when the rotating order puts a row first in one
-        cycle and last in the next."""
+        turn: the others' warm-ups, or 2 × (rows − 1) slices with their lead-ins when the rotating order puts a
+        row first in one cycle and last in the next."""
         others = len(self.kind_configs(kind)) - 1
-        return max(2 * others * self.slice_s, others * self.warmup_s)
+        return max(2 * others * (self.lead_s + self.slice_s), others * self.warmup_s)
 
     def reference_rows(self, kind: str) -> tuple[str, ...]:
         """The rows of :data:`GRPC_REFERENCE_KIND` servers that a Thrift round also starts and measures in its
@@ -160,14 +163,24 @@ def row_kind_config(kind: str, row: str) -> tuple[str, str]:
     return kind, row
 
 
-MODES = {  # mode -> (rounds, warmup_s, slice_s, cycles, paired seconds per server)
-    "full": (4, 1.0, 0.5, 12, 3.0),
-    "quick": (2, 0.2, 0.2, 5, 0.3),
-    "smoke": (1, 0.2, 0.2, 1, 0.1),
+MODES = {  # mode -> (rounds, warmup_s, slice_s, cycles, paired seconds per server, lead_s)
+    "full": (4, 1.0, 0.5, 8, 3.0, 0.5),
+    "quick": (2, 0.0, 0.25, 2, 0.3, 0.5),
+    "smoke": (1, 0.2, 0.2, 1, 0.1, 0.1),
 }
 """Many short slices rather than a few long ones: a burst of the neighbours' load then falls on every row's
 slices alike instead of on one row's (the p99 at 8 client threads moved by up to 2x between quick runs with 3
-slices of 0.4 s). A paired phase lasts its servers' count times the last figure (``--paired-s`` overrides)."""
+slices of 0.4 s). A paired phase lasts its servers' count times the fifth figure (``--paired-s`` overrides).
+
+Each slice starts with ``lead_s`` of its own server's load that is not measured (``--lead`` overrides). A server
+with an export helper leaves work behind when its slice ends: its writer hands the records of up to its last
+500 ms to the helper, which encodes and sends them, and the collector stores them; a contrib server's batch
+processor exports its last batch. Without a lead-in that work ran in the next row's measured slice, always the
+same row's (the order rotates, so the successor stays the same), and the row's own export only partly ran in
+its own slices: zoomer's gRPC echo p99 at 8 client threads read 0.96 to 1.18 × bare in quick runs whose slices
+had no lead-in, 1.25 to 1.98 × with 0.6 s (benchmarks/RESULTS.md, runs of 2026-12-02 at 22:20). Half a second
+covers the writer's period. The lead-ins cost time: the full run has 8 slices of 0.5 s where it had 12, the quick
+run 2 of 0.25 s where it had 5 of 0.2 s, and no warm-up (the first lead-in is one), to stay under two minutes."""
 
 
 # -- child processes ---------------------------------------------------------------------------------------
@@ -240,32 +253,23 @@ class Cell:
 
     requests: int = 0
     slices_s: float = 0.0
-    server_cpu_s: float = 0.0
-    helpers_cpu_s: float = 0.0
     latency_us: list[int] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
     rounds: list[dict[str, float]] = field(default_factory=list)  # per round: cpu_us_per_request, requests_per_s, p99_us
 
     def add(self, run: dict[str, Any]) -> None:
-        """Add one phase's figures of this configuration (a ``per_target`` entry of the client's answer)."""
+        """Add one phase's figures of this configuration (a ``per_target`` entry of the client's answer). Its CPU
+        per request (the progress line's; the rows' CPU figures come from the paired phases) divides the CPU
+        between the phase's two readings by the calls answered between them, lead-ins included."""
         self.requests += run["requests"]
         self.slices_s += run["slices_s"]
-        self.server_cpu_s += run["server_cpu_s"]
-        self.helpers_cpu_s += run["helpers_cpu_s"]
         self.latency_us.extend(run["latency_us"])
         for code, count in run["errors"].items():
             self.errors[code] = self.errors.get(code, 0) + count
-        n = max(1, run["requests"])
-        self.rounds.append({"cpu_us_per_request": (run["server_cpu_s"] + run["helpers_cpu_s"]) / n * 1e6,
+        self.rounds.append({"cpu_us_per_request": (run["server_cpu_s"] + run["helpers_cpu_s"])
+                            / max(1, run["answered"]) * 1e6,
                             "requests_per_s": run["requests"] / max(1e-9, run["slices_s"]),
                             "p99_us": percentile(run["latency_us"], 99)})
-
-    def per_request_us(self, seconds: float) -> float:
-        return seconds / max(1, self.requests) * 1e6
-
-    @property
-    def cpu_us_per_request(self) -> float:
-        return self.per_request_us(self.server_cpu_s + self.helpers_cpu_s)
 
     @property
     def requests_per_s(self) -> float:
@@ -274,7 +278,8 @@ class Cell:
 
 @dataclass
 class Phase:
-    """Figures of all configurations together for one (kind, threads): the collector's and the client's CPU."""
+    """Figures of all configurations together for one (kind, threads): the collector's and the client's CPU, and
+    the calls answered while they were read (lead-ins included)."""
 
     requests: int = 0
     collector_cpu_s: float = 0.0
@@ -434,15 +439,16 @@ def _one_round(res: Results, kind: str, rnd: int, col: dict[str, Any], client: C
             _log_step(f"round {rnd + 1}/{plan.rounds}  {kind:<6} {n} client thread(s): {', '.join(order)} ...")
             targets = _client_targets(kind, order, servers)
             client.send(json.dumps({"kind": kind, "threads": n, "warmup_s": plan.warmup_s, "slice_s": plan.slice_s,
-                                    "cycles": plan.cycles, "collector_pid": col["pid"], "targets": targets}))
-            budget = len(order) * (plan.warmup_s + plan.slice_s * plan.cycles) + 60
+                                    "cycles": plan.cycles, "lead_s": plan.lead_s, "collector_pid": col["pid"],
+                                    "targets": targets}))
+            budget = len(order) * (plan.warmup_s + (plan.lead_s + plan.slice_s) * plan.cycles) + 60
             phase = client.expect(budget)
             total = res.phases.setdefault((kind, n), Phase())
             total.collector_cpu_s += phase["collector_cpu_s"]
             total.client_cpu_s += phase["client_cpu_s"]
             for config, run in phase["per_target"].items():
                 res.answered[servers[config][2]] += run["total_ok"]
-                total.requests += run["requests"]
+                total.requests += run["answered"]
                 cell = res.cells.setdefault((kind, config, n), Cell())
                 cell.add(run)
                 last = cell.rounds[-1]
@@ -770,6 +776,7 @@ def _meta(res: Results) -> dict[str, Any]:
         "warmup_s": plan.warmup_s,
         "slice_s": plan.slice_s,
         "cycles": plan.cycles,
+        "lead_s": plan.lead_s,
         "paired_s": plan.paired_s,
         "paired_per_server_s": plan.paired_per_server_s,
         "threads": list(plan.threads),
@@ -862,7 +869,7 @@ def markdown(summary: dict[str, Any]) -> str:
     paired = f"{meta['paired_s']} s" if meta.get("paired_s") else f"{meta.get('paired_per_server_s')} s per server"
     lines.append(f"{meta['date']}, mode {meta['mode']} ({meta['rounds']} rounds; per round and thread count a "
                  f"paired phase of {paired} and {meta['warmup_s']} s warm-up, then {meta['cycles']} cycles of "
-                 f"{meta['slice_s']} s slices per configuration), {m['cpus']} CPUs ({m['cpu_model']}), load "
+                 f"{meta['slice_s']} s slices per configuration, each after a {meta.get('lead_s', 0)} s lead-in), {m['cpus']} CPUs ({m['cpu_model']}), load "
                  f"{m['loadavg_before'][0]} before / {m['loadavg_after'][0]} after, {meta['elapsed_s']} s, "
                  f"`{meta['command']}`")
     return "\n".join(lines)
@@ -939,6 +946,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
     p.add_argument("--warmup", type=float, help="seconds of unmeasured load per server before each phase")
     p.add_argument("--slice", type=float, help="seconds of one measured slice")
     p.add_argument("--cycles", type=int, help="measured slices per configuration per phase")
+    p.add_argument("--lead", type=float, help="seconds of unmeasured load on a slice's server before each slice "
+                                              "(default per mode: 0.5 s, --smoke 0.1 s)")
     p.add_argument("--paired-s", type=float, help="seconds of each paired phase (default per mode: 3 s per server "
                                                   "in it, --quick 0.3 s)")
     p.add_argument("--threads", default="1,8", help="client thread counts (default 1,8)")
@@ -959,7 +968,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
                    + "; overheads need 'bare', ratios 'contrib')")
     args = p.parse_args(argv)
     name = "quick" if args.quick else "smoke" if args.smoke else "full"
-    rounds, warmup, slice_s, cycles, paired_per_server_s = MODES[name]
+    rounds, warmup, slice_s, cycles, paired_per_server_s, lead_s = MODES[name]
     known_kinds, known_configs = {k.name for k in SERVER_KINDS}, {c.name for c in CONFIGURATIONS}
     kinds, configs = _csv(args.kinds), _csv(args.configs)
     sections = _csv(args.extra_sections)
@@ -980,7 +989,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
     plan = Plan(name, args.rounds or rounds, args.warmup if args.warmup is not None else warmup,
                 args.slice or slice_s, args.cycles or cycles, threads, kinds, configs, args.collector_nice,
                 sections if (name == "full" if args.extras is None else args.extras) else (), args.paired_s,
-                paired_per_server_s)
+                paired_per_server_s, args.lead if args.lead is not None else lead_s)
     empty = [k for k in kinds if not plan.kind_configs(k)]
     if empty:
         p.error(f"no configuration in --configs applies to server kind(s) {', '.join(empty)}")
@@ -991,10 +1000,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
                     f"the Thrift servers' idle timeout ({THRIFT_CLIENT_TIMEOUT_MS / 1000:g} s); use fewer "
                     "--configs or shorter --slice / --warmup")
     if not (1 <= plan.rounds <= 20 and 0 <= plan.warmup_s <= 60 and 0 < plan.slice_s <= 30
-            and 1 <= plan.cycles <= 100 and 0 <= plan.collector_nice <= 19
+            and 1 <= plan.cycles <= 100 and 0 <= plan.collector_nice <= 19 and 0 <= plan.lead_s <= 10
             and (plan.paired_s is None or 0 < plan.paired_s <= 300)):
         p.error("need 1 <= --rounds <= 20, 0 <= --warmup <= 60, 0 < --slice <= 30, 1 <= --cycles <= 100, "
-                "0 <= --collector-nice <= 19, 0 < --paired-s <= 300")
+                "0 <= --collector-nice <= 19, 0 < --paired-s <= 300, 0 <= --lead <= 10")
     return plan
 
 

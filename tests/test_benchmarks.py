@@ -53,6 +53,7 @@ def smoke(smoke_run: subprocess.CompletedProcess[str]) -> dict:
 @pytest.mark.slow
 def test_smoke_json_has_every_kind_config_and_thread_count(smoke: dict) -> None:
     assert set(smoke) == {*KINDS, "extra_rows", "meta"}
+    assert smoke["meta"]["lead_s"] == overhead.MODES["smoke"][5]
     for kind in KINDS:
         configs = smoke[kind]["configs"]
         expected = {"bare", "zoomer", "contrib", "zoomer_gpu_fake"} if kind in SYNC_GRPC_KINDS else \
@@ -386,7 +387,8 @@ def test_thrift_connections_outlast_the_longest_pause_between_their_slices() -> 
     import _bench_configs
 
     full = overhead.parse_args([])
-    assert full.longest_pause_s("thrift_echo") == 2 * (len(full.kind_configs("thrift_echo")) - 1) * full.slice_s
+    assert full.longest_pause_s("thrift_echo") == pytest.approx(
+        2 * (len(full.kind_configs("thrift_echo")) - 1) * (full.lead_s + full.slice_s))
     for mode in overhead.MODES:
         plan = overhead.parse_args([f"--{mode}"] if mode != "full" else [])
         assert _bench_configs.THRIFT_CLIENT_TIMEOUT_MS / 1000 > 2 * plan.longest_pause_s("thrift_echo"), mode
@@ -396,17 +398,49 @@ def test_thrift_connections_outlast_the_longest_pause_between_their_slices() -> 
 
 
 def test_modes_use_many_short_slices_and_paired_phases_sized_by_their_servers() -> None:
-    """Latency comes from many short slices per configuration (a burst of the neighbours' load falls on every row
-    alike); a paired phase lasts a fixed time per server in it, or ``--paired-s``."""
+    """Latency comes from several short slices per configuration (a burst of the neighbours' load falls on every
+    row alike), each after a lead-in at least as long as the export writer's period, so that the previous row's
+    leftover export work falls there and not in the slice; a paired phase lasts a fixed time per server in it, or
+    ``--paired-s``."""
+    from zoomer_serve.export.pipeline import _WRITER_PERIOD_S
+
     quick, full = overhead.parse_args(["--quick"]), overhead.parse_args([])
-    assert quick.cycles >= 5 and full.cycles >= 12
-    assert quick.slice_s * quick.cycles == pytest.approx(1.0) and full.slice_s * full.cycles == pytest.approx(6.0)
+    assert quick.cycles >= 2 and full.cycles >= 8
+    assert quick.slice_s * quick.cycles == pytest.approx(0.5) and full.slice_s * full.cycles == pytest.approx(4.0)
+    assert quick.lead_s >= _WRITER_PERIOD_S and full.lead_s >= _WRITER_PERIOD_S
+    assert overhead.parse_args(["--lead", "0"]).lead_s == 0 and overhead.parse_args(["--lead", "2"]).lead_s == 2
+    with pytest.raises(SystemExit):
+        overhead.parse_args(["--lead", "-1"])
     assert quick.paired_seconds(3) == pytest.approx(0.9) and quick.paired_seconds(5) == pytest.approx(1.5)
     assert full.paired_seconds(3) == pytest.approx(9.0)
     assert overhead.parse_args(["--quick", "--paired-s", "7"]).paired_seconds(3) == 7
     for bad in ("0", "301"):
         with pytest.raises(SystemExit):
             overhead.parse_args(["--paired-s", bad])
+
+
+def test_a_slices_lead_in_is_answered_but_not_measured() -> None:
+    """The client's slices: the calls of a slice's lead-in reach the server (``answered``, which the phase's CPU
+    per request divides by) but not the measured ``requests`` and latencies, and the slices' length leaves the
+    lead-ins out. A bare gRPC echo server in this process, two rows on it, 0.3 s of lead-in before 0.1 s slices.
+    Before the lead-in, the previous row's leftover export work fell into the next row's measured slice."""
+    import _bench_client
+    import _bench_configs
+
+    kind = _bench_configs.server_kind("echo")
+    server = kind.start([])
+    try:
+        target = {"target": f"127.0.0.1:{server.port}", "server_pid": os.getpid(), "helper_pids": []}
+        cmd = {"kind": "echo", "threads": 2, "warmup_s": 0.0, "slice_s": 0.1, "cycles": 2, "lead_s": 0.3,
+               "collector_pid": 0, "targets": [{"name": "a", **target}, {"name": "b", **target}]}
+        result = _bench_client.run_phase(cmd, {})
+    finally:
+        server.stop()
+    for name, run in result["per_target"].items():
+        assert run["requests"] == len(run["latency_us"]) > 0, name
+        assert run["answered"] >= 2 * run["requests"], run["answered"]  # 3 × as long as the slices: not measured
+        assert run["total_ok"] >= run["answered"]
+        assert run["slices_s"] < 2 * (0.1 + 0.3), run["slices_s"]  # the two slices, without their lead-ins
 
 
 def test_request_path_benchmark_calls_the_wrapped_handler_as_grpc_does() -> None:
