@@ -178,7 +178,7 @@ with an export helper leaves work behind when its slice ends: its writer hands t
 processor exports its last batch. Without a lead-in that work ran in the next row's measured slice, always the
 same row's (the order rotates, so the successor stays the same), and the row's own export only partly ran in
 its own slices: zoomer's gRPC echo p99 at 8 client threads read 0.96 to 1.18 × bare in quick runs whose slices
-had no lead-in, 1.25 to 1.98 × with 0.6 s (benchmarks/RESULTS.md, runs of 2026-12-02 at 22:20). Half a second
+had no lead-in, 1.25 to 1.98 × with 0.6 s (benchmarks/RESULTS.md, runs of 2026-12-02 from 22:00). Half a second
 covers the writer's period. The lead-ins cost time: the full run has 8 slices of 0.5 s where it had 12, the quick
 run 2 of 0.25 s where it had 5 of 0.2 s, and no warm-up (the first lead-in is one), to stay under two minutes."""
 
