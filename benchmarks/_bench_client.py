@@ -21,10 +21,11 @@ measured; in a paired phase all servers get one ``warmup_s`` together). Then C c
 slice per server, in an order that rotates every cycle, each slice after ``lead_s`` (default 0) of the same
 server's load whose calls are not measured: what the previous slice's server still does after its slice (an
 export helper's and the collector's work on its last half second of spans, a batch processor's last batch) falls
-there, and the server's own export work runs in its measured slice as it does under steady load. The CPU (``_bench_proc``: process CPU clocks, ns) of
-every server's process tree (the server plus its helper processes), of the collector and of this client is read
-once when the measured part starts and once when it ends: a server's CPU over the whole phase (its export work included, whenever it
-ran) is divided by the requests it answered in its slices. The answer is one JSON line::
+there, and the server's own export work runs in its measured slice as it does under steady load. The CPU
+(``_bench_proc``: process CPU clocks, ns) of every server's process tree (the server plus its helper processes),
+of the collector and of this client is read once when the measured part starts and once when it ends: a
+server's CPU over the whole phase (its export work included, whenever it ran) goes with the calls it answered
+between the two readings (``answered``). The answer is one JSON line::
 
     {"measured_s": ..., "collector_cpu_s": ..., "client_cpu_s": ...,
      "per_target": {CONFIG: {"requests": completed in measured slices, "slices_s": their total length,
