@@ -883,6 +883,14 @@ class MeteredTransportFactory:
                 return not busy
             time.sleep(0.01)
 
+    def wait_closed(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until every connection has been closed by the thread or task serving it
+        (which closes it after its last call has ended its span); True if all were."""
+        deadline = time.monotonic() + timeout_s
+        while self.active and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self.active
+
     def shutdown_all(self) -> None:
         """End every open connection's pending read (the server is stopping)."""
         for meter in list(self.active):

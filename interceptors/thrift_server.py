@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -232,7 +233,11 @@ class TracedThreadedServer(BoundServerInfo, TThreadedServer):
 
     def stop(self, timeout_s: float = 5.0, grace_s: float = 0.0) -> None:
         """Stop accepting, let calls in progress finish for up to ``grace_s`` seconds (metered connections),
-        end every open connection, and wait up to ``timeout_s`` for the accept loop."""
+        end every open connection, and wait up to ``timeout_s`` in all (plus ``grace_s``) for the accept loop
+        and then for the connections' threads to close them. A call's span ends after its reply is written:
+        without that last wait, a client could hold every reply while the last call's span had not ended, and
+        a ``zoomer_serve.shutdown()`` right after ``stop()`` dropped it (counted)."""
+        deadline = time.monotonic() + timeout_s + grace_s
         self.closed = True
         self._wake_accept()
         if self._thread is not None:
@@ -242,6 +247,7 @@ class TracedThreadedServer(BoundServerInfo, TThreadedServer):
         if metered is not None:
             metered.wait_idle(grace_s)
             metered.shutdown_all()
+            metered.wait_closed(max(0.0, deadline - time.monotonic()))
 
     def _wake_accept(self) -> None:
         """Connect once to our own socket so that a blocked ``accept()`` returns and sees ``closed``."""
