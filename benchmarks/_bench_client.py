@@ -188,6 +188,7 @@ def run_phase(cmd: dict[str, Any], payload_cache: dict[str, list[bytes]]) -> dic
         for w in workers:
             w.join(15.0)
     per_target: dict[str, Any] = {}
+    total_ok = _answered(workers, len(targets))
     for index, name in enumerate(names):
         latencies = [lat // 1000 for w in workers for lat in w.latency_ns[index]]
         errors: dict[str, int] = {}
@@ -201,7 +202,7 @@ def run_phase(cmd: dict[str, Any], payload_cache: dict[str, list[bytes]]) -> dic
             "server_cpu_s": cpu1[index].main_s - cpu0[index].main_s,
             "helpers_cpu_s": cpu1[index].helpers_s - cpu0[index].helpers_s,
             "answered": ok1[index] - ok0[index],
-            "total_ok": sum(w.ok[index] for w in workers),
+            "total_ok": total_ok[index],
             "errors": errors,
         }
     return {"measured_s": t1 - t0, "collector_cpu_s": coll1 - coll0, "client_cpu_s": client1 - client0,

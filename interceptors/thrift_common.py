@@ -829,6 +829,17 @@ def _framed_factory_types() -> tuple[type, ...]:
     return tuple(types)
 
 
+def _wait_until(done: Callable[[], bool], timeout_s: float) -> bool:
+    """Poll ``done`` every 10 ms until it is true or ``timeout_s`` seconds have passed; its last answer."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if done():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+
+
 class MeteredTransportFactory:
     """A thriftpy2 transport factory (sync or asyncio) whose connections are metered (see :class:`Meter`).
 
@@ -876,20 +887,12 @@ class MeteredTransportFactory:
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` until no connection is in the middle of a call; True if none is."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            busy = any(not meter.idle for meter in list(self.active))
-            if not busy or time.monotonic() >= deadline:
-                return not busy
-            time.sleep(0.01)
+        return _wait_until(lambda: all(meter.idle for meter in list(self.active)), timeout_s)
 
     def wait_closed(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` until every connection has been closed by the thread or task serving it
         (which closes it after its last call has ended its span); True if all were."""
-        deadline = time.monotonic() + timeout_s
-        while self.active and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return not self.active
+        return _wait_until(lambda: not self.active, timeout_s)
 
     def shutdown_all(self) -> None:
         """End every open connection's pending read (the server is stopping)."""
