@@ -121,14 +121,16 @@ def zoomer_cpu_time_every(transport: str = GRPC) -> Instrumentation:
     return zoomer_interceptor(transport)
 
 
-def passthrough_interceptor(transport: str = GRPC) -> Instrumentation:
+def passthrough_interceptor(transport: str = GRPC, work_us: float = 0.0) -> Instrumentation:
     """A ``grpc.ServerInterceptor`` that wraps each unary-unary handler in a plain Python function and records
     nothing: the floor any Python server interceptor pays (grpc runs its interceptor pipeline and a wrapped
-    handler). gRPC sync only."""
+    handler). ``work_us``: µs of plain Python (an empty loop, calibrated at start) the wrapper runs before the
+    handler (the ``passthrough_work`` control row). gRPC sync only."""
     import grpc
 
     if transport != GRPC:
         raise ValueError(f"the pass-through interceptor has no {transport!r} form")
+    iterations = _spin_iterations(work_us) if work_us > 0 else 0
 
     class PassThrough(grpc.ServerInterceptor):
         def __init__(self) -> None:
@@ -144,6 +146,8 @@ def passthrough_interceptor(transport: str = GRPC) -> Instrumentation:
             behavior = handler.unary_unary
 
             def call(request: Any, context: Any) -> Any:
+                for _ in range(iterations):
+                    pass
                 return behavior(request, context)
 
             wrapped = grpc.unary_unary_rpc_method_handler(call, handler.request_deserializer,
@@ -151,7 +155,13 @@ def passthrough_interceptor(transport: str = GRPC) -> Instrumentation:
             self._wrapped[details.method] = (handler, wrapped)
             return wrapped
 
-    return Instrumentation([PassThrough()])
+    return Instrumentation([PassThrough()], lambda: {"work_us": work_us, "loop_iterations": iterations})
+
+
+def passthrough_work(transport: str = GRPC) -> Instrumentation:
+    """A control row: :func:`passthrough_interceptor` running :data:`PASSTHROUGH_WORK_US` µs of plain Python per
+    call. Set beside ``zoomer_record_only``: what that much Python in a hot loop costs the saturated server."""
+    return passthrough_interceptor(transport, PASSTHROUGH_WORK_US)
 
 
 def contrib_interceptor(transport: str = GRPC) -> Instrumentation:
@@ -192,6 +202,12 @@ PYTHON_WORK_US = 15.0
 """The plain Python work per call of the ``python_work`` control row, in µs of a hot loop: about what
 zoomer-serve's Thrift adapter costs per call in a hot loop (traced processor and metered transport over
 thriftpy2's plain ones, recording included: 14 µs on the benchmark machine, 2026-11-29)."""
+
+
+PASSTHROUGH_WORK_US = 8.0
+"""The plain Python work per call of the ``passthrough_work`` control row, in µs of a hot loop: about what
+zoomer-serve's gRPC interceptor and the demo model's three phases add per call in a hot loop over a pass-through
+wrapper (``request_path.py``'s model kind with the phases: 16.0 µs against 7.5 µs, 2026-12-03)."""
 
 
 def _spin_iterations(us: float) -> int:
@@ -342,6 +358,8 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
                   zoomer_record_only, exports=False, default=False),
     Configuration("passthrough", "pass-through interceptor (wraps the handler, records nothing)",
                   passthrough_interceptor, exports=False, default=False, transports=(GRPC,)),
+    Configuration("passthrough_work", f"control: pass-through interceptor + {PASSTHROUGH_WORK_US:.0f} µs of plain "
+                  "Python per call", passthrough_work, exports=False, default=False, transports=(GRPC,)),
     Configuration("zoomer_thread", "zoomer-serve interceptor, in-process export thread (ZOOMER_EXPORT_MODE=thread)",
                   zoomer_thread_export, default=False),
     Configuration("zoomer_no_cpu_time", "zoomer-serve interceptor without per-request CPU time "
@@ -577,12 +595,21 @@ def thrift_echo_caller(target: str) -> tuple[Callable[[bytes], Any], Callable[[]
     return client.echo, client.close
 
 
+MODEL_PAIRED_SCALE = 3.0
+"""In the full run the model's paired phases last three times the mode's seconds per server. A model call costs
+~1.7 ms of server CPU, of which zoomer-serve's share is ~120 µs: in 3 s per server (~3 000 calls) the per-round
+overhead ratio moved 0.20 to 0.80 (standard deviation 0.13 over 8 rounds); in 9 s per server, 0.44 to 0.56 (0.05
+over 4 rounds), so that a run's median no longer lands on either side of the 0.5 target by chance
+(benchmarks/RESULTS.md, runs of 2026-12-03)."""
+
+
 @dataclass(frozen=True)
 class ServerKind:
     """A service under test: ``start`` (server process: interceptors -> RunningServer), ``payloads``
     (client process: the request bodies, sent round-robin), ``caller`` (client process, one per client
     thread: target -> (call(payload), close()); a failed call raises), ``transport`` (what the
-    configurations' instrumentation must produce for ``start``; configurations without it are skipped)."""
+    configurations' instrumentation must produce for ``start``; configurations without it are skipped),
+    ``paired_scale`` (how many times the mode's paired seconds per server this kind's paired phases last)."""
 
     name: str
     label: str
@@ -590,6 +617,7 @@ class ServerKind:
     payloads: Callable[[], list[bytes]]
     caller: Callable[[str], tuple[Callable[[bytes], Any], Callable[[], None]]]
     transport: str = GRPC
+    paired_scale: float = 1.0
 
     def runs(self, config: Configuration) -> bool:
         """Whether ``config`` applies to this kind."""
@@ -600,7 +628,7 @@ SERVER_KINDS: tuple[ServerKind, ...] = (
     ServerKind("echo", f"gRPC unary echo, {ECHO_PAYLOAD_BYTES} B raw bytes", start_echo, echo_payloads,
                grpc_unary_caller(ECHO_METHOD)),
     ServerKind("model", f"demo DLRM Ranker.Predict, {MODEL_CANDIDATES} candidates, 1 torch thread", start_model,
-               model_payloads, grpc_unary_caller(MODEL_METHOD)),
+               model_payloads, grpc_unary_caller(MODEL_METHOD), paired_scale=MODEL_PAIRED_SCALE),
     ServerKind("echo_aio", f"grpc.aio unary echo, {ECHO_PAYLOAD_BYTES} B raw bytes, async handler", start_echo_aio,
                echo_payloads, grpc_unary_caller(ECHO_METHOD), GRPC_AIO),
     ServerKind("thrift_echo", f"thriftpy2 threaded server, Echo.echo({ECHO_PAYLOAD_BYTES} B binary)",

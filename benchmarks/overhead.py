@@ -28,7 +28,7 @@ Method (see benchmarks/RESULTS.md for figures):
   start; neither is measured). Then, for each client thread count (their order alternates between rounds):
 - Paired phases (CPU): after one warm-up, ``n`` client threads per server each call all the round's servers
   in turn (A, B, C, A, ...), so that every server answers the same calls at the same moments and whatever else
-  the machine does hits all alike. A Thrift round's paired phases also call a gRPC echo server bare and with
+  the machine does hits all alike (in the full run the model's last three times as long: ``MODEL_PAIRED_SCALE``). A Thrift round's paired phases also call a gRPC echo server bare and with
   zoomer's interceptor (the reference rows ``echo:bare``, ``echo:zoomer``): the Thrift overhead target is judged
   there. CPU per request = CPU of the server process and of every helper process it started (zoomer-serve's
   export helper), read from their process CPU clocks (ns; ``_bench_proc.py``) when the measured part starts and
@@ -120,11 +120,16 @@ class Plan:
     paired_s: float | None = None  # seconds of each paired phase (--paired-s); None: paired_per_server_s per server
     paired_per_server_s: float = 3.0
     lead_s: float = 0.0  # seconds of unmeasured load before each slice, on the slice's server (--lead)
+    scale_paired: bool = False  # paired phases last the kind's paired_scale times as long (the full run)
 
-    def paired_seconds(self, rows: int) -> float:
-        """How long one paired phase of ``rows`` servers measures: ``--paired-s``, else
-        ``paired_per_server_s`` per server."""
-        return self.paired_s if self.paired_s is not None else self.paired_per_server_s * rows
+    def paired_seconds(self, rows: int, kind: str | None = None) -> float:
+        """How long one paired phase of ``rows`` servers (of ``kind``) measures: ``--paired-s``, else
+        ``paired_per_server_s`` per server, in the full run times the kind's ``paired_scale`` (the model's: 3;
+        the quick run stays under two minutes without it)."""
+        if self.paired_s is not None:
+            return self.paired_s
+        scale = server_kind(kind).paired_scale if kind is not None and self.scale_paired else 1.0
+        return self.paired_per_server_s * rows * scale
 
     def kind_configs(self, kind: str) -> tuple[str, ...]:
         """The configurations that apply to ``kind`` (a Thrift server has no contrib row), in plan order."""
@@ -170,7 +175,8 @@ MODES = {  # mode -> (rounds, warmup_s, slice_s, cycles, paired seconds per serv
 }
 """Many short slices rather than a few long ones: a burst of the neighbours' load then falls on every row's
 slices alike instead of on one row's (the p99 at 8 client threads moved by up to 2x between quick runs with 3
-slices of 0.4 s). A paired phase lasts its servers' count times the fifth figure (``--paired-s`` overrides).
+slices of 0.4 s). A paired phase lasts its servers' count times the fifth figure, in the full run times
+the kind's ``paired_scale`` (the model's 3; ``--paired-s`` overrides both).
 
 Each slice starts with ``lead_s`` of its own server's load that is not measured (``--lead`` overrides). A server
 with an export helper leaves work behind when its slice ends: its writer hands the records of up to its last
@@ -490,7 +496,7 @@ def _paired_phase(res: Results, kind: str, rnd: int, order: list[str] | tuple[st
     benchmarks/RESULTS.md.)"""
     plan = res.plan
     n = per_server * len(order)
-    seconds = plan.paired_seconds(len(order))
+    seconds = plan.paired_seconds(len(order), kind)
     _log_step(f"round {rnd + 1}/{plan.rounds}  {kind:<6} paired phase, {n} client thread(s) ({per_server} per "
               f"server), {plan.warmup_s:g} s warm-up, {seconds:.1f} s: {', '.join(order)} ...")
     targets = _client_targets(kind, order, servers)
@@ -949,7 +955,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
     p.add_argument("--lead", type=float, help="seconds of unmeasured load on a slice's server before each slice "
                                               "(default per mode: 0.5 s, --smoke 0.1 s)")
     p.add_argument("--paired-s", type=float, help="seconds of each paired phase (default per mode: 3 s per server "
-                                                  "in it, --quick 0.3 s)")
+                                                  "in it, --quick 0.3 s; the full run's model 3 times as long)")
     p.add_argument("--threads", default="1,8", help="client thread counts (default 1,8)")
     p.add_argument("--extras", action=argparse.BooleanOptionalAction, default=None,
                    help="also measure the extra rows (GPU telemetry, profiler, host telemetry; "
@@ -989,7 +995,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
     plan = Plan(name, args.rounds or rounds, args.warmup if args.warmup is not None else warmup,
                 args.slice or slice_s, args.cycles or cycles, threads, kinds, configs, args.collector_nice,
                 sections if (name == "full" if args.extras is None else args.extras) else (), args.paired_s,
-                paired_per_server_s, args.lead if args.lead is not None else lead_s)
+                paired_per_server_s, args.lead if args.lead is not None else lead_s, name == "full")
     empty = [k for k in kinds if not plan.kind_configs(k)]
     if empty:
         p.error(f"no configuration in --configs applies to server kind(s) {', '.join(empty)}")

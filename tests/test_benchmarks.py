@@ -400,8 +400,8 @@ def test_thrift_connections_outlast_the_longest_pause_between_their_slices() -> 
 def test_modes_use_many_short_slices_and_paired_phases_sized_by_their_servers() -> None:
     """Latency comes from several short slices per configuration (a burst of the neighbours' load falls on every
     row alike), each after a lead-in at least as long as the export writer's period, so that the previous row's
-    leftover export work falls there and not in the slice; a paired phase lasts a fixed time per server in it, or
-    ``--paired-s``."""
+    leftover export work falls there and not in the slice; a paired phase lasts a fixed time per server in it
+    (in the full run three times as long for the model), or ``--paired-s``."""
     from zoomer_serve.export.pipeline import _WRITER_PERIOD_S
 
     quick, full = overhead.parse_args(["--quick"]), overhead.parse_args([])
@@ -412,8 +412,10 @@ def test_modes_use_many_short_slices_and_paired_phases_sized_by_their_servers() 
     with pytest.raises(SystemExit):
         overhead.parse_args(["--lead", "-1"])
     assert quick.paired_seconds(3) == pytest.approx(0.9) and quick.paired_seconds(5) == pytest.approx(1.5)
-    assert full.paired_seconds(3) == pytest.approx(9.0)
-    assert overhead.parse_args(["--quick", "--paired-s", "7"]).paired_seconds(3) == 7
+    assert full.paired_seconds(3) == pytest.approx(9.0) and full.paired_seconds(3, "echo") == pytest.approx(9.0)
+    assert full.paired_seconds(4, "model") == pytest.approx(36.0)  # the model's per-round ratio needs longer
+    assert quick.paired_seconds(4, "model") == pytest.approx(1.2)  # the quick run stays under two minutes
+    assert overhead.parse_args(["--quick", "--paired-s", "7"]).paired_seconds(3, "model") == 7
     for bad in ("0", "301"):
         with pytest.raises(SystemExit):
             overhead.parse_args(["--paired-s", bad])
@@ -460,3 +462,27 @@ def test_request_path_benchmark_calls_the_wrapped_handler_as_grpc_does() -> None
     assert list(response.scores) == [0.5] * 16
     assert [rec[6] for rec in seen] == ["bench.Echo/Echo", "zoomer.demo.Ranker/Predict"]
     assert seen[0][12]["zoomer.rpc.request.bytes"] == 1024 and seen[0][12]["rpc.response.status_code"] == "OK"
+
+
+def test_passthrough_work_control_row_runs_its_loop_and_answers() -> None:
+    """The ``passthrough_work`` control row: a real gRPC echo server behind the pass-through interceptor with
+    ``PASSTHROUGH_WORK_US`` µs of calibrated plain Python per call answers as the bare server does, and its
+    counters name the loop it ran; the plain pass-through row runs none. gRPC sync only."""
+    import _bench_configs
+
+    kind = _bench_configs.server_kind("echo")
+    work = _bench_configs.configuration("passthrough_work").instrument(_bench_configs.GRPC)
+    counters = work.shutdown()
+    assert counters["work_us"] == _bench_configs.PASSTHROUGH_WORK_US and counters["loop_iterations"] > 0
+    assert _bench_configs.passthrough_interceptor().shutdown()["loop_iterations"] == 0
+    server = kind.start(work.interceptors)
+    try:
+        call, close = kind.caller(f"127.0.0.1:{server.port}")
+        try:
+            assert call(b"abc") == b"abc"
+        finally:
+            close()
+    finally:
+        server.stop()
+    with pytest.raises(ValueError, match="no 'thrift' form"):
+        _bench_configs.passthrough_work(_bench_configs.THRIFT)
