@@ -598,9 +598,8 @@ def thrift_echo_caller(target: str) -> tuple[Callable[[bytes], Any], Callable[[]
 MODEL_PAIRED_SCALE = 3.0
 """In the full run the model's paired phases last three times the mode's seconds per server. A model call costs
 ~1.7 ms of server CPU, of which zoomer-serve's share is ~120 µs: in 3 s per server (~3 000 calls) the per-round
-overhead ratio moved 0.20 to 0.80 (standard deviation 0.13 over 8 rounds); in 9 s per server, 0.44 to 0.56 (0.05
-over 4 rounds), so that a run's median no longer lands on either side of the 0.5 target by chance
-(benchmarks/RESULTS.md, runs of 2026-12-03)."""
+overhead ratio's standard deviation was 0.13 in two runs (4 and 8 rounds, 0.20 to 0.80); in 8 to 12 s per server,
+0.05 to 0.11 in three runs of 3 or 4 rounds (benchmarks/RESULTS.md, runs of 2026-12-03)."""
 
 
 @dataclass(frozen=True)

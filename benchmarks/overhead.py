@@ -785,6 +785,8 @@ def _meta(res: Results) -> dict[str, Any]:
         "lead_s": plan.lead_s,
         "paired_s": plan.paired_s,
         "paired_per_server_s": plan.paired_per_server_s,
+        "paired_scale": {k.name: k.paired_scale for k in SERVER_KINDS  # kinds whose paired phases last longer
+                         if k.name in plan.kinds and plan.scale_paired and k.paired_scale != 1.0},
         "threads": list(plan.threads),
         "collector_nice": plan.collector_nice,
         "extras": list(plan.extras),
@@ -873,6 +875,8 @@ def markdown(summary: dict[str, Any]) -> str:
         lines.append("")
     m = meta["machine"]
     paired = f"{meta['paired_s']} s" if meta.get("paired_s") else f"{meta.get('paired_per_server_s')} s per server"
+    if not meta.get("paired_s") and meta.get("paired_scale"):
+        paired += "".join(f" ({kind}'s × {scale:g})" for kind, scale in meta["paired_scale"].items())
     lines.append(f"{meta['date']}, mode {meta['mode']} ({meta['rounds']} rounds; per round and thread count a "
                  f"paired phase of {paired} and {meta['warmup_s']} s warm-up, then {meta['cycles']} cycles of "
                  f"{meta['slice_s']} s slices per configuration, each after a {meta.get('lead_s', 0)} s lead-in), {m['cpus']} CPUs ({m['cpu_model']}), load "

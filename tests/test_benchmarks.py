@@ -54,6 +54,7 @@ def smoke(smoke_run: subprocess.CompletedProcess[str]) -> dict:
 def test_smoke_json_has_every_kind_config_and_thread_count(smoke: dict) -> None:
     assert set(smoke) == {*KINDS, "extra_rows", "meta"}
     assert smoke["meta"]["lead_s"] == overhead.MODES["smoke"][5]
+    assert smoke["meta"]["paired_scale"] == {}  # only the full run lengthens the model's paired phases
     for kind in KINDS:
         configs = smoke[kind]["configs"]
         expected = {"bare", "zoomer", "contrib", "zoomer_gpu_fake"} if kind in SYNC_GRPC_KINDS else \
