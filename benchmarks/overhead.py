@@ -945,6 +945,13 @@ def _csv(value: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in value.split(",") if v.strip())
 
 
+_RANGES = (  # option, lowest, highest, whether the lowest itself is out
+    ("--rounds", 1, 20, False), ("--warmup", 0, 60, False), ("--slice", 0, 30, True), ("--cycles", 1, 100, False),
+    ("--collector-nice", 0, 19, False), ("--paired-s", 0, 300, True), ("--lead", 0, 10, False),
+)
+"""The numbers an option may take; anything else is refused, naming the option and the value given."""
+
+
 def parse_args(argv: Sequence[str] | None = None) -> Plan:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -996,10 +1003,19 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
         p.error(f"--threads must be comma-separated integers, got {args.threads!r}")
     if not threads or min(threads) < 1 or max(threads) > 64:
         p.error(f"--threads must be between 1 and 64, got {args.threads!r}")
-    plan = Plan(name, args.rounds or rounds, args.warmup if args.warmup is not None else warmup,
-                args.slice or slice_s, args.cycles or cycles, threads, kinds, configs, args.collector_nice,
+    for option, low, high, low_open in _RANGES:
+        given = getattr(args, option.lstrip("-").replace("-", "_"))
+        if given is not None and not (low < given <= high if low_open else low <= given <= high):
+            p.error(f"{option} {given:g} is out of range: need {low:g} {'<' if low_open else '<='} {option} <= "
+                    f"{high:g}")
+
+    def given_or(value: Any, default: Any) -> Any:
+        return default if value is None else value  # an explicit 0 is a value, not "the mode's default"
+
+    plan = Plan(name, given_or(args.rounds, rounds), given_or(args.warmup, warmup), given_or(args.slice, slice_s),
+                given_or(args.cycles, cycles), threads, kinds, configs, args.collector_nice,
                 sections if (name == "full" if args.extras is None else args.extras) else (), args.paired_s,
-                paired_per_server_s, args.lead if args.lead is not None else lead_s, name == "full")
+                paired_per_server_s, given_or(args.lead, lead_s), name == "full")
     empty = [k for k in kinds if not plan.kind_configs(k)]
     if empty:
         p.error(f"no configuration in --configs applies to server kind(s) {', '.join(empty)}")
@@ -1009,11 +1025,6 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
             p.error(f"{kind}: a client connection would wait up to {pause_s:g} s between its slices, too close to "
                     f"the Thrift servers' idle timeout ({THRIFT_CLIENT_TIMEOUT_MS / 1000:g} s); use fewer "
                     "--configs or shorter --slice / --warmup")
-    if not (1 <= plan.rounds <= 20 and 0 <= plan.warmup_s <= 60 and 0 < plan.slice_s <= 30
-            and 1 <= plan.cycles <= 100 and 0 <= plan.collector_nice <= 19 and 0 <= plan.lead_s <= 10
-            and (plan.paired_s is None or 0 < plan.paired_s <= 300)):
-        p.error("need 1 <= --rounds <= 20, 0 <= --warmup <= 60, 0 < --slice <= 30, 1 <= --cycles <= 100, "
-                "0 <= --collector-nice <= 19, 0 < --paired-s <= 300, 0 <= --lead <= 10")
     return plan
 
 

@@ -326,6 +326,28 @@ def test_zoomer_export_helper_cpu_is_counted(smoke: dict) -> None:
     assert smoke["echo"]["configs"]["bare"]["threads"]["8"]["helpers_cpu_us_per_request"] == 0
 
 
+@pytest.mark.parametrize("option, value", [("--rounds", "0"), ("--cycles", "0"), ("--slice", "0"),
+                                           ("--rounds", "-1"), ("--slice", "-0.5"), ("--warmup", "-1"),
+                                           ("--paired-s", "0"), ("--lead", "-1"), ("--collector-nice", "20")])
+def test_an_out_of_range_number_is_refused_naming_the_option_and_value(
+        option: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """An explicit 0 is refused like any other number out of range, not replaced by the mode's default (``--rounds
+    0`` and ``--cycles 0`` used to run one round or cycle, ``--slice 0`` the mode's slice); the error names the
+    option and the value given."""
+    with pytest.raises(SystemExit) as exit_info:
+        overhead.parse_args(["--smoke", option, value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{option} {value}" in err or f"{option} {float(value):g}" in err, err
+
+
+def test_numbers_in_range_are_taken_as_given() -> None:
+    plan = overhead.parse_args(["--smoke", "--rounds", "3", "--cycles", "2", "--slice", "0.3", "--warmup", "0",
+                                "--lead", "0", "--paired-s", "1.5", "--collector-nice", "19"])
+    assert (plan.rounds, plan.cycles, plan.slice_s, plan.warmup_s, plan.lead_s, plan.paired_s,
+            plan.collector_nice) == (3, 2, 0.3, 0.0, 0.0, 1.5, 19)
+
+
 def test_unknown_configuration_is_named_in_the_error() -> None:
     proc = _run("--smoke", "--configs", "bare,nosuch", timeout_s=60)
     assert proc.returncode == 2
