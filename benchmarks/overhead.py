@@ -128,8 +128,12 @@ class Plan:
         the quick run stays under two minutes without it)."""
         if self.paired_s is not None:
             return self.paired_s
-        scale = server_kind(kind).paired_scale if kind is not None and self.scale_paired else 1.0
-        return self.paired_per_server_s * rows * scale
+        return self.paired_per_server_s * rows * (1.0 if kind is None else self.paired_scale(kind))
+
+    def paired_scale(self, kind: str) -> float:
+        """How many times ``paired_per_server_s`` a ``kind`` server gets in a paired phase: the kind's
+        ``paired_scale`` in the full run, else 1."""
+        return server_kind(kind).paired_scale if self.scale_paired else 1.0
 
     def kind_configs(self, kind: str) -> tuple[str, ...]:
         """The configurations that apply to ``kind`` (a Thrift server has no contrib row), in plan order."""
@@ -785,8 +789,8 @@ def _meta(res: Results) -> dict[str, Any]:
         "lead_s": plan.lead_s,
         "paired_s": plan.paired_s,
         "paired_per_server_s": plan.paired_per_server_s,
-        "paired_scale": {k.name: k.paired_scale for k in SERVER_KINDS  # kinds whose paired phases last longer
-                         if k.name in plan.kinds and plan.scale_paired and k.paired_scale != 1.0},
+        "paired_scale": {kind: plan.paired_scale(kind) for kind in plan.kinds  # kinds whose paired phases last longer
+                         if plan.paired_scale(kind) != 1.0},
         "threads": list(plan.threads),
         "collector_nice": plan.collector_nice,
         "extras": list(plan.extras),
