@@ -44,6 +44,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from _bench_args import Range, parse  # noqa: E402
+
 DEFAULT_TRACE = ROOT.parent / "shared" / "data" / "kineto" / "a100_training_step.json.gz"
 TOOLS = ("ours", "hta", "ours_full")
 SPEEDUP_TARGET = 5.0
@@ -323,7 +326,11 @@ def _html_and_screenshot(trace: Path, store: Path | None, screenshot: Path | Non
     return out
 
 
-def main() -> int:
+RANGES = (Range("--repeat", 1, 100), Range("--million-repeat", 1, 20))
+"""The numbers the options may take (see benchmarks/_bench_args.py)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     p.add_argument("--repeat", type=int, default=5)
@@ -336,7 +343,11 @@ def main() -> int:
     p.add_argument("--no-html", action="store_true")
     p.add_argument("--json", type=Path, default=None, help="write all results as JSON")
     p.add_argument("--child", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(build_parser(), argv, RANGES)
     if args.child:
         print(json.dumps(_child_main(args.child, str(args.trace))))
         return 0

@@ -37,6 +37,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+from _bench_args import Range, parse  # noqa: E402
+
 BATCH_MAX_SIZE = 32
 BATCH_MAX_DELAY_MS = 2.0
 CANDIDATES = 32
@@ -159,14 +161,22 @@ def recording_cost(batch_size: int, requests: int = 2048, repeats: int = 7) -> d
             "meets_target": b - u < TARGET_ADDED_US, "load": _load()}
 
 
-def main(argv: list[str] | None = None) -> int:
+RANGES = (Range("--seconds", 0, 600, low_open=True), Range("--rounds", 1, 50))
+"""The numbers the options may take (see benchmarks/_bench_args.py)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=5.0, help="one round of load (s)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds per server and client count")
     parser.add_argument("--quick", action="store_true", help="2 s rounds, one round each")
     parser.add_argument("--skip-serving", action="store_true", help="only the recording cost")
     parser.add_argument("--json", action="store_true", help="print the results as JSON on the last line")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(build_parser(), argv, RANGES)
     seconds, rounds = (2.0, 1) if args.quick else (args.seconds, args.rounds)
     print(f"batching benchmark; load average at start {_load()}", flush=True)
     costs = [recording_cost(b) for b in BATCH_SIZES]

@@ -45,6 +45,7 @@ import grpc
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_args import Range, parse
 from collector_cost import EXPORT_METHOD, build_requests
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,13 +164,21 @@ def measure(pythonpath: Path, extra: list[str], clients: int, payloads: list[byt
             "refused": stopped.get("http_connections_refused")}
 
 
-def main(argv: list[str]) -> int:
+RANGES = (Range("--clients", 1, 20_000), Range("--exports", 1, 1000))
+"""The numbers the options may take (see benchmarks/_bench_args.py)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--clients", type=int, default=1000, help="slow or idle connections (default 1000)")
     ap.add_argument("--exports", type=int, default=20, help="exports per transport and phase (default 20)")
     ap.add_argument("--baseline", metavar="REV", help="measure the collector of git revision REV first")
     ap.add_argument("--json", type=Path, help="also write the figures to this JSON file")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    args = parse(build_parser(), argv, RANGES)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < args.clients + 512:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(args.clients + 512, hard), hard))

@@ -47,6 +47,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_args import Range, parse
+
 EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 PEER_PORTS = (41822, 41830, 41846, 41852, 45310, 45318, 51904, 51912)  # clients keep their connections
 RESOURCE_ATTRIBUTES = {
@@ -300,9 +303,12 @@ def compare(baseline: str, spans: int, batch: int, repeat: int) -> dict[str, Any
             "load_average": os.getloadavg(), "summary": summary, "runs": runs}
 
 
-def main(argv: list[str]) -> int:
-    if argv[:1] == ["--send"]:
-        return send_main(int(argv[1]), int(argv[2]), int(argv[3]), float(argv[4]), int(argv[5]))
+RANGES = (Range("--spans", 1, 200_000), Range("--batch", 1, 10_000), Range("--rate", 0, 10_000_000),
+          Range("--senders", 1, 64), Range("--linger", 0, 60), Range("--repeat", 1, 20))
+"""The numbers the options may take (see benchmarks/_bench_args.py)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--spans", type=int, default=20_000, help="spans to send (default 20000)")
     ap.add_argument("--batch", type=int, default=512, help="spans per export request (default 512)")
@@ -316,11 +322,13 @@ def main(argv: list[str]) -> int:
                          f"--repeat pairs of each scenario ({', '.join(SCENARIOS)})")
     ap.add_argument("--repeat", type=int, default=3, help="pairs per scenario with --baseline (default 3)")
     ap.add_argument("--json", type=Path, help="also write the figures to this JSON file")
-    args = ap.parse_args(argv)
-    if (not 0 < args.spans <= 200_000 or not 0 < args.batch <= 10_000 or args.rate < 0
-            or not 0 < args.senders <= 64 or args.repeat <= 0):
-        ap.error("need 0 < --spans <= 200000, 0 < --batch <= 10000, --rate >= 0, 0 < --senders <= 64, "
-                 "--repeat > 0")
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--send"]:
+        return send_main(int(argv[1]), int(argv[2]), int(argv[3]), float(argv[4]), int(argv[5]))
+    args = parse(build_parser(), argv, RANGES)
     if args.baseline:
         result = compare(args.baseline, args.spans, args.batch, args.repeat)
         text = json.dumps(result["summary"], indent=2)

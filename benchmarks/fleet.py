@@ -36,6 +36,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _bench_args import Range, parse  # noqa: E402
+
 DEFAULT_TRACE = ROOT.parent / "shared" / "data" / "kineto" / "a100_alexnet_inference.json.gz"
 
 
@@ -96,7 +99,11 @@ def measure(size: int, engines: list[str], workers: int, trace: Path, requests: 
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+RANGES = (Range("--workers", 1, 64), Range("--requests", 1, 100_000))
+"""The numbers the options may take (see benchmarks/_bench_args.py)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="100,400,1600")
     p.add_argument("--ray-sizes", default="400", help="sizes also run on Ray (needs the fleet extra); '' for none")
@@ -106,7 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the fleets (their folders are printed)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", nargs=3, metavar=("ROOT", "ENGINE", "WORKERS"), help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(build_parser(), argv, RANGES)
     if args.child:
         print(json.dumps(run_job(args.child[0], args.child[1], int(args.child[2]))))
         return 0

@@ -71,6 +71,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+from _bench_args import Range, parse  # noqa: E402
 
 OOM_SERVICE = "zoomer.gpucheck.v1.Check"
 OOM_METHOD = "ForceOom"
@@ -664,7 +666,12 @@ def _watchdog(ctx: Context) -> None:
     os._exit(3)
 
 
-def main(argv: list[str] | None = None) -> int:
+RANGES = (Range("--seconds", 0, 3600, low_open=True), Range("--overhead-seconds", 0, 600, low_open=True),
+          Range("--snapshot-budget", 0, 600, low_open=True))
+"""The numbers the options may take (see benchmarks/_bench_args.py)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=20.0, help="load duration (s)")
     parser.add_argument("--overhead-seconds", type=float, default=8.0, help="each on/off latency run (s)")
@@ -672,7 +679,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="where to keep the store and the snapshot")
     parser.add_argument("--cpu", action="store_true",
                         help="no GPU: run the CPU profiling session and the timeline check up to the CUDA-only rows")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(build_parser(), argv, RANGES)
     import torch
 
     if not args.cpu and not torch.cuda.is_available():

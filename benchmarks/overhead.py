@@ -70,6 +70,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from _bench_args import Range, parse  # noqa: E402
 from _bench_configs import (  # noqa: E402
     BARE,
     CONFIGURATIONS,
@@ -949,14 +950,15 @@ def _csv(value: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in value.split(",") if v.strip())
 
 
-_RANGES = (  # option, lowest, highest, whether the lowest itself is out
-    ("--rounds", 1, 20, False), ("--warmup", 0, 60, False), ("--slice", 0, 30, True), ("--cycles", 1, 100, False),
-    ("--collector-nice", 0, 19, False), ("--paired-s", 0, 300, True), ("--lead", 0, 10, False),
+RANGES = (
+    Range("--rounds", 1, 20), Range("--warmup", 0, 60), Range("--slice", 0, 30, low_open=True),
+    Range("--cycles", 1, 100), Range("--collector-nice", 0, 19), Range("--paired-s", 0, 300, low_open=True),
+    Range("--lead", 0, 10),
 )
-"""The numbers an option may take; anything else is refused, naming the option and the value given."""
+"""The numbers the options may take (see benchmarks/_bench_args.py)."""
 
 
-def parse_args(argv: Sequence[str] | None = None) -> Plan:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = p.add_mutually_exclusive_group()
@@ -987,7 +989,12 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
                    help="configurations (default: %(default)s; also: "
                    + ", ".join(c.name for c in CONFIGURATIONS if not c.default)
                    + "; overheads need 'bare', ratios 'contrib')")
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Plan:
+    p = build_parser()
+    args = parse(p, argv, RANGES)
     name = "quick" if args.quick else "smoke" if args.smoke else "full"
     rounds, warmup, slice_s, cycles, paired_per_server_s, lead_s = MODES[name]
     known_kinds, known_configs = {k.name for k in SERVER_KINDS}, {c.name for c in CONFIGURATIONS}
@@ -1007,11 +1014,6 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
         p.error(f"--threads must be comma-separated integers, got {args.threads!r}")
     if not threads or min(threads) < 1 or max(threads) > 64:
         p.error(f"--threads must be between 1 and 64, got {args.threads!r}")
-    for option, low, high, low_open in _RANGES:
-        given = getattr(args, option.lstrip("-").replace("-", "_"))
-        if given is not None and not (low < given <= high if low_open else low <= given <= high):
-            p.error(f"{option} {given:g} is out of range: need {low:g} {'<' if low_open else '<='} {option} <= "
-                    f"{high:g}")
 
     def given_or(value: Any, default: Any) -> Any:
         return default if value is None else value  # an explicit 0 is a value, not "the mode's default"

@@ -21,6 +21,10 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_args import Range, parse
 
 
 def child(quiesce: bool, cycles: int) -> None:
@@ -63,12 +67,20 @@ def child(quiesce: bool, cycles: int) -> None:
         t.join()
 
 
-def main() -> None:
+RANGES = (Range("--runs", 1, 1000), Range("--cycles", 1, 100_000))
+"""The numbers the options may take (see benchmarks/_bench_args.py)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=12, help="child processes per mode (default 12)")
     p.add_argument("--cycles", type=int, default=150, help="captures started and stopped per child (default 150)")
     p.add_argument("--child", choices=["quiesce", "plain"], help=argparse.SUPPRESS)
-    args = p.parse_args()
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(build_parser(), argv, RANGES)
     if args.child:
         child(args.child == "quiesce", args.cycles)
         return

@@ -34,6 +34,9 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+sys.path.insert(0, str(HERE))
+from _bench_args import Range, parse  # noqa: E402
+
 from zoomer_serve.demo.load import drive_load  # noqa: E402
 from zoomer_serve.processes import start_zoomer_command, stop_process, wait_for_event  # noqa: E402
 from zoomer_serve.profiling.client import ProfilerClient  # noqa: E402
@@ -150,12 +153,20 @@ def print_table(result: dict[str, Any]) -> None:
             print(f"| {label} | " + " | ".join(f"{growth(table[n])[index]:+.1f}" for n in names) + " |")
 
 
-def main(argv: list[str] | None = None) -> int:
+RANGES = (Range("--rounds", 1, 1000), Range("--requests", 1, 10_000))
+"""The numbers the options may take (see benchmarks/_bench_args.py)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--requests", type=int, default=20, help="requests each session covers (20)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(build_parser(), argv, RANGES)
     result = run(args.rounds, args.requests)
     if args.json:
         print(json.dumps(result))

@@ -46,6 +46,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _bench_args import Range, parse  # noqa: E402
+
 KINDS = ("bare", "echo", "model_bare", "model")
 PACKAGES = ("zoomer_serve", "interceptors")
 CALLS = (2_000, 12_000)  # callgrind: the instructions of the second count minus the first, per call
@@ -205,7 +208,11 @@ def measure_trees(trees: dict[str, Path], measures: list[str], repeat: int) -> d
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
+RANGES = (Range("--repeat", 1, 20),)
+"""The numbers the options may take (see benchmarks/_bench_args.py)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline", metavar="REV", help="also measure this git revision's packages, alternating")
     ap.add_argument("--repeat", type=int, default=None, help="rounds per tree (default 1; 3 with --baseline)")
@@ -213,13 +220,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     ap.add_argument("--child", choices=KINDS, help=argparse.SUPPRESS)
     ap.add_argument("--calls", type=int, default=0, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = parse(ap, argv, RANGES)
     if args.child:
         child(args.child, args.measure, args.calls)
         return 0
     repeat = args.repeat if args.repeat is not None else 3 if args.baseline else 1
-    if repeat < 1:
-        ap.error(f"--repeat must be >= 1, got {repeat}")
     measures = ["instructions", "time"] if args.measure == "both" else [args.measure]
     if "instructions" in measures and shutil.which("valgrind") is None:
         if args.measure == "instructions":

@@ -36,6 +36,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_args import Range, parse
+
 ROWS_PER_WRITE = 512
 BURST_S = 0.05
 MODES = {"duckdb": 0, "row_group": None}  # mode -> StoreConfig.checkpoint_rows (None: the default)
@@ -100,18 +103,24 @@ def run_one(mode: str, rows: int, pad: int) -> dict[str, Any]:
             "cpu_share_over_50ms": round(sum(bursts) / total, 2) if total else 0.0}
 
 
-def main(argv: list[str]) -> int:
-    if argv[:1] == ["--one"]:
-        print(json.dumps(run_one(argv[1], int(argv[2]), int(argv[3]))))
-        return 0
+RANGES = (Range("--rows", ROWS_PER_WRITE, 5_000_000), Range("--pad", 0, 100), Range("--repeat", 1, 10))
+"""The numbers the options may take (see benchmarks/_bench_args.py)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=600_000, help="rows per run (default 600000)")
     ap.add_argument("--pad", type=int, default=0, help="extra 80-character attributes per row (default 0)")
     ap.add_argument("--repeat", type=int, default=1, help="pairs of runs (default 1)")
     ap.add_argument("--json", type=Path, help="also write the figures to this JSON file")
-    args = ap.parse_args(argv)
-    if not ROWS_PER_WRITE <= args.rows <= 5_000_000 or not 0 <= args.pad <= 100 or not 1 <= args.repeat <= 10:
-        ap.error(f"need {ROWS_PER_WRITE} <= --rows <= 5000000, 0 <= --pad <= 100, 1 <= --repeat <= 10")
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--one"]:
+        print(json.dumps(run_one(argv[1], int(argv[2]), int(argv[3]))))
+        return 0
+    args = parse(build_parser(), argv, RANGES)
     runs = []
     for _ in range(args.repeat):
         for mode in MODES:
