@@ -79,7 +79,9 @@ def collection_cost(collections: int = 20) -> dict[str, float]:
         t0 = time.thread_time_ns()
         data = reader.get_metrics_data()
         best = min(best, (time.thread_time_ns() - t0) / 1e6)
-        points = sum(len(m.data.data_points) for rm in data.resource_metrics for sm in rm.scope_metrics
+        if data is None:  # nothing collected this time
+            continue
+        points = sum(len(list(m.data.data_points)) for rm in data.resource_metrics for sm in rm.scope_metrics
                      for m in sm.metrics)
     metrics.close()
     provider.shutdown()

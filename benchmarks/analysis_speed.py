@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
             plain, nested = Path(tmp) / "kineto_order.json", Path(tmp) / "nested_first.json"
             _make_in_child(args.trace, nested, "make_nested_first_trace")
             _make_in_child(args.trace, plain, "make_plain_copy")
-            ko = {"kineto_order": [], "nested_first": []}
+            ko: dict[str, list[float]] = {"kineto_order": [], "nested_first": []}
             for _ in range(args.repeat):
                 ko["kineto_order"].append(_run_child("ours", plain)["load_s"])
                 ko["nested_first"].append(_run_child("ours", nested)["load_s"])

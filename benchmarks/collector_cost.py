@@ -232,7 +232,7 @@ def offline_decode(batch: int, requests: int = 8) -> dict[str, float]:
     from zoomer_serve.collector import decode
 
     # Collectors before parse_traces (commit a9c3daf and older) parsed the official message.
-    parse_traces = getattr(decode, "parse_traces", ExportTraceServiceRequest.FromString)
+    parse_traces: Any = getattr(decode, "parse_traces", ExportTraceServiceRequest.FromString)
     span_rows = decode.span_rows
     payloads = build_requests(batch * requests, batch, seed=11)
     t0 = time.process_time()

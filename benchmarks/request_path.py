@@ -201,7 +201,8 @@ def measure_trees(trees: dict[str, Path], measures: list[str], repeat: int) -> d
                     value = _run(tree, kind, measure)
                     per_tree[name].append(value)
                     print(f"{measure:12s} {kind:6s} {name:10s} {value:10.2f}", file=sys.stderr, flush=True)
-            row = {name: {"rounds": vals, "median": statistics.median(vals)} for name, vals in per_tree.items()}
+            row: dict[str, Any] = {name: {"rounds": vals, "median": statistics.median(vals)}
+                                   for name, vals in per_tree.items()}
             if "baseline" in row and row["baseline"]["median"]:
                 row["ratio"] = round(row["this tree"]["median"] / row["baseline"]["median"], 3)
             results.setdefault(measure, {})[kind] = row
