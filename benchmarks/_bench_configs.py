@@ -8,7 +8,8 @@ server) or the client process (payloads, callers), so they import what they need
 
 The server process sets, before any factory runs: ``OTEL_SERVICE_NAME`` (unique per server process, so the
 collector's store tells the processes apart), ``OTEL_EXPORTER_OTLP_ENDPOINT`` (the embedded collector's
-OTLP/gRPC port) and ``OTEL_EXPORTER_OTLP_PROTOCOL=grpc``. Every other setting keeps its default.
+OTLP/gRPC port) and ``OTEL_EXPORTER_OTLP_PROTOCOL=grpc``, and :data:`OTLP_HTTP_ENDPOINT_VAR` (the same collector's
+OTLP/HTTP port, for the configurations that export over HTTP). Every other setting keeps its default.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ CONTRIB = "contrib"
 ZOOMER = "zoomer"
 PYTHON_WORK = "python_work"
 OFFLOAD_WORK = "offload_work"
+OTLP_HTTP_ENDPOINT_VAR = "ZOOMER_BENCH_OTLP_HTTP_ENDPOINT"
+"""The benchmark collector's OTLP/HTTP endpoint, set in every server process beside the OTLP/gRPC one."""
 
 # Transports: how a configuration plugs into a server kind.
 GRPC = "grpc"  # interceptors are grpc.ServerInterceptor objects for grpc.server(interceptors=...)
@@ -89,6 +92,15 @@ def zoomer_interceptor(transport: str = GRPC) -> Instrumentation:
         return [pid] if pid else []
 
     return Instrumentation([interceptor], shutdown, helper_pids)
+
+
+def zoomer_http(transport: str = GRPC) -> Instrumentation:
+    """The zoomer-serve interceptor on its default path but exporting over OTLP/HTTP
+    (``OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf``, the collector's HTTP port): against ``zoomer``, what the
+    transport to the collector costs the helper and the collector."""
+    os.environ.update(OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+                      OTEL_EXPORTER_OTLP_ENDPOINT=os.environ[OTLP_HTTP_ENDPOINT_VAR])
+    return zoomer_interceptor(transport)
 
 
 def zoomer_record_only(transport: str = GRPC) -> Instrumentation:
@@ -360,6 +372,8 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
                   passthrough_interceptor, exports=False, default=False, transports=(GRPC,)),
     Configuration("passthrough_work", f"control: pass-through interceptor + {PASSTHROUGH_WORK_US:.0f} µs of plain "
                   "Python per call", passthrough_work, exports=False, default=False, transports=(GRPC,)),
+    Configuration("zoomer_http", "zoomer-serve interceptor, helper-process export over OTLP/HTTP "
+                  "(OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf)", zoomer_http, default=False),
     Configuration("zoomer_thread", "zoomer-serve interceptor, in-process export thread (ZOOMER_EXPORT_MODE=thread)",
                   zoomer_thread_export, default=False),
     Configuration("zoomer_no_cpu_time", "zoomer-serve interceptor without per-request CPU time "

@@ -3,6 +3,7 @@
 Usage::
 
     python benchmarks/collector_cost.py [--spans 20000] [--batch 512] [--rate 1700] [--senders 1] [--linger S]
+                                        [--protocol grpc|http/protobuf]
                                         [--json out.json]
     python benchmarks/collector_cost.py --baseline COMMIT [--repeat 3]   # side by side with an older collector
 
@@ -18,14 +19,16 @@ records the way the recorder does (14 attributes each: the gRPC interceptor's, t
 and ``zoomer.request.cpu_time_ns``; byte counts, durations and CPU times vary per span, peer ports come from
 8 client connections), encodes them with the exporter's own encoder
 (:class:`~zoomer_serve.export.otlp_wire.SpanEncoder`) into requests of ``--batch`` spans, and sends them
-over real OTLP/gRPC, one call at a time, paced at ``--rate`` spans/s. The encoding happens before the
-measurement starts; the child's CPU is never counted.
+over real OTLP/gRPC (or OTLP/HTTP with ``--protocol http/protobuf``: ``POST /v1/traces`` on a keep-alive
+connection; the collector then opens only its HTTP receiver), one call at a time, paced at ``--rate`` spans/s.
+The encoding happens before the measurement starts; the child's CPU is never counted.
 
 What is counted: the CPU time (user + system, ``getrusage(RUSAGE_SELF)``) of this process, i.e. of the
 collector alone, from the first request until every span is written to the store (``flush``), divided by
 the number of spans. Closing the store (DuckDB checkpoint) is printed apart. The breakdown is per-thread CPU
-(``pthread_getcpuclockid``): the gRPC handler threads (parse + decode + queue), the store writer thread
-(batching + DuckDB insert), and the rest (grpc-core and DuckDB's own threads). An offline pass then times
+(``pthread_getcpuclockid``): the handler threads (``handler_us_per_span``: the gRPC handlers, or the HTTP
+receiver's ingest threads; parse + decode + queue), the store writer thread (batching + DuckDB insert), and the
+rest (grpc-core's threads or the HTTP receiver's event loop, and DuckDB's own threads). An offline pass then times
 the collector's parse and :func:`~zoomer_serve.collector.decode.span_rows` alone on the same kind of requests.
 
 Profile it with py-spy: ``py-spy record -f raw -o collector.txt -- python benchmarks/collector_cost.py``.
@@ -44,6 +47,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_args import Range, parse
 
 EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+PROTOCOLS = ("grpc", "http/protobuf")
 PEER_PORTS = (41822, 41830, 41846, 41852, 45310, 45318, 51904, 51912)  # clients keep their connections
 RESOURCE_ATTRIBUTES = {
     "service.name": "ranker", "service.instance.id": "5f0c6c1e-8a4b-4a53-9d1e-2f1b6f3c9a10",
@@ -92,16 +97,54 @@ def build_requests(n_spans: int, batch: int, seed: int = 7) -> list[bytes]:
     return [enc.encode_request(spans[i:i + batch]) for i in range(0, n_spans, batch)]
 
 
-def send_main(port: int, n_spans: int, batch: int, rate: float, senders: int = 1) -> int:
-    """Child: encode, say ready, wait for ``go`` on stdin, send (paced at ``rate`` spans/s in all, or as fast
-    as the collector answers when ``rate`` is 0) from ``senders`` threads with a channel and one call in
-    flight each, report."""
+def _grpc_exporter(port: int) -> tuple[Callable[[bytes], None], Callable[[], None]]:
+    """(export one payload, close) over OTLP/gRPC: a channel of its own, one call at a time.
+
+    Raises:
+        RuntimeError: the export failed (its gRPC status code in the message).
+    """
     import grpc
 
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    grpc.channel_ready_future(channel).result(timeout=10)
+    call = channel.unary_unary(EXPORT_METHOD)  # bytes in, bytes out
+
+    def export(payload: bytes) -> None:
+        try:
+            call(payload, timeout=30)
+        except grpc.RpcError as exc:
+            raise RuntimeError(str(exc.code())) from exc
+
+    return export, channel.close
+
+
+def _http_exporter(port: int) -> tuple[Callable[[bytes], None], Callable[[], None]]:
+    """(export one payload, close) over OTLP/HTTP: ``POST /v1/traces`` on a keep-alive connection of its own.
+
+    Raises:
+        RuntimeError: the collector did not answer 200 (the status in the message).
+    """
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+
+    def export(payload: bytes) -> None:
+        conn.request("POST", "/v1/traces", body=payload, headers={"Content-Type": "application/x-protobuf"})
+        resp = conn.getresponse()
+        resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}")
+
+    return export, conn.close
+
+
+def send_main(port: int, n_spans: int, batch: int, rate: float, senders: int = 1, protocol: str = "grpc") -> int:
+    """Child: encode, say ready, wait for ``go`` on stdin, send (paced at ``rate`` spans/s in all, or as fast
+    as the collector answers when ``rate`` is 0) from ``senders`` threads with a connection (``protocol``:
+    ``grpc`` or ``http/protobuf``) and one call in flight each, report."""
     payloads = build_requests(n_spans, batch)
-    channels = [grpc.insecure_channel(f"127.0.0.1:{port}") for _ in range(senders)]
-    for channel in channels:
-        grpc.channel_ready_future(channel).result(timeout=10)
+    make = _grpc_exporter if protocol == "grpc" else _http_exporter
+    exporters = [make(port) for _ in range(senders)]
     print(json.dumps({"event": "ready"}), flush=True)
     sys.stdin.readline()
     t0 = time.monotonic()
@@ -109,18 +152,18 @@ def send_main(port: int, n_spans: int, batch: int, rate: float, senders: int = 1
     lock = threading.Lock()
 
     def send(k: int) -> None:
-        export = channels[k].unary_unary(EXPORT_METHOD)  # bytes in, bytes out
+        export = exporters[k][0]
         for i in range(k, len(payloads), senders):
             if rate > 0:
                 delay = t0 + i * batch / rate - time.monotonic()
                 if delay > 0:
                     time.sleep(delay)
             try:
-                export(payloads[i], timeout=30)
+                export(payloads[i])
                 ok = True
-            except grpc.RpcError as exc:
+            except (RuntimeError, OSError) as exc:
                 ok = False
-                print(f"export failed: {exc.code()}", file=sys.stderr)
+                print(f"export failed: {exc}", file=sys.stderr)
             with lock:
                 counts["sent" if ok else "failed"] += 1
 
@@ -130,8 +173,8 @@ def send_main(port: int, n_spans: int, batch: int, rate: float, senders: int = 1
     for t in threads:
         t.join()
     send_s = time.monotonic() - t0
-    for channel in channels:
-        channel.close()
+    for _, close in exporters:
+        close()
     print(json.dumps({"event": "done", "requests": counts["sent"], "failed": counts["failed"],
                       "send_s": send_s}), flush=True)
     return 0
@@ -160,21 +203,25 @@ def _group_delta(before: dict[str, float], after: dict[str, float], prefix: str)
 
 
 def measure(n_spans: int, batch: int, rate: float, linger_s: float | None = None,
-            senders: int = 1) -> dict[str, Any]:
+            senders: int = 1, protocol: str = "grpc") -> dict[str, Any]:
     """Run the collector, let the child send, return CPU figures (seconds and µs per span) and the
     throughput (spans per wall second from the first request until all are stored).
 
-    ``linger_s``: the store writer's linger (None: the :class:`StoreConfig` default)."""
+    ``linger_s``: the store writer's linger (None: the :class:`StoreConfig` default); ``protocol``: the OTLP
+    transport the child sends over (``grpc`` or ``http/protobuf``; the collector opens only that receiver)."""
     from zoomer_serve.collector import EmbeddedCollector, StoreConfig
     from zoomer_serve.collector.store import open_readonly
 
     with tempfile.TemporaryDirectory(prefix="zoomer-collector-cost-") as tmp:
         store_path = Path(tmp) / "cost.duckdb"
         store_config = StoreConfig() if linger_s is None else StoreConfig(linger_s=linger_s)
-        collector = EmbeddedCollector(store_path, grpc_port=0, http_port=None, store_config=store_config).start()
+        grpc_on = protocol == "grpc"
+        collector = EmbeddedCollector(store_path, grpc_port=0 if grpc_on else None, http_port=None if grpc_on else 0,
+                                      store_config=store_config).start()
+        port = collector.grpc_port if grpc_on else collector.http_port
         child = subprocess.Popen(
-            [sys.executable, __file__, "--send", str(collector.grpc_port), str(n_spans), str(batch), str(rate),
-             str(senders)],
+            [sys.executable, __file__, "--send", str(port), str(n_spans), str(batch), str(rate), str(senders),
+             protocol],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             assert child.stdin is not None and child.stdout is not None
@@ -196,17 +243,17 @@ def measure(n_spans: int, batch: int, rate: float, linger_s: float | None = None
         stored = con.execute("SELECT count(*) FROM spans").fetchone()[0]
         con.close()
     total = cpu1 - cpu0
-    handlers = _group_delta(threads0, threads1, "otlp-grpc")
+    handlers = _group_delta(threads0, threads1, "otlp-grpc" if protocol == "grpc" else "otlp-http_")
     writer = _group_delta(threads0, threads1, "zoomer-store-writer")
     per_span = 1e6 / n_spans
     return {
-        "spans": n_spans, "batch": batch, "rate_spans_s": rate, "senders": senders,
+        "spans": n_spans, "batch": batch, "rate_spans_s": rate, "senders": senders, "protocol": protocol,
         "linger_s": store_config.linger_s, "stored": stored,
         "failed_requests": done["failed"], "store_batches": stats["store_batches"],
         "wall_s": round(wall1 - wall0, 2), "spans_per_s": round(n_spans / (wall1 - wall0)),
         "cpu_s": round(total, 3),
         "cpu_us_per_span": round(total * per_span, 1),
-        "grpc_handler_us_per_span": round(handlers * per_span, 1),
+        "handler_us_per_span": round(handlers * per_span, 1),
         "store_writer_us_per_span": round(writer * per_span, 1),
         "other_threads_us_per_span": round((total - handlers - writer) * per_span, 1),
         "close_cpu_s": round(cpu2 - cpu1, 3),
@@ -316,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="spans per second in all (default 1700; 0 = as fast as the collector answers)")
     ap.add_argument("--senders", type=int, default=1, help="sending threads, one call in flight each (default 1)")
     ap.add_argument("--linger", type=float, help="store writer linger in s (default: StoreConfig's)")
+    ap.add_argument("--protocol", choices=PROTOCOLS, default="grpc",
+                    help="OTLP transport to the collector (default grpc; the baseline comparison always uses grpc)")
     ap.add_argument("--no-offline", action="store_true", help="skip the offline parse/decode timing")
     ap.add_argument("--baseline", metavar="REV",
                     help="compare with the collector of git revision REV: alternate runs of both, "
@@ -327,14 +376,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--send"]:
-        return send_main(int(argv[1]), int(argv[2]), int(argv[3]), float(argv[4]), int(argv[5]))
+        return send_main(int(argv[1]), int(argv[2]), int(argv[3]), float(argv[4]), int(argv[5]), argv[6])
     args = parse(build_parser(), argv, RANGES)
     if args.baseline:
         result = compare(args.baseline, args.spans, args.batch, args.repeat)
         text = json.dumps(result["summary"], indent=2)
         ok = all(r["stored"] == args.spans and not r["failed_requests"] for r in result["runs"])
     else:
-        result = measure(args.spans, args.batch, args.rate, args.linger, args.senders)
+        result = measure(args.spans, args.batch, args.rate, args.linger, args.senders, args.protocol)
         if not args.no_offline:
             result.update(offline_decode(args.batch))
         text = json.dumps(result, indent=2)

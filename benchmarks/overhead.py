@@ -77,6 +77,7 @@ from _bench_configs import (  # noqa: E402
     CONTRIB,
     OFFLOAD_WORK,
     OFFLOAD_WORK_US,
+    OTLP_HTTP_ENDPOINT_VAR,
     PYTHON_WORK,
     PYTHON_WORK_US,
     SERVER_KINDS,
@@ -250,10 +251,11 @@ def _python(script: str) -> list[str]:
     return [sys.executable, str(HERE / script)]
 
 
-def _server_env(service_name: str, grpc_port: int) -> dict[str, str]:
+def _server_env(service_name: str, grpc_port: int, http_port: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "ZOOMER_"))}
     env.update(OTEL_SERVICE_NAME=service_name, OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{grpc_port}",
                OTEL_EXPORTER_OTLP_PROTOCOL="grpc", PYTHONUNBUFFERED="1")
+    env[OTLP_HTTP_ENDPOINT_VAR] = f"http://127.0.0.1:{http_port}"
     return env
 
 
@@ -433,7 +435,7 @@ def _one_round(res: Results, kind: str, rnd: int, col: dict[str, Any], client: C
             service = f"bench-{kind}-{config.replace(REFERENCE_SEP, '-')}-r{rnd}"
             res.services.setdefault((kind, config), []).append(service)
             server = Child(_python("_bench_server.py") + list(row_kind_config(kind, config)),
-                           env=_server_env(service, col["grpc_port"]), name=f"server {kind}/{config}")
+                           env=_server_env(service, col["grpc_port"], col["http_port"]), name=f"server {kind}/{config}")
             children.append(server)
             started[config] = (server, service)
             res.answered[service] = 0
@@ -802,8 +804,9 @@ def _meta(res: Results) -> dict[str, Any]:
                     "loadavg_after": [round(x, 2) for x in res.load_after]},
         "versions": _versions(),
         "elapsed_s": round(res.elapsed_s, 1),
-        "collector": {k: res.collector_stats.get(k) for k in ("grpc_requests", "spans_received",
-                                                               "metric_points_received", "store_dropped")},
+        "collector": {k: res.collector_stats.get(k) for k in ("grpc_requests", "http_requests",
+                                                               "spans_received", "metric_points_received",
+                                                               "store_dropped")},
         "instrumentation_counters": res.instrumentation,
         "helper_processes": {service: len(pids) for service, pids in res.helper_pids.items()},
         "command": " ".join([Path(sys.executable).name, "benchmarks/overhead.py", *sys.argv[1:]]),

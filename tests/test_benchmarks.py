@@ -326,6 +326,22 @@ def test_zoomer_export_helper_cpu_is_counted(smoke: dict) -> None:
     assert smoke["echo"]["configs"]["bare"]["threads"]["8"]["helpers_cpu_us_per_request"] == 0
 
 
+@pytest.mark.slow
+def test_the_http_row_exports_every_span_over_otlp_http() -> None:
+    """``zoomer_http`` is zoomer's default path with ``OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf`` pointed at the
+    benchmark collector's HTTP port: every answered request is one stored span, and all of it (spans and
+    metrics) arrived over HTTP, none over gRPC."""
+    proc = _run("--smoke", "--kinds", "echo", "--configs", "bare,zoomer_http", "--threads", "8", "--json",
+                timeout_s=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    row = result["echo"]["configs"]["zoomer_http"]
+    assert row["requests_answered"] > 0 and row["server_spans_stored"] == row["requests_answered"], row
+    assert row["spans_lost"] == 0
+    collector = result["meta"]["collector"]
+    assert collector["http_requests"] > 0 and collector["grpc_requests"] == 0, collector
+
+
 @pytest.mark.parametrize("option, value", [("--rounds", "0"), ("--cycles", "0"), ("--slice", "0"),
                                            ("--rounds", "-1"), ("--slice", "-0.5"), ("--warmup", "-1"),
                                            ("--paired-s", "0"), ("--lead", "-1"), ("--collector-nice", "20")])
