@@ -143,7 +143,8 @@ def run_serve_demo(args: argparse.Namespace) -> int:
     profiling.close()  # a session still running writes its trace and spans before telemetry flushes
     stats = zoomer_serve.shutdown()
     print(json.dumps({"event": "stopped", "spans_exported": stats.exported if stats else 0,
-                      "spans_dropped": stats.dropped if stats else 0}), flush=True)
+                      "spans_dropped": stats.dropped if stats else 0,
+                      "spans_unknown": stats.unknown if stats else 0}), flush=True)
     return 0
 
 

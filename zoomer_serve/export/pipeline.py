@@ -326,10 +326,11 @@ class ExportPipeline:
         if data is not None:
             data = {k: v for k, v in data.items() if k in ExportStats.__dataclass_fields__}
             return ExportStats(**data)
-        # It did not report: what its last counters account for is known, the rest is not (never claimed lost).
+        # It did not report in time: what its last counters account for is known, the rest is not (never claimed
+        # lost). Those counters may be its final ones after all, come just late, with spans it called unknown.
         last = {k: v for k, v in helper.counters.items() if k in ExportStats.__dataclass_fields__}
         stats = ExportStats(**last)
-        stats.unknown = helper.unreported_spans()
+        stats.unknown += helper.unreported_spans()
         stats.last_error = "the export helper did not report its final counters"
         return stats
 

@@ -11,6 +11,7 @@ The helper process's loop and protocol are in :mod:`zoomer_serve.export.helper` 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -33,6 +34,9 @@ from zoomer_serve.recording import records as r
 
 logger = logging.getLogger("zoomer_serve.export")
 SCOPE_NAME = "zoomer_serve"
+SETTLE_S = 0.5
+"""Seconds at the end of a shutdown's budget (a quarter of it at most) that the export thread, if still busy
+then, is given to count the request it was retrying."""
 
 
 @dataclass
@@ -48,8 +52,9 @@ class ExportStats:
     ``dropped_record_too_large``: spans of records too large for a frame to the helper process
     (:data:`zoomer_serve.export.frames.MAX_FRAME_BYTES`); ``lost_in_helper``: spans handed to a helper process that
     died before it reported them exported or dropped; ``helper_restarts``: helper processes started again after
-    one died; ``unknown``: spans whose outcome no helper reported (it did not answer at shutdown: neither counted
-    as exported nor as dropped). ``metric_points_exported`` / ``_rejected`` / ``_dropped``: metric data points the
+    one died; ``unknown``: spans whose outcome is not known, neither counted as exported nor as dropped: those of
+    the export request in flight when the shutdown budget ran out (the collector may yet store them), and those
+    of a helper that did not answer at shutdown. ``metric_points_exported`` / ``_rejected`` / ``_dropped``: metric data points the
     collector accepted, rejected in a partial success, or that an export lost for any reason (rejected included;
     the next export carries the cumulative totals again); ``last_error``: the last export failure.
     """
@@ -76,7 +81,7 @@ class ExportStats:
         return self.dropped_export + self.dropped_queue + self.dropped_record_too_large + self.lost_in_helper
 
 
-SPAN_OUTCOMES = ("exported", "dropped_export", "dropped_queue")
+SPAN_OUTCOMES = ("exported", "dropped_export", "dropped_queue", "unknown")
 """The :class:`ExportStats` fields that account for the spans a worker received: every span it got ends in one."""
 
 
@@ -126,6 +131,10 @@ class ExportWorker:
         self._sender = make_sender(cfg, self._stop, "traces")
         self._metric_sender = make_sender(cfg, self._stop, "metrics")
         self._pending: list[bytes] = []  # encoded spans waiting for the next export
+        self._received = 0  # spans of the batches the queue took: each ends exported, dropped or unknown
+        self._in_flight = 0  # spans of the request being sent, not yet counted
+        self._settle_lock = threading.Lock()  # counting a request's spans against shutdown's final count
+        self._abandoned = False  # shutdown counted what was left: the export thread counts and sends no more
         self._pending_bytes = 0  # their total length
         self._span_room = cfg.max_request_bytes - self._encoder.request_overhead  # for spans and their framing
         self._last_flush = time.monotonic()
@@ -146,11 +155,14 @@ class ExportWorker:
 
     def put(self, batch: list[tuple[Any, ...]]) -> None:
         """Queue a batch of records without blocking; a full queue drops it (counted)."""
+        spans = sum(map(r.exported_spans, batch)) if self.cfg.traces else 0
         try:
             self._queue.put_nowait(batch)
         except queue.Full:
-            self.stats.dropped_queue += sum(map(r.exported_spans, batch))
+            self.stats.dropped_queue += spans
             self.stats.dropped_records += len(batch)
+        else:
+            self._received += spans
 
     def flush(self, timeout_s: float) -> bool:
         """Export every span and the metrics of every record put so far, now (not at the next schedule);
@@ -212,6 +224,7 @@ class ExportWorker:
         sampled = r.F_SAMPLED if self.cfg.traces else 0  # OTEL_TRACES_EXPORTER=none: no span is encoded
         for rec in batch:
             self.stats.records += 1
+            before = len(pending)
             try:
                 if rec[r.R_FLAGS] & sampled:
                     span = encode(rec)
@@ -221,8 +234,10 @@ class ExportWorker:
                         span = encode_phase(rec, child) if len(child) == phase_entry else encode_child(child)
                         pending.append(span)
                         self._pending_bytes += len(span)
-            except Exception as exc:  # a malformed record must not stop the exporter
-                self.stats.dropped_export += 1
+            except Exception as exc:  # a malformed record must not stop the exporter: its spans are dropped
+                self._pending_bytes -= sum(map(len, pending[before:]))
+                del pending[before:]
+                self.stats.dropped_export += r.exported_spans(rec)
                 logger.warning("zoomer-serve: could not encode a span record: %r", exc)
             if len(pending) >= max_spans or self._pending_bytes >= max_bytes:
                 self._flush(time.monotonic() + self.cfg.timeout_ms / 1000)
@@ -231,9 +246,17 @@ class ExportWorker:
         """Export every pending span: requests of at most ``max_export_batch_size`` spans and
         ``max_request_bytes`` bytes, each delivered by :meth:`_deliver` until ``deadline``."""
         while self._pending:
-            chunk = self._take_request()
+            with self._settle_lock:
+                if self._stop.is_set():  # a shutdown past its budget: it counts what is still pending
+                    return
+                chunk = self._take_request()
+                self._in_flight = len(chunk)
             if chunk:
-                self._count_spans(self._deliver(self._sender, self._encoder.encode_request, chunk, deadline))
+                tally = self._deliver(self._sender, self._encoder.encode_request, chunk, deadline)
+                with self._settle_lock:
+                    self._in_flight = 0
+                    if not self._abandoned:
+                        self._count_spans(tally)
         self._pending_bytes = 0
         self._last_flush = time.monotonic()
 
@@ -362,28 +385,49 @@ class ExportWorker:
         return tally.dropped == 0
 
     def shutdown(self, timeout_s: float) -> ExportStats:
-        """Export what is queued, then stop; returns within about ``timeout_s`` seconds whatever the
-        collector does. Spans not sent by then are counted as dropped."""
+        """Export what is queued, then stop; returns within about ``timeout_s`` seconds whatever the collector
+        does. Every span received ends in a counter: spans not sent by
+        then are counted as dropped, those of a request still in flight (a collector that does not answer) as
+        ``unknown``. Returns the final counters (a copy when the export thread was still busy: what it does
+        afterwards is no longer counted, and it sends no new request)."""
         deadline = time.monotonic() + timeout_s
+        settle_s = min(SETTLE_S, timeout_s / 4)  # the end of the budget kept for _abandon
         try:
             self._queue.put(None, timeout=max(0.01, timeout_s / 2))
         except queue.Full:
             self._stop.set()
-        self._thread.join(max(0.0, deadline - time.monotonic()))
-        alive = self._thread.is_alive()
-        if alive:
-            self._stop.set()  # the export thread gives up its retries
-            self.stats.dropped_export += len(self._pending)
+        self._thread.join(max(0.0, deadline - settle_s - time.monotonic()))
+        if self._thread.is_alive():
+            stats = self._abandon(settle_s)
         else:
             self._drain_queue()  # every record is now counted in the metrics ...
             self._flush(deadline)  # ... and every span in the exporter's own counters (retrying until deadline)
+            stats = self.stats
         metrics_done = threading.Thread(target=self._export_metrics, args=(deadline,), daemon=True)
         metrics_done.start()
         metrics_done.join(max(0.0, deadline - time.monotonic()))
         self._stop.set()
         self._sender.close()
         self._metric_sender.close()
-        return self.stats
+        return stats
+
+    def _abandon(self, settle_s: float) -> ExportStats:
+        """The export thread is still busy at the end of the budget (retrying, or waiting on a collector that
+        does not answer): stop its retries, give it ``settle_s`` to count the request it was sending, then
+        count everything else it received: the request still in flight as ``unknown``, the rest (queued,
+        being encoded, pending) as dropped. Returns those counters, as of now."""
+        self._stop.set()  # the export thread gives up its retries and sends no new request
+        self._thread.join(settle_s)
+        with self._settle_lock:
+            self._abandoned = True
+            stats = dataclasses.replace(self.stats)
+            in_flight = self._in_flight
+        unsettled = self._received - stats.exported - stats.dropped_export
+        stats.unknown += in_flight
+        stats.dropped_export += max(0, unsettled - in_flight)
+        if unsettled > in_flight and not stats.last_error:
+            stats.last_error = "the shutdown budget ran out before these spans could be sent"
+        return stats
 
     def _drain_queue(self) -> None:
         while True:
