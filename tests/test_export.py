@@ -204,6 +204,45 @@ def test_an_integer_is_plain_ascii_digits(value):
     assert ZoomerConfig.from_env({"OTEL_EXPORTER_OTLP_TIMEOUT": " +250 "}).export.timeout_ms == 250
 
 
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    ({"timeout_ms": 10**16}, "configure(timeout_ms=...) must be an integer between 1 and 2147483647 (ms)"),
+    ({"schedule_delay_ms": 10**16}, "configure(schedule_delay_ms=...) must be an integer between 1 and"),
+    ({"metric_export_interval_ms": 10**16}, "configure(metric_export_interval_ms=...) must be an integer"),
+    ({"timeout_ms": 1.5}, "configure(timeout_ms=...) must be an integer between 1 and 2147483647 (ms), got 1.5"),
+    ({"timeout_ms": True}, "configure(timeout_ms=...) must be an integer between 1 and 2147483647 (ms), got True"),
+    ({"timeout_ms": "100"}, "configure(timeout_ms=...) must be an integer"),
+    ({"timeout_ms": 0}, "configure(timeout_ms=...) must be an integer between 1 and 2147483647 (ms), got 0"),
+    ({"endpoint": 5}, "configure(endpoint=...) must be a URL string, got 5"),
+    ({"protocol": "thrift"}, "configure(protocol=...) must be one of"),
+    ({"protocol": 1}, "configure(protocol=...) must be one of"),
+    ({"export_mode": "x"}, "configure(export_mode=...) must be one of ('process', 'thread', 'none'), got 'x'"),
+    ({"sampler": 3}, "configure(sampler=...) must be a string"),
+    ({"sampler_ratio": "a"}, "configure(sampler_ratio=...) must be a number between 0 and 1, got 'a'"),
+    ({"sampler_ratio": 1.5}, "configure(sampler_ratio=...) must be a number between 0 and 1, got 1.5"),
+    ({"sampler_ratio": float("nan")}, "configure(sampler_ratio=...) must be a number between 0 and 1"),
+    ({"resource_attributes": "k=v"}, "configure(resource_attributes=...) must be a mapping of str to str"),
+    ({"resource_attributes": {"k": 1}}, "configure(resource_attributes=...) must be a mapping of str to str"),
+])
+def test_a_bad_configure_argument_is_refused_naming_the_argument(kwargs, needle):
+    """configure() took any value: a timeout of 10**16 ms failed at shutdown with an OverflowError (and the
+    helper process crashed), ``endpoint=5`` raised an AttributeError, ``sampler_ratio='a'`` a TypeError, and
+    ``export_mode='x'`` was reported as ZOOMER_EXPORT_MODE. Each is a ConfigError naming the argument, with the
+    ranges the environment variables have; nothing starts."""
+    with pytest.raises(ConfigError) as err:
+        zoomer_serve.configure(set_global_providers=False, **kwargs)
+    assert needle in str(err.value), str(err.value)
+
+
+def test_an_export_config_built_in_code_is_checked_like_the_environment():
+    """ExportConfig itself (built in code, or by ``dataclasses.replace``) refuses what the environment would:
+    non-integers and integers past 2147483647, naming the field and its variable."""
+    with pytest.raises(ConfigError, match=r"ExportConfig.timeout_ms \(OTEL_EXPORTER_OTLP_TIMEOUT\) must be an integer"):
+        ExportConfig(timeout_ms=10**16)
+    with pytest.raises(ConfigError, match=r"ExportConfig.max_queue_size \(OTEL_BSP_MAX_QUEUE_SIZE\)"):
+        ExportConfig(max_queue_size=2.5)  # type: ignore[arg-type]
+    assert ExportConfig(timeout_ms=2**31 - 1).timeout_ms == 2**31 - 1
+
+
 def test_an_empty_sampler_argument_is_unset():
     """``OTEL_TRACES_SAMPLER_ARG=""`` was an error where every other empty OTEL_* variable counts as unset."""
     cfg = ZoomerConfig.from_env({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": " "})

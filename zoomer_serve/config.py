@@ -41,9 +41,10 @@ import re
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from zoomer_serve import envvars
+from zoomer_serve.envvars import INT_MAX
 from zoomer_serve.semconv import EXCEPTION_SIGNAL_OPT_IN, exception_signal_note, rpc_opt_in
 
 if TYPE_CHECKING:
@@ -61,6 +62,20 @@ logger = logging.getLogger("zoomer_serve")
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the variable (or argument) and the value."""
+
+
+def is_count(value: Any, low: int, high: int) -> bool:
+    """Whether ``value`` is an int (not a bool) with ``low <= value <= high``."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+_EXPORT_INTEGERS = {
+    "timeout_ms": "OTEL_EXPORTER_OTLP_TIMEOUT", "max_queue_size": "OTEL_BSP_MAX_QUEUE_SIZE",
+    "max_export_batch_size": "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "schedule_delay_ms": "OTEL_BSP_SCHEDULE_DELAY",
+    "metric_export_interval_ms": "OTEL_METRIC_EXPORT_INTERVAL",
+}
+"""ExportConfig's integer fields (ms or spans, 1 to INT_MAX like the variables they are read from) and those
+variables."""
 
 
 @dataclass
@@ -111,10 +126,11 @@ class ExportConfig:
             raise ConfigError(f"ZOOMER_EXPORT_MODE must be one of {EXPORT_MODES}, got {self.mode!r}")
         if self.compression not in ("none", "gzip"):
             raise ConfigError(f"OTLP compression must be 'gzip' or 'none', got {self.compression!r}")
-        for name in ("timeout_ms", "max_queue_size", "max_export_batch_size", "schedule_delay_ms",
-                     "metric_export_interval_ms"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name, variable in _EXPORT_INTEGERS.items():
+            value = getattr(self, name)
+            if not is_count(value, 1, INT_MAX):
+                raise ConfigError(f"ExportConfig.{name} ({variable}) must be an integer between 1 and {INT_MAX}, "
+                                  f"got {value!r}")
         if self.max_request_bytes < MIN_REQUEST_BYTES:
             raise ConfigError(f"ZOOMER_EXPORT_MAX_REQUEST_BYTES must be >= {MIN_REQUEST_BYTES}, got "
                               f"{self.max_request_bytes}")

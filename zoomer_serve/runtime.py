@@ -21,11 +21,21 @@ import math
 import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from zoomer_serve import lifecycle
-from zoomer_serve.config import ConfigError, ExportConfig, ZoomerConfig, check_url
+from zoomer_serve.config import (
+    EXPORT_MODES,
+    PROTOCOLS,
+    ConfigError,
+    ExportConfig,
+    ZoomerConfig,
+    check_url,
+    is_count,
+)
+from zoomer_serve.envvars import INT_MAX
 from zoomer_serve.export import ExportPipeline, ExportStats
 from zoomer_serve.recording import RequestRecorder, Sampler
 from zoomer_serve.resource import build_resource_attributes, child_resource_attributes
@@ -214,10 +224,43 @@ def _current() -> Telemetry | None:
     return _active if _active is not None else _stopping
 
 
+def _check_arguments(endpoint: Any, protocol: Any, export_mode: Any, sampler: Any, sampler_ratio: Any,
+                     resource_attributes: Any, ms: dict[str, Any]) -> None:
+    """Refuse a configure() argument of the wrong type or out of range, naming it (None: not given).
+
+    Raises:
+        ConfigError: the first bad argument, with the value given.
+    """
+    def refuse(name: str, need: str, value: Any) -> None:
+        raise ConfigError(f"configure({name}=...) must be {need}, got {value!r}")
+
+    for name, value in ms.items():
+        if value is not None and not is_count(value, 1, INT_MAX):
+            refuse(name, f"an integer between 1 and {INT_MAX} (ms)", value)
+    if endpoint is not None and not isinstance(endpoint, str):
+        refuse("endpoint", "a URL string", endpoint)
+    for name, value, known in (("protocol", protocol, PROTOCOLS), ("export_mode", export_mode, EXPORT_MODES)):
+        if value is not None and value not in known:
+            refuse(name, f"one of {known}", value)
+    if sampler is not None and not isinstance(sampler, str):
+        refuse("sampler", "a string (a value of OTEL_TRACES_SAMPLER)", sampler)
+    if sampler_ratio is not None:
+        number = isinstance(sampler_ratio, (int, float)) and not isinstance(sampler_ratio, bool)
+        if not (number and 0.0 <= sampler_ratio <= 1.0):
+            refuse("sampler_ratio", "a number between 0 and 1", sampler_ratio)
+    if resource_attributes is not None and not (
+            isinstance(resource_attributes, Mapping)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in resource_attributes.items())):
+        refuse("resource_attributes", "a mapping of str to str", resource_attributes)
+
+
 def _apply_overrides(cfg: ZoomerConfig, service_name: str | None, endpoint: str | None, protocol: str | None,
                      export_mode: str | None, sampler: str | None, sampler_ratio: float | None,
                      resource_attributes: dict[str, str] | None, timeout_ms: int | None,
                      schedule_delay_ms: int | None, metric_export_interval_ms: int | None) -> ZoomerConfig:
+    _check_arguments(endpoint, protocol, export_mode, sampler, sampler_ratio, resource_attributes,
+                     {"timeout_ms": timeout_ms, "schedule_delay_ms": schedule_delay_ms,
+                      "metric_export_interval_ms": metric_export_interval_ms})
     exp = cfg.export
     changes: dict[str, Any] = {}
     if protocol is not None:
