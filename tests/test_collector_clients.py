@@ -7,6 +7,7 @@ import http.client
 import json
 import logging
 import os
+import re
 import resource
 import shutil
 import signal
@@ -281,7 +282,7 @@ def test_non_loopback_bind_needs_a_token_tls_or_the_open_flag(tmp_path: Path) ->
     proc = subprocess.run([sys.executable, "-m", "zoomer_serve", "collector", "--store", str(tmp_path / "s.duckdb"),
                            "--host", "0.0.0.0", "--grpc-port", "0", "--http-port", "0"],
                           capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.returncode == 2 and proc.stdout == ""  # a bad setting: 2, as every zoomer-serve command
     assert "--insecure-open" in proc.stderr and "ZOOMER_COLLECTOR_TOKEN" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "s.duckdb").exists()
@@ -298,6 +299,13 @@ def test_non_loopback_bind_needs_a_token_tls_or_the_open_flag(tmp_path: Path) ->
         ReceiverSecurity.from_env({"ZOOMER_COLLECTOR_TOKEN": " "})
     with pytest.raises(ConfigError, match="ZOOMER_COLLECTOR_INSECURE_OPEN"):
         ReceiverSecurity.from_env({"ZOOMER_COLLECTOR_INSECURE_OPEN": "maybe"})
+    # a token no exporter can send (OTEL_EXPORTER_OTLP_HEADERS refuses such a header) is refused at start, as
+    # ZOOMER_ADMIN_TOKEN is: it used to start a collector nobody could ever write to
+    for bad, shown in (("a\nb", "'\\n' at position 1"), ("t\u00f6ken", "'\u00f6' at position 1"),
+                       ("a\tb", "'\\t' at position 1")):
+        with pytest.raises(ConfigError, match=re.escape(f"ZOOMER_COLLECTOR_TOKEN holds {shown}")):
+            ReceiverSecurity.from_env({"ZOOMER_COLLECTOR_TOKEN": bad})
+    assert ReceiverSecurity.from_env({"ZOOMER_COLLECTOR_TOKEN": "s3cret-token_~"}).token == "s3cret-token_~"
     with pytest.raises(ConfigError, match="both a certificate and a key"):
         ReceiverSecurity(tls_cert=tmp_path / "c.pem")
 
@@ -367,7 +375,7 @@ def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def test_files_that_are_not_pem_stop_the_collector_with_one_line_naming_them(tmp_path: Path) -> None:
-    """C20: --tls-cert / --tls-key that exist but hold no PEM certificate or key: exit 1 with one line naming
+    """C20: --tls-cert / --tls-key that exist but hold no PEM certificate or key: exit 2 with one line naming
     both files and the TLS error, before any port is bound; not gRPC's "cannot listen on 127.0.0.1:0"."""
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     cert.write_text("not a certificate\n")
@@ -376,7 +384,7 @@ def test_files_that_are_not_pem_stop_the_collector_with_one_line_naming_them(tmp
     proc = subprocess.run([sys.executable, "-m", "zoomer_serve", "collector", "--store", str(tmp_path / "s.duckdb"),
                            "--grpc-port", "0", "--http-port", "0", "--tls-cert", str(cert), "--tls-key", str(key)],
                           capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 1 and proc.stdout == "", proc.stdout
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
     ours = [line for line in proc.stderr.splitlines() if line.startswith("zoomer-serve collector: ")]
     assert len(ours) == 1, proc.stderr
     assert f"TLS certificate {cert} / key {key}" in ours[0] and "cannot listen" not in ours[0], ours[0]

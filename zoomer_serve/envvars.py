@@ -56,3 +56,20 @@ def integer(env: Mapping[str, str], name: str, default: int, error: type[Excepti
     if value > maximum:
         raise error(f"{name} must be <= {maximum}, got {raw!r}")
     return value
+
+
+def bearer_token(token: str, name: str, error: type[Exception]) -> str:
+    """``token`` if it can travel as ``authorization: Bearer <token>`` (gRPC metadata, an HTTP header, a Thrift
+    header): printable ASCII (0x20 to 0x7E), not blank.
+
+    Raises:
+        error: blank, or naming the first character that cannot travel (a newline from a file read whole, for
+            example) and its position.
+    """
+    if not token.strip():
+        raise error(f"{name} is set but empty; unset it or give a token")
+    for i, ch in enumerate(token):
+        if not " " <= ch <= "~":
+            raise error(f"{name} holds {ch!r} at position {i}: a token is printable ASCII (it travels as gRPC "
+                        "metadata and HTTP or Thrift headers)")
+    return token

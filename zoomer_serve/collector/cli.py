@@ -177,20 +177,24 @@ def parquet_config(args: argparse.Namespace, env: Any = None) -> ParquetConfig |
 def run(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     """Run the collector with the parsed ``args`` until SIGINT / SIGTERM (or until ``stop`` is set).
 
-    Returns the exit code: 0 after a clean stop, 1 if it could not start.
+    Returns the exit code: 0 after a clean stop, 2 for a bad setting (as every zoomer-serve command), 1 if it
+    could not start otherwise (the store is in use, a port is taken).
     """
     stop = stop or threading.Event()
     try:
         collector = build_collector(args)
     except ValueError as exc:  # ConfigError included
         print(f"zoomer-serve collector: {exc}", file=sys.stderr)
-        return 1
+        return 2
     _raise_file_limit(collector.config.http_limits.max_connections + 256)
     previous = _install_stop_handlers(stop)
     try:
         try:
             collector.start()
-        except (StoreError, OSError, ConfigError) as exc:
+        except ConfigError as exc:  # TLS files that hold no certificate or key
+            print(f"zoomer-serve collector: {exc}", file=sys.stderr)
+            return 2
+        except (StoreError, OSError) as exc:
             print(f"zoomer-serve collector: {exc}", file=sys.stderr)
             return 1
         security = collector.config.security

@@ -50,7 +50,8 @@ class ReceiverSecurity:
         insecure_open: allow a non-loopback bind with neither token nor TLS.
 
     Raises:
-        ConfigError: an empty token, or only one of ``tls_cert`` / ``tls_key``.
+        ConfigError: an empty token or one that cannot travel as a header (not printable ASCII), or only one
+            of ``tls_cert`` / ``tls_key``.
     """
 
     token: str | None = None
@@ -59,8 +60,8 @@ class ReceiverSecurity:
     insecure_open: bool = False
 
     def __post_init__(self) -> None:
-        if self.token is not None and not self.token.strip():
-            raise ConfigError(f"{TOKEN_ENV} is set but empty; unset it or give a token")
+        if self.token is not None:
+            envvars.bearer_token(self.token, TOKEN_ENV, ConfigError)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("TLS needs both a certificate and a key (--tls-cert and --tls-key, "
                               f"{TLS_CERT_ENV} and {TLS_KEY_ENV})")
