@@ -246,10 +246,25 @@ def test_memory_snapshots_and_other_files_are_published_the_same_way(tmp_path: P
     assert not publish(snap, {}, config=ArtifactsConfig(url=None))
 
 
+def test_a_url_whose_protocol_cannot_be_used_is_refused_at_start(tmp_path: Path) -> None:
+    """``ZOOMER_ARTIFACTS_URL=bogus://x`` was taken at start and failed only after each profiling session, with
+    tracebacks in the server's log; an ``s3://`` URL without s3fs the same. Both are refused when the settings
+    are read (a profiling controller reads them as it starts), naming the variable; nothing is connected."""
+    with pytest.raises(ConfigError, match=r"ZOOMER_ARTIFACTS_URL: cannot use bogus://x: .*bogus"):
+        ArtifactsConfig.from_env(tmp_path, {"ZOOMER_ARTIFACTS_URL": "bogus://x"})
+    try:
+        import s3fs  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match=r"ZOOMER_ARTIFACTS_URL: cannot use s3://b/p: .*zoomer-serve\[s3\]"):
+            ArtifactsConfig.from_env(tmp_path, {"ZOOMER_ARTIFACTS_URL": "s3://b/p/"})
+    else:
+        assert ArtifactsConfig.from_env(tmp_path, {"ZOOMER_ARTIFACTS_URL": "s3://b/p/"}).url == "s3://b/p"
+
+
 def test_settings(tmp_path: Path) -> None:
     assert ArtifactsConfig.from_env(tmp_path, {}).url == str(tmp_path.resolve())
     assert ArtifactsConfig.from_env(tmp_path, {"ZOOMER_ARTIFACTS_URL": "off"}).url is None
-    assert ArtifactsConfig.from_env(tmp_path, {"ZOOMER_ARTIFACTS_URL": "s3://b/p/"}).url == "s3://b/p"
+    assert ArtifactsConfig.from_env(tmp_path, {"ZOOMER_ARTIFACTS_URL": "memory://b/p/"}).url == "memory://b/p"
     assert session_artifacts(tmp_path, {}, ArtifactsConfig(url=None)) is None
     with pytest.raises(ConfigError, match="ZOOMER_ARTIFACTS_QUEUE"):
         ArtifactsConfig.from_env(tmp_path, {"ZOOMER_ARTIFACTS_QUEUE": "0"})

@@ -248,8 +248,18 @@ def test_the_cli_flags_and_variables(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert collector.config.parquet == ParquetConfig(str(tmp_path / "out"), rotate_s=5.0)
     plain = parser.parse_args(["collector"])
     assert parquet_config(plain, {}) is None
-    assert parquet_config(plain, {"ZOOMER_COLLECTOR_PARQUET_URL": "s3://b/p",
-                                  "ZOOMER_COLLECTOR_PARQUET_ROTATE_S": "30"}) == ParquetConfig("s3://b/p", rotate_s=30)
+    assert parquet_config(plain, {"ZOOMER_COLLECTOR_PARQUET_URL": "memory://b/p",
+                                  "ZOOMER_COLLECTOR_PARQUET_ROTATE_S": "30"}) == ParquetConfig("memory://b/p",
+                                                                                              rotate_s=30)
+    # a URL whose protocol fsspec does not know (or whose package is missing) is refused at start, naming where
+    # it came from; it used to start and then fail on every rotation, the rows piling up staged
+    with pytest.raises(ConfigError, match=r"ZOOMER_COLLECTOR_PARQUET_URL: cannot use bogus://x: .*bogus"):
+        parquet_config(plain, {"ZOOMER_COLLECTOR_PARQUET_URL": "bogus://x"})
+    flagged = parser.parse_args(["collector", "--parquet-url", "bogus://x"])
+    with pytest.raises(ConfigError, match=r"--parquet-url: cannot use bogus://x"):
+        parquet_config(flagged, {})
+    with pytest.raises(ValueError, match="bogus"):
+        ParquetConfig("bogus://x")
     with pytest.raises(ConfigError, match="ZOOMER_COLLECTOR_PARQUET_ROTATE_S"):
         parquet_config(plain, {"ZOOMER_COLLECTOR_PARQUET_URL": "x", "ZOOMER_COLLECTOR_PARQUET_ROTATE_S": "soon"})
     for endless in ("inf", "1e400", "nan"):  # an endless period made the rotation thread's wait raise

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zoomer_serve import envvars
-from zoomer_serve.artifacts.storage import normalize
+from zoomer_serve.artifacts.storage import StorageError, check_protocol
 from zoomer_serve.config import ConfigError
 
 OFF_WORDS = ("off", "none", "false", "0")
@@ -48,8 +48,8 @@ class ArtifactsConfig:
             url: str | None = None
         else:
             try:
-                url = normalize(raw or Path(profiles_dir))
-            except ValueError as exc:
+                url = check_protocol(raw or Path(profiles_dir))
+            except (ValueError, StorageError) as exc:
                 raise ConfigError(f"ZOOMER_ARTIFACTS_URL: {exc}") from None
         return cls(url=url, max_pending=envvars.integer(env, "ZOOMER_ARTIFACTS_QUEUE", 32, ConfigError, 1),
                    retries=envvars.integer(env, "ZOOMER_ARTIFACTS_RETRIES", 5, ConfigError, 0))

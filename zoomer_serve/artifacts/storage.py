@@ -40,6 +40,32 @@ def normalize(location: str | os.PathLike[str]) -> str:
     return str(Path(text).expanduser().resolve())
 
 
+def _missing_package_hint(url: str) -> str:
+    return " (install 'zoomer-serve[s3]')" if url.startswith(("s3://", "s3a://")) else ""
+
+
+def check_protocol(location: str | os.PathLike[str]) -> str:
+    """``location`` normalized (see :func:`normalize`) once its protocol is known to fsspec and the package
+    it needs is installed: what a setting is checked with when it is read. Nothing is connected or created.
+
+    Raises:
+        StorageError: an unknown protocol, or its package is missing (the message names the package).
+        ConfigError: an empty location.
+    """
+    import fsspec
+
+    url = normalize(location)
+    if not is_url(url):
+        return url
+    try:
+        fsspec.get_filesystem_class(url.split("://", 1)[0])
+    except ImportError as exc:
+        raise StorageError(f"cannot use {url}: {exc}{_missing_package_hint(url)}") from None
+    except ValueError as exc:
+        raise StorageError(f"cannot use {url}: {exc}") from None
+    return url
+
+
 def filesystem(location: str | os.PathLike[str]) -> tuple[Any, str]:
     """``(fs, path)`` for ``location`` (see the module docstring): the fsspec filesystem and the path within it.
 
@@ -53,8 +79,7 @@ def filesystem(location: str | os.PathLike[str]) -> tuple[Any, str]:
     try:
         fs, path = fsspec.core.url_to_fs(url)
     except ImportError as exc:
-        hint = " (install 'zoomer-serve[s3]')" if url.startswith(("s3://", "s3a://")) else ""
-        raise StorageError(f"cannot open {url}: {exc}{hint}") from None
+        raise StorageError(f"cannot open {url}: {exc}{_missing_package_hint(url)}") from None
     except ValueError as exc:
         raise StorageError(f"cannot open {url}: {exc}") from None
     except OSError as exc:

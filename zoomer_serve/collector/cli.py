@@ -36,6 +36,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from zoomer_serve.artifacts.storage import StorageError, check_protocol
 from zoomer_serve.cli_types import port_number, positive_float, positive_int, positive_int32
 from zoomer_serve.collector.collector import (
     DEFAULT_GRPC_PORT,
@@ -153,12 +154,20 @@ def parquet_config(args: argparse.Namespace, env: Any = None) -> ParquetConfig |
     """The Parquet output ``--parquet-url`` / ``ZOOMER_COLLECTOR_PARQUET_URL`` asks for (None: off).
 
     Raises:
-        ConfigError: a bad ``ZOOMER_COLLECTOR_PARQUET_ROTATE_S`` or rotation period (named).
+        ConfigError: a URL whose protocol cannot be used (unknown to fsspec, or its package missing), a bad
+            ``ZOOMER_COLLECTOR_PARQUET_ROTATE_S`` or rotation period (named).
     """
     env = os.environ if env is None else env
-    url = getattr(args, "parquet_url", None) or (env.get("ZOOMER_COLLECTOR_PARQUET_URL") or "").strip()
+    url = getattr(args, "parquet_url", None)
+    url_name = "--parquet-url"
+    if not url:
+        url, url_name = (env.get("ZOOMER_COLLECTOR_PARQUET_URL") or "").strip(), "ZOOMER_COLLECTOR_PARQUET_URL"
     if not url:
         return None
+    try:
+        check_protocol(url)
+    except (StorageError, ValueError) as exc:
+        raise ConfigError(f"{url_name}: {exc}") from None
     rotate = getattr(args, "parquet_rotate_s", None)
     name = "--parquet-rotate-s"
     if rotate is None and (env.get("ZOOMER_COLLECTOR_PARQUET_ROTATE_S") or "").strip():

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zoomer_serve.artifacts.storage import filesystem, is_local, join, normalize
+from zoomer_serve.artifacts.storage import StorageError, check_protocol, filesystem, is_local, join
 from zoomer_serve.collector.parquet import partition_select
 from zoomer_serve.collector.store import TABLES, Store
 
@@ -67,7 +67,10 @@ class ParquetConfig:
         if self.rotate_rows < 1 or not 0 <= self.retries or not 0 <= self.backoff_s < math.inf:
             raise ValueError(f"rotate_rows >= 1, retries >= 0, finite backoff_s >= 0 needed, got "
                              f"{self.rotate_rows}, {self.retries}, {self.backoff_s}")
-        object.__setattr__(self, "url", normalize(self.url))
+        try:
+            object.__setattr__(self, "url", check_protocol(self.url))
+        except StorageError as exc:
+            raise ValueError(str(exc)) from None
 
 
 @dataclass(frozen=True)
