@@ -251,6 +251,25 @@ def test_invalid_ids_get_partial_success(tmp_path: Path) -> None:
     assert query(collector.store_path, "SELECT name FROM spans") == [("raw-2",)]
 
 
+def test_a_span_that_ends_before_it_starts_gets_partial_success(tmp_path: Path) -> None:
+    """OTLP expects ``end_time_unix_nano >= start_time_unix_nano``; a span that ends 10 ms before it starts was
+    stored, and ``report`` and ``analyze`` then printed a p50 of -10 ms. It is rejected and counted like a span
+    with an invalid id, the reason sent back in the partial success; a span of zero length is kept."""
+    req = raw_trace_request(3)
+    spans = req.resource_spans[0].scope_spans[0].spans
+    spans[0].end_time_unix_nano = spans[0].start_time_unix_nano - 10_000_000
+    spans[1].end_time_unix_nano = spans[1].start_time_unix_nano
+    with running_collector(tmp_path) as collector:
+        reply = ExportTraceServiceResponse.FromString(
+            _raw_call(collector.grpc_port, TRACE_EXPORT, req.SerializeToString()))
+        stats = collector.stop()
+    assert reply.partial_success.rejected_spans == 1
+    assert "ends before it starts" in reply.partial_success.error_message
+    assert stats["spans_rejected"] == 1 and stats["spans_received"] == 2
+    assert query(collector.store_path, "SELECT name, duration_ns FROM spans ORDER BY name") == [
+        ("raw-1", 0), ("raw-2", spans[2].end_time_unix_nano - spans[2].start_time_unix_nano)]
+
+
 def _status(body: bytes) -> status_pb2.Status:
     return status_pb2.Status.FromString(body)
 

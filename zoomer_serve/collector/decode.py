@@ -2,7 +2,7 @@
 
 Ids become lowercase hex, ``AnyValue`` becomes JSON (documented in the store module), the resource
 attributes ``service.name`` and ``service.instance.id`` get their own columns. Spans whose trace or span id
-is malformed (wrong length or all zero) are rejected and counted, as are histogram points whose bucket
+is malformed (wrong length or all zero), or that end before they start, are rejected and counted, as are histogram points whose bucket
 counts do not match their bounds; the OTLP ``partial_success`` response tells the sender how many.
 
 Spans are the bulk of the traffic, so binary trace exports are parsed with :data:`RawAttributeTraces`
@@ -365,6 +365,9 @@ def _span_row(span: Any, res: _Resource, scope_name: str, received_ns: int,
         return None
     start = _clamp(span.start_time_unix_nano)
     end = _clamp(span.end_time_unix_nano)
+    if end < start:
+        out.reject("span that ends before it starts (end_time_unix_nano < start_time_unix_nano)")
+        return None
     status = span.status
     return (
         trace_id,
