@@ -58,12 +58,18 @@ class ReadNotes:
         truncated: "" for a complete file, else how it ended early (the events before the cut are kept).
         bytes_read: decompressed bytes read (bytes).
         parse_attempts: parses of candidate pieces (cuts that fell inside an event cost one more each).
+        buffered_bytes: bytes moved into the reader's buffer, copies included (bytes): a small multiple of
+            ``bytes_read`` for any input, the bound on the reader's work.
+        largest_piece_bytes: the most decompressed bytes held at once (bytes): about two chunks, more only
+            for an event larger than a chunk (whitespace between values is dropped as it is read).
     """
 
     lenient_pieces: int = 0
     truncated: str = ""
     bytes_read: int = 0
     parse_attempts: int = 0
+    buffered_bytes: int = 0
+    largest_piece_bytes: int = 0
 
 
 def open_binary(path: Path) -> BinaryIO:
@@ -202,16 +208,32 @@ class EventChunks:
         self.notes.bytes_read += got
         return b"".join(parts)
 
+    def _grow(self, buf: bytes, fh: BinaryIO) -> bytes:
+        """``buf`` and the next bytes of the input: as many as ``buf`` holds, a chunk at least, so that a piece
+        that keeps growing (an event larger than a chunk) doubles and each byte is copied a bounded number of
+        times."""
+        out = buf + self._read(fh, max(self.chunk_bytes, len(buf)))
+        self.notes.buffered_bytes += len(out)
+        self.notes.largest_piece_bytes = max(self.notes.largest_piece_bytes, len(out))
+        return out
+
+    def _lstrip(self, buf: bytes) -> bytes:
+        """``buf`` without its leading whitespace (insignificant between JSON values), counted as consumed."""
+        rest = buf.lstrip(_WS)
+        self._consumed += len(buf) - len(rest)
+        return rest
+
     def _chunks(self, fh: BinaryIO) -> Iterator[list[Any]]:
         buf, array_format = self._find_events(fh)
         while True:
+            buf = self._lstrip(buf)
             while not self._eof and len(buf) < self.chunk_bytes:
-                buf += self._read(fh, self.chunk_bytes)
+                buf = self._lstrip(self._grow(buf, fh))
             if self._eof:
                 break
             cut = self._last_boundary(buf)
             if cut is None:  # no complete event yet (one event larger than a piece): read on
-                buf += self._read(fh, self.chunk_bytes)
+                buf = self._grow(buf, fh)
                 continue
             events, rest, closed = cut
             yield events
@@ -219,7 +241,7 @@ class EventChunks:
             buf = rest
             if closed:  # the array ended in this piece: the rest of the file is the top-level tail
                 while not self._eof:
-                    buf += self._read(fh, self.chunk_bytes)
+                    buf = self._grow(self._lstrip(buf), fh)
                 self._after_array(buf, array_format, self._consumed)
                 return
         yield self._tail(buf, array_format)
@@ -230,16 +252,18 @@ class EventChunks:
         buf = b""
         search_from = 0
         while True:
-            head = buf.lstrip(_WS)
+            head = self._lstrip(buf)  # whitespace before the document is dropped as it is read
+            search_from = max(0, search_from - (len(buf) - len(head)))
+            buf = head
             if head[:1] == b"[":
-                self._consumed += len(buf) - len(head) + 1
+                self._consumed += 1
                 return head[1:], True
             at = buf.find(b'"traceEvents"', search_from)
             if at >= 0:
                 k = self._skip(buf, at + len(b'"traceEvents"'))
                 k = self._skip(buf, k + 1) if k < len(buf) and buf[k] == 0x3A else k  # ':'
                 if k >= len(buf) and not self._eof:  # the key's value is not read yet
-                    buf += self._read(fh, self.chunk_bytes)
+                    buf = self._grow(buf, fh)
                     continue
                 if k < len(buf) and buf[k] == 0x5B and self._top_level(buf[:k + 1]):  # '['
                     self._consumed += k + 1
@@ -253,7 +277,7 @@ class EventChunks:
                 raise self._error(f"no top-level \"traceEvents\" array{cut}{self._why_not(buf)}: not a Chrome "
                                   f"trace JSON file ({EXPECTED})")
             search_from = max(0, len(buf) - 16)
-            buf += self._read(fh, self.chunk_bytes)
+            buf = self._grow(buf, fh)
 
     def _why_not(self, text: bytes) -> str:
         """What else is wrong with a whole file ``text`` that has no event array: a name ending in ``.gz`` that is
@@ -295,8 +319,11 @@ class EventChunks:
         self.notes.lenient_pieces += 1
         return parsed.value
 
-    def _candidates(self, buf: bytes, end: int) -> Iterator[tuple[int, int]]:
-        """Event boundaries before ``end``, last first: (index of the '}', index after the ',')."""
+    def _candidates(self, buf: bytes, end: int) -> Iterator[tuple[int, int, bool]]:
+        """Event boundaries before ``end``, last first: (index of the '}', index after the ',' or the ']',
+        whether it is the ']' that closes the array). A '}' then ',' is one when a '{' or the end of ``buf``
+        follows (the next event not read yet: what lies between is whitespace, not held on to); a '}' then
+        ']' when the piece up to the '}' parses (checked by the caller)."""
         n = len(buf)
         while True:
             j = buf.rfind(b"}", 0, end)
@@ -306,24 +333,27 @@ class EventChunks:
             k = j + 1
             while k < n and buf[k] in _WS:
                 k += 1
+            if k < n and buf[k] == 0x5D:  # ']'
+                yield j, k + 1, True
+                continue
             if k >= n or buf[k] != 0x2C:  # ','
                 continue
             m = k + 1
             while m < n and buf[m] in _WS:
                 m += 1
-            if m < n and buf[m] == 0x7B:  # '{'
-                yield j, k + 1
+            if m >= n or buf[m] == 0x7B:  # '{', or only whitespace up to the end of what was read
+                yield j, k + 1, False
 
     def _last_boundary(self, buf: bytes) -> tuple[list[Any], bytes, bool] | None:
         """Parse ``buf`` up to its last event boundary: (events, rest, False); or, when the event array
-        closes inside ``buf``, (events, what follows the array, True). None when no boundary parses."""
-        for tries, (j, after) in enumerate(self._candidates(buf, len(buf))):
+        closes inside ``buf``, (events, what follows the array's ']', True). None when no boundary parses."""
+        for tries, (j, after, closes) in enumerate(self._candidates(buf, len(buf))):
             if tries >= _MAX_CUT_TRIES:
                 return None
             piece = b"[" + buf[:j + 1] + b"]"
             self.notes.parse_attempts += 1
             try:
-                return self.decode(piece), buf[after:], False
+                return self.decode(piece), buf[after:], closes
             except Malformed as exc:
                 if exc.pos >= len(piece) - 2:
                     continue  # the cut fell inside a string or a nested array: try the previous boundary
@@ -340,7 +370,7 @@ class EventChunks:
                 continue
             self.notes.lenient_pieces += 1
             if parsed.end == len(piece):  # complete events, but not strict JSON
-                return parsed.value, buf[after:], False
+                return parsed.value, buf[after:], closes
             # the event array closed inside the piece: parsed.end is just after its ']'
             return parsed.value, buf[parsed.end - 1:], True
         return None
