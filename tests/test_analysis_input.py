@@ -131,6 +131,21 @@ def test_negative_and_zero_durations_are_counted_left_out_and_reported_once(tmp_
     assert json.loads(out)["traces"][0]["summary"]["warnings"] == trace.warnings
 
 
+def test_items_that_are_not_trace_events_are_counted_and_reported_once(tmp_path: Path, capsys: Any) -> None:
+    """C18: items of the event array that are no trace event (a number, a string, null, an array, an object
+    without a "ph") were skipped without a word, where the README says odd content is left out with a warning."""
+    doc = doc_of(ALEXNET)
+    doc["traceEvents"][5:5] = [1, "x", None, [2], {"name": "no phase"}, {"ph": ""}]
+    path = tmp_path / "not_events.json"
+    path.write_text(json.dumps(doc))
+    code, out, err = run_cli([str(path), "--json"], capsys)
+    check_contract(code, out, err)
+    lines = [line for line in err.strip().splitlines() if "not trace events" in line]
+    assert lines == [f"zoomer-serve analyze: warning: {path}: 6 item(s) of the event array are not trace events "
+                     "(not a JSON object, or without a \"ph\" phase) and were skipped"], err
+    assert load_trace(path).warnings == json.loads(out)["traces"][0]["summary"]["warnings"]
+
+
 def _reorder(event: dict[str, Any], rnd: random.Random) -> dict[str, Any]:
     """The event with nested objects first and the other keys shuffled."""
     keys = list(event)

@@ -676,6 +676,9 @@ class _Normalizer:
         if notes.lenient_pieces:
             out.append(f"{notes.lenient_pieces} piece(s) of the file held NaN / Infinity, raw control characters "
                        f"or invalid UTF-8 (not strict JSON) and were read leniently")
+        if self.not_events:
+            out.append(f"{self.not_events} item(s) of the event array are not trace events (not a JSON object, or "
+                       f"without a \"ph\" phase) and were skipped")
         if self.odd_names:
             out.append(f"{self.odd_names} event(s) had a name that is not a string (null, a number or an object); "
                        f"they are named by its JSON text")
