@@ -11,10 +11,15 @@ from zoomer_serve.cli import build_parser
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["report", "--slowest", "abc"], "argument --slowest: 'abc' is not an integer >= 0"),
-    (["report", "--slowest", "-3"], "argument --slowest: '-3' is not an integer >= 0"),
-    (["analyze", "--rows", "abc"], "argument --rows: 'abc' is not an integer >= 0"),
-    (["analyze", "--rows", "-1"], "argument --rows: '-1' is not an integer >= 0"),
+    (["report", "--slowest", "abc"], "argument --slowest: 'abc' is not an integer in 0..2147483647"),
+    (["report", "--slowest", "-3"], "argument --slowest: '-3' is not an integer in 0..2147483647"),
+    # past a 64-bit integer it reached the store's query, whose error called the store "not a zoomer-serve store"
+    (["report", "--slowest", "99999999999999999999"],
+     "argument --slowest: '99999999999999999999' is not an integer in 0..2147483647"),
+    (["analyze", "--rows", "abc"], "argument --rows: 'abc' is not an integer in 0..2147483647"),
+    (["analyze", "--rows", "-1"], "argument --rows: '-1' is not an integer in 0..2147483647"),
+    (["analyze", "--rows", "99999999999999999999"],
+     "argument --rows: '99999999999999999999' is not an integer in 0..2147483647"),
     (["profile", "start", "--target", "h:1", "--requests", "abc"], "argument --requests: 'abc' is not an integer in 1..4294967295"),
     (["profile", "start", "--target", "h:1", "--duration-ms", "1.5"],
      "argument --duration-ms: '1.5' is not an integer in 1..4294967295"),
@@ -33,7 +38,10 @@ from zoomer_serve.cli import build_parser
     (["serve-demo", "--steady-warmup-requests", "-1"],
      "argument --steady-warmup-requests: '-1' is not an integer >= 0"),
     (["serve-demo", "--steady-max-cv", "0"], "argument --steady-max-cv: '0' is not a number > 0"),
-    (["serve-demo", "--trigger-requests", "0"], "argument --trigger-requests: '0' is not an integer >= 1"),
+    (["serve-demo", "--trigger-requests", "0"], "argument --trigger-requests: '0' is not an integer in 1..1000"),
+    # past a session's hard cap it was refused later as "max_requests=5000 exceeds the hard cap of 1000"
+    (["serve-demo", "--trigger-requests", "5000"],
+     "argument --trigger-requests: '5000' is not an integer in 1..1000"),
     (["serve-demo", "--profile-over-ms", "-3"], "argument --profile-over-ms: '-3' is not a number > 0"),
     (["serve-demo", "--profile-over-window-ms", "abc"],
      "argument --profile-over-window-ms: 'abc' is not an integer >= 1"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from zoomer_serve.envvars import INT_MAX as INT32_MAX
 
@@ -51,6 +52,15 @@ def torch_threads(text: str) -> int:
 def positive_uint32(text: str) -> int:
     """An int in 1..4294967295: a count or a length the wire carries as a protobuf ``uint32``."""
     return int(_number(text, int, f"an integer in 1..{UINT32_MAX}", lambda v: 1 <= v <= UINT32_MAX))
+
+
+def int_between(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an int in ``low..high`` (a bound the value meets later, named where it is given)."""
+    def parse(text: str) -> int:
+        return int(_number(text, int, f"an integer in {low}..{high}", lambda v: low <= v <= high))
+
+    parse.__name__ = f"integer in {low}..{high}"  # argparse names the type in some messages
+    return parse
 
 
 def non_negative_int(text: str) -> int:

@@ -32,7 +32,7 @@ from zoomer_serve.analysis.render import (
 )
 from zoomer_serve.analysis.store import StoreAnalysisError
 from zoomer_serve.cli_output import TableOutput, add_format_option
-from zoomer_serve.cli_types import non_negative_int
+from zoomer_serve.cli_types import INT32_MAX, int_between
 from zoomer_serve.collector.store import default_store_path
 
 
@@ -71,7 +71,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--diff", nargs=2, metavar=("BEFORE", "AFTER"), default=None,
                    help="compare two traces, stores or store windows (STORE@FROM..TO, ISO 8601 or Unix seconds): "
                    "figures with deltas, kernels and ops that appeared, vanished or changed, phases, findings")
-    p.add_argument("--rows", type=non_negative_int, default=10,
+    p.add_argument("--rows", type=int_between(0, INT32_MAX), default=10,
                    help="rows per table in the terminal summary (default 10; --json and --html hold every row)")
     p.add_argument("--fail-on", choices=SEVERITIES, default=None,
                    help="exit 3 when a finding of this severity or worse is found (for CI gates)")

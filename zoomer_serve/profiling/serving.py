@@ -8,8 +8,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zoomer_serve.cli_types import non_negative_float, non_negative_int, positive_float, positive_int
+from zoomer_serve.cli_types import (
+    int_between,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from zoomer_serve.profiling.config import (
+    MAX_REQUESTS_CAP,
     AdminConfig,
     LatencySloConfig,
     ProfilerConfig,
@@ -38,8 +45,8 @@ def add_profiling_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--slo-window-ms", type=positive_int, default=1000, help="SLO window (1000 ms)")
     group.add_argument("--slo-sustain-windows", type=positive_int, default=3, help="violating windows in a row (3)")
     group.add_argument("--slo-cooldown-s", type=non_negative_float, default=300.0, help="quiet time after an SLO session (300 s)")
-    group.add_argument("--trigger-requests", type=positive_int, default=100,
-                       help="requests covered by an automatic session (100)")
+    group.add_argument("--trigger-requests", type=int_between(1, MAX_REQUESTS_CAP), default=100,
+                       help=f"requests covered by an automatic session (100; at most {MAX_REQUESTS_CAP})")
     group.add_argument("--profile-over-ms", type=positive_float, default=None,
                        help="capture the next request slower than this many ms: a session stays armed until one is "
                        "(off by default)")

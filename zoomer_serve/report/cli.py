@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.text import Text
 
 from zoomer_serve.cli_output import TableOutput, add_format_option
-from zoomer_serve.cli_types import non_negative_int
+from zoomer_serve.cli_types import INT32_MAX, int_between
 from zoomer_serve.collector.store import default_store_path
 from zoomer_serve.report.build import ReportError, build_report
 from zoomer_serve.report.render import next_steps, render_report
@@ -38,7 +38,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    help="print the whole report model as one JSON object (every field; --format json prints the "
                    "tables as shown); overrides --format")
     add_format_option(p)
-    p.add_argument("--slowest", type=non_negative_int, default=10, help="how many slowest traces to list (default 10)")
+    p.add_argument("--slowest", type=int_between(0, INT32_MAX), default=10, help="how many slowest traces to list (default 10)")
     p.set_defaults(func=run)
     return p
 
