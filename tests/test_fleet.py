@@ -126,6 +126,21 @@ def test_the_fleet_job_names_exactly_the_injected_replicas(fleet: tuple[Path, Fl
         assert "Requests" in (out / entry["html"]).read_text()
 
 
+def test_results_that_cannot_be_written_name_where_they_go_not_the_input(tmp_path: Path, capsys: Any) -> None:
+    """``--out`` where nothing can be written (under /dev/null) was reported as "cannot read <the input>": the
+    message names the results' place and the exit code is 2."""
+    _need_base_trace()
+    root = tmp_path / "fleet"
+    build_fleet(str(root), BASE_TRACE, FleetSpec(replicas=3))
+    from zoomer_serve.cli import build_parser
+    from zoomer_serve.fleet import cli as fleet_cli
+
+    args = build_parser().parse_args(["fleet", "analyze", str(root), "--out", "/dev/null/x", "--drill-down", "0"])
+    assert fleet_cli.run(args) == 2
+    err = capsys.readouterr().err
+    assert "cannot write the results to /dev/null/x" in err and f"cannot read {root}" not in err, err
+
+
 def outliers_rows(page: str) -> list[str]:
     table = re.search(r'<table data-table="outliers">(.*?)</table>', page, re.S)
     assert table is not None

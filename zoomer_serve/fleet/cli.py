@@ -89,7 +89,7 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
     """Run ``fleet analyze`` for the parsed ``args``; returns the exit code."""
     from zoomer_serve.artifacts.storage import StorageError
     from zoomer_serve.fleet.engines import EngineError
-    from zoomer_serve.fleet.job import FleetOptions, run_fleet_job
+    from zoomer_serve.fleet.job import FleetOptions, OutputError, run_fleet_job
 
     try:
         since = parse_since(args.since) if args.since else None
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
                       console=err, transient=True) as bar:
             task = bar.add_task("traces", total=None)
             report = run_fleet_job(options, progress=lambda done, total: bar.update(task, completed=done, total=total))
-    except (StorageError, EngineError) as exc:
+    except (StorageError, EngineError, OutputError) as exc:
         return _error(str(exc))
     except OSError as exc:  # the storage's own errors (an unknown host, a refused connection)
         return _error(f"cannot read {args.url}: {type(exc).__name__}: {exc}")
