@@ -63,6 +63,9 @@ from zoomer_serve.cli import build_parser
     (["collector", "--header-timeout-s", "nan"], "argument --header-timeout-s: 'nan' is not a number > 0"),
     (["collector", "--body-timeout-s", "0"], "argument --body-timeout-s: '0' is not a number > 0"),
     (["collector", "--idle-timeout-s", "-2"], "argument --idle-timeout-s: '-2' is not a number > 0"),
+    # Path("") is ".": the collector said "cannot open store . for writing: Is a directory"
+    (["collector", "--store", ""], "argument --store: the store location is empty"),
+    (["collector", "--store", "  "], "argument --store: the store location is empty"),
     (["demo", "--clients", "100000"], "argument --clients: '100000' is not an integer in 1..1024"),
     (["demo", "--clients", "0"], "argument --clients: '0' is not an integer in 1..1024"),
     (["demo", "--duration-s", "1e308"], "argument --duration-s: '1e308' is not a number of seconds in 0..604800"),

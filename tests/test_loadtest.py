@@ -308,6 +308,15 @@ def test_loadtest_with_a_closed_profiler_target_fails_at_once_naming_the_target(
 
 
 @pytest.mark.slow
+def test_a_locustfile_that_is_a_folder_is_called_a_folder(tmp_path: Path) -> None:
+    """``--locustfile`` naming a folder was reported as "locustfile not found"."""
+    done = _loadtest("--locustfile", str(tmp_path), cwd=tmp_path)
+    assert done.returncode == 2
+    assert f"--locustfile {tmp_path} is a folder, not a locustfile" in done.stderr, done.stderr
+    missing = _loadtest("--locustfile", str(tmp_path / "nope.py"), cwd=tmp_path)
+    assert missing.returncode == 2 and f"locustfile not found: {tmp_path / 'nope.py'}" in missing.stderr
+
+
 def test_loadtest_refuses_a_target_it_would_ignore(tmp_path: Path) -> None:
     """Without --host the demo started here is profiled on its own admin port: a --target is refused, not
     dropped."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 
 from zoomer_serve.envvars import INT_MAX as INT32_MAX
 
@@ -61,6 +62,13 @@ def int_between(low: int, high: int) -> Callable[[str], int]:
 
     parse.__name__ = f"integer in {low}..{high}"  # argparse names the type in some messages
     return parse
+
+
+def store_path(text: str) -> Path:
+    """A path that is not empty (``Path("")`` would be the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the store location is empty")
+    return Path(text)
 
 
 def non_negative_int(text: str) -> int:

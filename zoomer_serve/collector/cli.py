@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from zoomer_serve.artifacts.storage import StorageError, check_protocol
-from zoomer_serve.cli_types import port_number, positive_float, positive_int, positive_int32
+from zoomer_serve.cli_types import port_number, positive_float, positive_int, positive_int32, store_path
 from zoomer_serve.collector.collector import (
     DEFAULT_GRPC_PORT,
     DEFAULT_HTTP_PORT,
@@ -59,7 +59,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         description="Receive OTLP traces and metrics over gRPC and HTTP and store them in DuckDB. "
         "Runs until SIGINT or SIGTERM, then writes everything acknowledged and exits 0.",
     )
-    p.add_argument("--store", type=Path, default=None,
+    p.add_argument("--store", type=store_path, default=None,
                    help="DuckDB file (default: $ZOOMER_STORE or ./zoomer-data/zoomer.duckdb)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1). A non-loopback address needs a token "

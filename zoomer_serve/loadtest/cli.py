@@ -92,7 +92,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"zoomer-serve loadtest: {str(exc).replace('--zoomer-', '--')}", file=sys.stderr)
         return 2
     if not args.locustfile.is_file():
-        print(f"zoomer-serve loadtest: locustfile not found: {args.locustfile}", file=sys.stderr)
+        what = (f"--locustfile {args.locustfile} is a folder, not a locustfile" if args.locustfile.is_dir()
+                else f"locustfile not found: {args.locustfile}")
+        print(f"zoomer-serve loadtest: {what}", file=sys.stderr)
         return 2
     if args.host is not None:
         problem = _preflight(args.host, args.transport, options)
