@@ -384,31 +384,44 @@ def test_the_cli_parses_without_locust_or_gevent() -> None:
 
 # -- locust-free parts --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"warmup_s": -1}, "--zoomer-warmup-s must be a finite number >= 0"),
-    ({"warmup_requests": -5}, "--zoomer-warmup-requests must be >= 0"),
-    ({"stable_cv": 0.0}, "--zoomer-stable-cv must be a finite number > 0"),
-    ({"stable_samples": 1}, "--zoomer-stable-samples must be >= 2"),
+    ({"warmup_s": -1}, "--zoomer-warmup-s \\(ZOOMER_LOADTEST_WARMUP_S\\) must be a finite number >= 0"),
+    ({"warmup_requests": -5}, "--zoomer-warmup-requests \\(ZOOMER_LOADTEST_WARMUP_REQUESTS\\) must be >= 0"),
+    ({"stable_cv": 0.0}, "--zoomer-stable-cv \\(ZOOMER_LOADTEST_STABLE_CV\\) must be a finite number > 0"),
+    ({"stable_samples": 1}, "--zoomer-stable-samples \\(ZOOMER_LOADTEST_STABLE_SAMPLES\\) must be >= 2"),
     ({"profile_requests": 5000}, "max_requests=5000 exceeds the hard cap"),
-    ({"profile_requests": None, "profile_duration_s": 0.0}, "--zoomer-profile-duration-s must be a finite number > 0"),
+    ({"profile_requests": None, "profile_duration_s": 0.0}, "--zoomer-profile-duration-s \\(ZOOMER_LOADTEST_PROFILE_DURATION_S\\) must be a finite number > 0"),
     ({"profile_duration_s": 120.0}, "duration_ms=120000 exceeds the hard cap"),
-    ({"cuda": "maybe"}, "--zoomer-cuda must be one of auto, on, off"),
+    ({"cuda": "maybe"}, "--zoomer-cuda \\(ZOOMER_LOADTEST_CUDA\\) must be one of auto, on, off"),
     ({"target": "localhost"}, "--zoomer-target must be host:port"),
     ({"target": "127.0.0.1:99999"}, "--zoomer-target must have a port in 1..65535"),
     # infinite numbers: the duration became an OverflowError traceback, the stop wait an endless wait
     ({"profile_requests": None, "profile_duration_s": float("inf")},
-     "--zoomer-profile-duration-s must be a finite number > 0, got inf"),
-    ({"stop_wait_s": float("inf")}, "--zoomer-stop-wait-s must be a finite number > 0, got inf"),
-    ({"stable_cv": float("inf")}, "--zoomer-stable-cv must be a finite number > 0, got inf"),
-    ({"warmup_s": float("nan")}, "--zoomer-warmup-s must be a finite number >= 0, got nan"),
+     "--zoomer-profile-duration-s \\(ZOOMER_LOADTEST_PROFILE_DURATION_S\\) must be a finite number > 0, got inf"),
+    ({"stop_wait_s": float("inf")}, "--zoomer-stop-wait-s \\(ZOOMER_LOADTEST_STOP_WAIT_S\\) must be a finite number > 0, got inf"),
+    ({"stable_cv": float("inf")}, "--zoomer-stable-cv \\(ZOOMER_LOADTEST_STABLE_CV\\) must be a finite number > 0, got inf"),
+    ({"warmup_s": float("nan")}, "--zoomer-warmup-s \\(ZOOMER_LOADTEST_WARMUP_S\\) must be a finite number >= 0, got nan"),
     # found only after the whole run (IsADirectoryError traceback, a stray .partial file left)
-    ({"summary_json": Path("/")}, "--zoomer-summary-json must be a file name, not a folder"),
+    ({"summary_json": Path("/")}, "--zoomer-summary-json \\(ZOOMER_LOADTEST_SUMMARY_JSON\\) must be a file name, not a folder"),
     # said "must be a positive integer" though 0 is allowed
-    ({"profile_requests": -1}, "--zoomer-profile-requests must be >= 0 \\(0: bounded by --zoomer-profile-duration-s"),
-    ({"summary_json": Path("/no-such-folder/s.json")}, "--zoomer-summary-json must be in an existing folder"),
+    ({"profile_requests": -1}, "--zoomer-profile-requests \\(ZOOMER_LOADTEST_PROFILE_REQUESTS\\) must be >= 0 \\(0: bounded by --zoomer-profile-duration-s"),
+    ({"summary_json": Path("/no-such-folder/s.json")}, "--zoomer-summary-json \\(ZOOMER_LOADTEST_SUMMARY_JSON\\) must be in an existing folder"),
 ])
 def test_bad_options_are_refused_naming_the_option(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         LoadTestOptions(**kwargs)
+
+
+def test_a_bad_value_from_the_environment_names_the_variable(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``ZOOMER_LOADTEST_STABLE_CV=nan zoomer-serve loadtest`` was refused as a bad ``--stable-cv``, an option the
+    user had not given: the message names the option and its variable."""
+    from zoomer_serve.cli import build_parser
+    from zoomer_serve.loadtest.cli import run
+
+    monkeypatch.setenv("ZOOMER_LOADTEST_STABLE_CV", "nan")
+    assert run(build_parser().parse_args(["loadtest"])) == 2
+    err = capsys.readouterr().err
+    assert "--stable-cv (ZOOMER_LOADTEST_STABLE_CV) must be a finite number > 0, got nan" in err, err
 
 
 def test_options_round_trip_through_locust_arguments() -> None:

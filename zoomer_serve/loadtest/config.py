@@ -128,8 +128,11 @@ class LoadTestOptions:
 
 
 def _check(ok: bool, name: str, value: Any, rule: str) -> None:
+    """Refuse ``value`` of option ``name`` (``--zoomer-<option>``) unless ``ok``, naming the option and its
+    environment variable (the value may have come from either)."""
     if not ok:
-        raise ConfigError(f"{name} must be {rule}, got {value!r}")
+        env = ENV_VARS.get(name.removeprefix("--zoomer-"))
+        raise ConfigError(f"{name}{f' ({env})' if env else ''} must be {rule}, got {value!r}")
 
 
 def _path(value: Any) -> Path | None:
@@ -186,6 +189,23 @@ def grpc_target(host: str | None, what: str = "--host") -> str:
     return text
 
 
+ENV_VARS = {
+    "target": "ZOOMER_LOADTEST_TARGET",
+    "warmup-s": "ZOOMER_LOADTEST_WARMUP_S",
+    "warmup-requests": "ZOOMER_LOADTEST_WARMUP_REQUESTS",
+    "stable-cv": "ZOOMER_LOADTEST_STABLE_CV",
+    "stable-samples": "ZOOMER_LOADTEST_STABLE_SAMPLES",
+    "profile-requests": "ZOOMER_LOADTEST_PROFILE_REQUESTS",
+    "profile-duration-s": "ZOOMER_LOADTEST_PROFILE_DURATION_S",
+    "cuda": "ZOOMER_LOADTEST_CUDA",
+    "stop-wait-s": "ZOOMER_LOADTEST_STOP_WAIT_S",
+    "profiles-dir": "ZOOMER_PROFILES_DIR",
+    "summary-json": "ZOOMER_LOADTEST_SUMMARY_JSON",
+}
+"""The environment variable of each option (by its name without the prefix): read at parse time (locust) or as
+the default (plain argparse), and named with the option when its value is refused."""
+
+
 def add_arguments(parser: Any, prefix: str = "--zoomer-") -> None:
     """Add the options of :class:`LoadTestOptions` to ``parser`` as ``<prefix><name>`` (destinations
     ``zoomer_<name>`` whatever the prefix). With locust's parser (configargparse) each option reads its
@@ -195,7 +215,8 @@ def add_arguments(parser: Any, prefix: str = "--zoomer-") -> None:
                                       "Profile the target once the load is steady (ProfilerControl; the admin "
                                       "token comes from ZOOMER_ADMIN_TOKEN) and summarize the run.")
 
-    def add(name: str, env: str | None = None, **kwargs: Any) -> None:
+    def add(name: str, **kwargs: Any) -> None:
+        env = ENV_VARS.get(name)
         if env is not None:
             if reads_env:
                 kwargs["env_var"] = env
@@ -209,32 +230,32 @@ def add_arguments(parser: Any, prefix: str = "--zoomer-") -> None:
             kwargs["metavar"] = name.split("-")[-1].upper() if name != "target" else "HOST:PORT"
         group.add_argument(prefix + name, dest="zoomer_" + name.replace("-", "_"), **kwargs)
 
-    add("target", "ZOOMER_LOADTEST_TARGET", default=None,
+    add("target", default=None,
         help="ProfilerControl address host:port (default: the target host)")
     add("no-profile", action="store_true", default=False, help="run the load without profiling")
-    add("warmup-s", "ZOOMER_LOADTEST_WARMUP_S", type=float, default=10.0,
+    add("warmup-s", type=float, default=10.0,
         help="seconds after spawning completed before profiling may start (default 10)")
-    add("warmup-requests", "ZOOMER_LOADTEST_WARMUP_REQUESTS", type=int, default=0,
+    add("warmup-requests", type=int, default=0,
         help="requests after spawning completed before profiling may start (default 0; profiling always "
              "waits for at least one request)")
-    add("stable-cv", "ZOOMER_LOADTEST_STABLE_CV", type=float, default=None,
+    add("stable-cv", type=float, default=None,
         help="also wait until locust's rolling median response time is stable: coefficient of variation of "
              f"the last {prefix}stable-samples one-second samples at most this (default: off)")
-    add("stable-samples", "ZOOMER_LOADTEST_STABLE_SAMPLES", type=int, default=5,
+    add("stable-samples", type=int, default=5,
         help="one-second samples the stability check looks at (default 5)")
-    add("profile-requests", "ZOOMER_LOADTEST_PROFILE_REQUESTS", type=int, default=100,
+    add("profile-requests", type=int, default=100,
         help=f"requests the profiling session covers (default 100; 0: bounded by {prefix}profile-duration-s only)")
-    add("profile-duration-s", "ZOOMER_LOADTEST_PROFILE_DURATION_S", type=float, default=None,
+    add("profile-duration-s", type=float, default=None,
         help="profiling session length in seconds (default: bounded by requests; the server caps it)")
-    add("cuda", "ZOOMER_LOADTEST_CUDA", choices=CUDA_CHOICES, default="auto",
+    add("cuda", choices=CUDA_CHOICES, default="auto",
         help="capture CUDA kernels: auto (when the server has CUDA), on, off (default auto)")
-    add("stop-wait-s", "ZOOMER_LOADTEST_STOP_WAIT_S", type=float, default=60.0,
+    add("stop-wait-s", type=float, default=60.0,
         help="at the end, how long to wait for the server to write the trace (default 60)")
-    add("profiles-dir", "ZOOMER_PROFILES_DIR", default=None,
+    add("profiles-dir", default=None,
         help="where the server's trace files are readable here (e.g. a shared volume), for the kernel summary")
     add("store", default=None, help="the collector's DuckDB store, read at the end for server-side latency "
         "(the collector must have stopped)")
-    add("summary-json", "ZOOMER_LOADTEST_SUMMARY_JSON", default=None, help="write the run summary as JSON here")
+    add("summary-json", default=None, help="write the run summary as JSON here")
 
 
 def to_locust_args(options: LoadTestOptions) -> list[str]:
