@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -236,15 +237,21 @@ def test_grpc_rejections_and_recovery(tmp_path: Path) -> None:
     assert query(collector.store_path, "SELECT count(*) FROM spans") == [(3,)]
 
 
+def _export_once(tmp_path: Path, req: Any) -> tuple[Any, ExportTraceServiceResponse, dict[str, Any]]:
+    """Send ``req`` over OTLP/gRPC to a fresh collector and stop it: (the collector, its reply, its stats)."""
+    with running_collector(tmp_path) as collector:
+        reply = ExportTraceServiceResponse.FromString(
+            _raw_call(collector.grpc_port, TRACE_EXPORT, req.SerializeToString()))
+        stats = collector.stop()
+    return collector, reply, stats
+
+
 def test_invalid_ids_get_partial_success(tmp_path: Path) -> None:
     req = raw_trace_request(3)
     spans = req.resource_spans[0].scope_spans[0].spans
     spans[0].trace_id = b"\x00" * 16
     spans[1].span_id = b"\x01\x02"
-    with running_collector(tmp_path) as collector:
-        reply = ExportTraceServiceResponse.FromString(
-            _raw_call(collector.grpc_port, TRACE_EXPORT, req.SerializeToString()))
-        stats = collector.stop()
+    collector, reply, stats = _export_once(tmp_path, req)
     assert reply.partial_success.rejected_spans == 2
     assert "invalid" in reply.partial_success.error_message
     assert stats["spans_rejected"] == 2 and stats["spans_received"] == 1
@@ -259,10 +266,7 @@ def test_a_span_that_ends_before_it_starts_gets_partial_success(tmp_path: Path) 
     spans = req.resource_spans[0].scope_spans[0].spans
     spans[0].end_time_unix_nano = spans[0].start_time_unix_nano - 10_000_000
     spans[1].end_time_unix_nano = spans[1].start_time_unix_nano
-    with running_collector(tmp_path) as collector:
-        reply = ExportTraceServiceResponse.FromString(
-            _raw_call(collector.grpc_port, TRACE_EXPORT, req.SerializeToString()))
-        stats = collector.stop()
+    collector, reply, stats = _export_once(tmp_path, req)
     assert reply.partial_success.rejected_spans == 1
     assert "ends before it starts" in reply.partial_success.error_message
     assert stats["spans_rejected"] == 1 and stats["spans_received"] == 2
