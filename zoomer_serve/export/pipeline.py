@@ -348,5 +348,6 @@ def _log_losses(stats: ExportStats, endpoint: str) -> None:
         logger.warning("zoomer-serve: %d records did not reach the exporter; their calls are missing from the RPC "
                        "metrics (and their spans, when sampled, are counted above)", stats.dropped_records)
     if stats.unknown:
-        logger.warning("zoomer-serve: the export helper did not report the outcome of %d spans before the "
-                       "shutdown deadline; they may or may not have reached %s", stats.unknown, endpoint)
+        logger.warning("zoomer-serve: the outcome of %d spans is unknown: they were in flight when the shutdown "
+                       "budget ran out, or the export helper did not report them; they may or may not have reached "
+                       "%s", stats.unknown, endpoint)

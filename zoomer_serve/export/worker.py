@@ -373,8 +373,9 @@ class ExportWorker:
         stats.metric_points_rejected += tally.rejected
         stats.metric_points_dropped += tally.dropped
         if tally.failed:
+            why = self._metric_sender.last_error or "no time left in the export budget"
             self._log_once("metrics-failed", "zoomer-serve: could not export metrics to %s (%s); the next export "
-                           "carries the totals (logged once)", endpoint, self._metric_sender.last_error)
+                           "carries the totals (logged once)", endpoint, why)
         if tally.message:
             self._log_once("metrics-partial", "zoomer-serve: the collector at %s rejected %d metric data points: %s "
                            "(counted; logged once)", endpoint, tally.rejected, tally.message)
