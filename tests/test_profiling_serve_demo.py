@@ -63,3 +63,21 @@ def test_serve_demo_mounts_the_closed_admin_service_and_finishes_a_session_on_si
     assert [r["attributes"].get("zoomer.profile.stop_reason") for r in profiles_spans] == ["max_requests", "shutdown"]
     assert [len(r["links"]) for r in profiles_spans] == counts
     assert all(r["service_name"] == "ranker-p" for r in profiles_spans)
+
+
+def test_a_bad_artifacts_url_stops_serve_demo_before_telemetry_starts(monkeypatch: Any, tmp_path: Path) -> None:
+    """``ZOOMER_ARTIFACTS_URL=bogus://x`` is refused with the other profiling settings, before telemetry starts
+    (it was refused only once the controller read it, after configure(), whose shutdown then spent seconds
+    retrying the metrics export)."""
+    import pytest
+
+    from zoomer_serve.cli import build_parser
+    from zoomer_serve.config import ConfigError
+    from zoomer_serve.profiling.serving import ServerProfiling
+
+    monkeypatch.setenv("ZOOMER_ARTIFACTS_URL", "bogus://x")
+    args = build_parser().parse_args(["serve-demo", "--profiles-dir", str(tmp_path)])
+    with pytest.raises(ConfigError, match="ZOOMER_ARTIFACTS_URL: cannot use bogus://x"):
+        ServerProfiling.configs(args)
+    monkeypatch.setenv("ZOOMER_ARTIFACTS_URL", "off")
+    ServerProfiling.configs(args)

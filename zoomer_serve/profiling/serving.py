@@ -88,7 +88,11 @@ class ServerProfiling:
         on_request = RequestProfilingConfig(threshold_ms=args.profile_over_ms,
                                             threshold_window_ms=args.profile_over_window_ms,
                                             threshold_attempts=args.profile_over_attempts)
-        return ProfilerConfig.from_env(**overrides), admin, on_request
+        profiler = ProfilerConfig.from_env(**overrides)
+        from zoomer_serve.artifacts import ArtifactsConfig
+
+        ArtifactsConfig.from_env(profiler.profiles_dir)  # read again by the controller; a bad one stops us now
+        return profiler, admin, on_request
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, telemetry: Any = None) -> ServerProfiling:
