@@ -376,7 +376,7 @@ def test_loadtest_errors_name_its_own_flags() -> None:
     """The options' checks name locust's flags (--zoomer-stable-samples); loadtest calls it --stable-samples."""
     proc = zoomer("loadtest", "--stable-samples", "1", "--no-profile")
     assert proc.returncode == 2
-    assert "zoomer-serve loadtest: --stable-samples must be >= 2, got 1" in proc.stderr
+    assert "zoomer-serve loadtest: --stable-samples (ZOOMER_LOADTEST_STABLE_SAMPLES) must be >= 2, got 1" in proc.stderr
     assert "--zoomer-" not in proc.stderr
 
 
