@@ -14,7 +14,6 @@ sys.path.insert(0, str(BENCH))
 import collector_cost  # noqa: E402
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
 def test_every_span_sent_is_stored_and_the_handlers_cpu_is_counted(protocol: str) -> None:
     result = collector_cost.measure(n_spans=1536, batch=512, rate=0, senders=2, protocol=protocol)
