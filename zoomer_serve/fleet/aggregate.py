@@ -9,8 +9,10 @@ trace in ``<out>/trace_kernels/``) and forgets them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ from typing import Any
 import duckdb
 import numpy as np
 
-from zoomer_serve.artifacts.storage import filesystem, is_local, join, url_of
+from zoomer_serve.artifacts.storage import StorageError, filesystem, is_local, join, url_of
 from zoomer_serve.collector.store import NO_EXTENSION_DOWNLOADS
 
 MAX_KERNELS = 256
@@ -145,14 +147,32 @@ TRACE_COLUMNS = ("url", "service", "instance", "gpu_model", "session_id", "start
 KERNEL_COLUMNS = ("url", "instance", "kernel", "count", "time_us")
 
 
+class OutputError(OSError):
+    """The fleet job's results cannot be written where ``FleetOptions.out`` (or its default) says."""
+
+
+@contextlib.contextmanager
+def writing_to(out: str) -> Iterator[None]:
+    """Storage errors inside the block are those of the results' place: raised as :class:`OutputError`
+    naming ``out``."""
+    try:
+        yield
+    except OutputError:
+        raise
+    except (OSError, StorageError) as exc:
+        raise OutputError(f"cannot write the results to {out}: {type(exc).__name__}: {exc}") from exc
+
+
 class ResultsWriter:
     """Writes per-trace rows (:data:`TRACE_COLUMNS`) and their kernels (:data:`KERNEL_COLUMNS`) as Parquet
-    parts under ``out`` (URL or folder) every :data:`PART_ROWS` traces and at :meth:`close`. Raises OSError /
-    StorageError from the storage."""
+    parts under ``<out>/results`` (``out`` a URL or folder) every :data:`PART_ROWS` traces and at
+    :meth:`close`. Raises :class:`OutputError` for any storage error, naming ``out``."""
 
     def __init__(self, out: str) -> None:
         self.out = out
-        self.fs, self.root = filesystem(out)
+        with writing_to(out):
+            self.fs, root = filesystem(out)
+        self.root = join(root, "results")
         self._traces: list[tuple[Any, ...]] = []
         self._kernels: list[tuple[Any, ...]] = []
         self._parts = 0
@@ -187,7 +207,7 @@ class ResultsWriter:
     def _write(self, name: str, columns: tuple[str, ...], rows: list[tuple[Any, ...]]) -> None:
         cols = {c: np.array(v, dtype=object if isinstance(v[0], str) else None) for c, v in zip(columns, zip(*rows))}
         target = join(self.root, name, f"part-{self._parts:05d}.parquet")
-        with tempfile.TemporaryDirectory(prefix="zoomer-fleet-") as tmp:
+        with writing_to(self.out), tempfile.TemporaryDirectory(prefix="zoomer-fleet-") as tmp:
             local = Path(tmp) / "part.parquet"
             con = duckdb.connect(config=NO_EXTENSION_DOWNLOADS)
             try:

@@ -88,8 +88,9 @@ def _error(message: str) -> int:
 def run(args: argparse.Namespace, console: Console | None = None) -> int:
     """Run ``fleet analyze`` for the parsed ``args``; returns the exit code."""
     from zoomer_serve.artifacts.storage import StorageError
+    from zoomer_serve.fleet.aggregate import OutputError
     from zoomer_serve.fleet.engines import EngineError
-    from zoomer_serve.fleet.job import FleetOptions, OutputError, run_fleet_job
+    from zoomer_serve.fleet.job import FleetOptions, run_fleet_job
 
     try:
         since = parse_since(args.since) if args.since else None

@@ -8,7 +8,7 @@ Steps of :func:`run_fleet_job`:
 2. run :func:`~zoomer_serve.fleet.tasks.run_task` for each on the engine (:mod:`~zoomer_serve.fleet.engines`):
    retried on storage errors, a corrupt or unreadable artifact recorded as failed with its error;
 3. fold each result into its replica (:class:`~zoomer_serve.fleet.aggregate.FleetAggregator`) and write it
-   to ``<out>/traces/`` as Parquet (:class:`~zoomer_serve.fleet.aggregate.ResultsWriter`);
+   to ``<out>/results/traces/`` as Parquet (:class:`~zoomer_serve.fleet.aggregate.ResultsWriter`);
 4. read the span data (``<url>/spans``, ``<url>/metric_points``) with DuckDB: latency, errors, allocator
    retries, host CPU and GPU utilization per replica, and the replica-by-time heat maps
    (:mod:`~zoomer_serve.fleet.spans`);
@@ -24,7 +24,6 @@ through.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import tempfile
 import time
@@ -37,8 +36,8 @@ from typing import Any
 from zoomer_serve.analysis.findings import sort_findings
 from zoomer_serve.artifacts.inventory import trace_manifest_urls
 from zoomer_serve.artifacts.layout import MANIFEST_SUFFIX
-from zoomer_serve.artifacts.storage import StorageError, filesystem, is_local, join, normalize, url_of
-from zoomer_serve.fleet.aggregate import FleetAggregator, ReplicaFigures, ResultsWriter
+from zoomer_serve.artifacts.storage import filesystem, is_local, join, normalize, url_of
+from zoomer_serve.fleet.aggregate import FleetAggregator, ReplicaFigures, ResultsWriter, writing_to
 from zoomer_serve.fleet.detect import (
     MIN_PEERS,
     detect_kernel_mix,
@@ -53,21 +52,6 @@ from zoomer_serve.fleet.spans import HeatMap, read_spans
 from zoomer_serve.fleet.tasks import run_task
 
 KERNEL_HEATMAP_KERNELS = 30
-
-
-class OutputError(OSError):
-    """The job's results cannot be written where ``FleetOptions.out`` (or its default) says."""
-
-
-@contextlib.contextmanager
-def _writing_to(out: str) -> Iterator[None]:
-    """Storage errors inside the block are the results' place's: raised as :class:`OutputError` naming it."""
-    try:
-        yield
-    except OutputError:
-        raise
-    except (OSError, StorageError) as exc:
-        raise OutputError(f"cannot write the results to {out}: {type(exc).__name__}: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -114,7 +98,8 @@ def run_fleet_job(options: FleetOptions, progress: Progress | None = None) -> Fl
     Raises:
         StorageError: the URL's fsspec backend is missing.
         EngineError: the engine cannot run (Ray missing or unreachable).
-        OutputError: the results cannot be written (an OSError naming where they go).
+        zoomer_serve.fleet.aggregate.OutputError: the results cannot be written (an OSError naming where
+            they go).
     """
     t0 = time.monotonic()
     marks: dict[str, float] = {}
@@ -124,8 +109,7 @@ def run_fleet_job(options: FleetOptions, progress: Progress | None = None) -> Fl
     report = FleetReport(source=source, run_id=run_id, engine=options.engine, since_ns=options.since_ns)
     urls = trace_manifest_urls(source, options.since_ns)
     agg = FleetAggregator()
-    with _writing_to(out):
-        writer = ResultsWriter(join(out, "results"))
+    writer = ResultsWriter(out)
     counts = {"manifests": len(urls), "traces_analyzed": 0, "traces_failed": 0, "traces_skipped": 0}
     marks["list_s"] = time.monotonic() - t0
     for done, outcome in enumerate(_outcomes(options, [(u, options.since_ns) for u in urls]), 1):
@@ -136,19 +120,16 @@ def run_fleet_job(options: FleetOptions, progress: Progress | None = None) -> Fl
             counts["traces_failed"] += 1
             report.failed.append({"url": url, "artifact": url[: -len(MANIFEST_SUFFIX)], "error": outcome.error,
                                   "attempts": outcome.attempts})
-            with _writing_to(out):
-                writer.add(None, url, outcome.error, outcome.attempts)
+            writer.add(None, url, outcome.error, outcome.attempts)
         elif outcome.result is None:
             counts["traces_skipped"] += 1
         else:
             counts["traces_analyzed"] += 1
             agg.add_trace(outcome.result)
-            with _writing_to(out):
-                writer.add(outcome.result, url, "", outcome.attempts)
+            writer.add(outcome.result, url, "", outcome.attempts)
         if progress is not None:
             progress(done, len(urls))
-    with _writing_to(out):
-        report.outputs["traces"] = writer.close()
+    report.outputs["traces"] = writer.close()
     marks["tasks_s"] = time.monotonic() - t0
     report.heatmaps = _span_figures(source, agg, options.since_ns)
     marks["spans_s"] = time.monotonic() - t0
@@ -164,8 +145,7 @@ def run_fleet_job(options: FleetOptions, progress: Progress | None = None) -> Fl
     report.counts = counts
     marks["detect_s"] = time.monotonic() - t0
     report.timings = marks
-    with _writing_to(out):
-        _write_outputs(report, out, replicas, source, options)
+    _write_outputs(report, out, replicas, source, options)
     report.timings["total_s"] = time.monotonic() - t0
     return report
 
@@ -208,6 +188,17 @@ def kernel_heatmap(replicas: list[ReplicaFigures], kernels: int = KERNEL_HEATMAP
 
 def _write_outputs(report: FleetReport, out: str, replicas: list[ReplicaFigures], source: str,
                    options: FleetOptions) -> None:
+    """The report, its replicas table and the drill-down pages under ``out``.
+
+    Raises:
+        zoomer_serve.fleet.aggregate.OutputError: any storage error, naming ``out``.
+    """
+    with writing_to(out):
+        _write_report(report, out, replicas, source, options)
+
+
+def _write_report(report: FleetReport, out: str, replicas: list[ReplicaFigures], source: str,
+                  options: FleetOptions) -> None:
     fs, root = filesystem(out)
     with tempfile.TemporaryDirectory(prefix="zoomer-fleet-report-") as tmp:
         local = Path(tmp)
