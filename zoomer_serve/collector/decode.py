@@ -2,8 +2,9 @@
 
 Ids become lowercase hex, ``AnyValue`` becomes JSON (documented in the store module), the resource
 attributes ``service.name`` and ``service.instance.id`` get their own columns. Spans whose trace or span id
-is malformed (wrong length or all zero), or that end before they start, are rejected and counted, as are histogram points whose bucket
-counts do not match their bounds; the OTLP ``partial_success`` response tells the sender how many.
+is malformed (wrong length or all zero), or that end before they start, are rejected and counted, as are
+histogram points whose bucket counts do not match their bounds; the OTLP ``partial_success`` response tells the
+sender how many.
 
 Spans are the bulk of the traffic, so binary trace exports are parsed with :data:`RawAttributeTraces`
 (:func:`parse_traces`): the official ``TracesData`` schema (wire-compatible with

@@ -54,9 +54,10 @@ class ExportStats:
     died before it reported them exported or dropped; ``helper_restarts``: helper processes started again after
     one died; ``unknown``: spans whose outcome is not known, neither counted as exported nor as dropped: those of
     the export request in flight when the shutdown budget ran out (the collector may yet store them), and those
-    of a helper that did not answer at shutdown. ``metric_points_exported`` / ``_rejected`` / ``_dropped``: metric data points the
-    collector accepted, rejected in a partial success, or that an export lost for any reason (rejected included;
-    the next export carries the cumulative totals again); ``last_error``: the last export failure.
+    of a helper that did not answer at shutdown. ``metric_points_exported`` / ``_rejected`` / ``_dropped``:
+    metric data points the collector accepted, rejected in a partial success, or that an export lost for any
+    reason (rejected included; the next export carries the cumulative totals again); ``last_error``: the last
+    export failure.
     """
 
     records: int = 0
@@ -387,9 +388,8 @@ class ExportWorker:
 
     def shutdown(self, timeout_s: float) -> ExportStats:
         """Export what is queued, then stop; returns within about ``timeout_s`` seconds whatever the collector
-        does. Every span received ends in a counter: spans not sent by
-        then are counted as dropped, those of a request still in flight (a collector that does not answer) as
-        ``unknown``. Returns the final counters (a copy when the export thread was still busy: what it does
+        does. Every span received ends in a counter: spans not sent by then are counted as dropped, those of a
+        request still in flight (a collector that does not answer) as ``unknown``. Returns the final counters (a copy when the export thread was still busy: what it does
         afterwards is no longer counted, and it sends no new request)."""
         deadline = time.monotonic() + timeout_s
         settle_s = min(SETTLE_S, timeout_s / 4)  # the end of the budget kept for _abandon
