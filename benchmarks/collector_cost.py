@@ -55,7 +55,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_args import Range, parse
 
 EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
-PROTOCOLS = ("grpc", "http/protobuf")
 PEER_PORTS = (41822, 41830, 41846, 41852, 45310, 45318, 51904, 51912)  # clients keep their connections
 RESOURCE_ATTRIBUTES = {
     "service.name": "ranker", "service.instance.id": "5f0c6c1e-8a4b-4a53-9d1e-2f1b6f3c9a10",
@@ -356,6 +355,8 @@ RANGES = (Range("--spans", 1, 200_000), Range("--batch", 1, 10_000), Range("--ra
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from zoomer_serve.config import PROTOCOLS  # here, not at the top: --baseline children load another tree
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--spans", type=int, default=20_000, help="spans to send (default 20000)")
     ap.add_argument("--batch", type=int, default=512, help="spans per export request (default 512)")
