@@ -214,13 +214,19 @@ class ScriptedOtlp:
             self._http.server_close()
 
     def export_config(self, **over: Any) -> ExportConfig:
-        """An ExportConfig that sends both signals here (thread mode; short timeouts unless overridden)."""
-        base = f"http://127.0.0.1:{self.port}"
-        grpc_on = self.protocol == "grpc"
-        settings: dict[str, Any] = {
-            "protocol": self.protocol, "mode": "thread", "timeout_ms": 10_000, "schedule_delay_ms": 50,
-            "traces_endpoint": base if grpc_on else base + "/v1/traces",
-            "metrics_endpoint": base if grpc_on else base + "/v1/metrics",
-        }
-        settings.update(over)
-        return ExportConfig(**settings)
+        """An ExportConfig that sends both signals here (see :func:`loopback_export_config`)."""
+        return loopback_export_config(self.protocol, self.port, **over)
+
+
+def loopback_export_config(protocol: str, port: int, **over: Any) -> ExportConfig:
+    """An ExportConfig that sends both signals to 127.0.0.1:``port`` over ``protocol`` (thread mode; short
+    timeouts unless overridden)."""
+    base = f"http://127.0.0.1:{port}"
+    grpc_on = protocol == "grpc"
+    settings: dict[str, Any] = {
+        "protocol": protocol, "mode": "thread", "timeout_ms": 10_000, "schedule_delay_ms": 50,
+        "traces_endpoint": base if grpc_on else base + "/v1/traces",
+        "metrics_endpoint": base if grpc_on else base + "/v1/metrics",
+    }
+    settings.update(over)
+    return ExportConfig(**settings)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 from _never_lost import note
+from _scripted_otlp import loopback_export_config
 
 from zoomer_serve.config import ExportConfig
 from zoomer_serve.export import ExportPipeline, ExportWorker
@@ -49,14 +50,7 @@ def hung_port() -> Iterator[int]:
 
 
 def _config(protocol: str, port: int, **over: object) -> ExportConfig:
-    base = f"http://127.0.0.1:{port}"
-    grpc_on = protocol == "grpc"
-    settings: dict = {"protocol": protocol, "mode": "thread", "timeout_ms": 4000, "schedule_delay_ms": 50,
-                      "max_export_batch_size": BATCH,
-                      "traces_endpoint": base if grpc_on else base + "/v1/traces",
-                      "metrics_endpoint": base if grpc_on else base + "/v1/metrics"}
-    settings.update(over)
-    return ExportConfig(**settings)
+    return loopback_export_config(protocol, port, **{"timeout_ms": 4000, "max_export_batch_size": BATCH, **over})
 
 
 def _stuck_worker(cfg: ExportConfig, batches: int) -> ExportWorker:
