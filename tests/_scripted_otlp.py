@@ -31,6 +31,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from zoomer_serve.config import ExportConfig
+from zoomer_serve.recording import RequestRecorder
 
 _SERVICES = {"traces": "opentelemetry.proto.collector.trace.v1.TraceService",
              "metrics": "opentelemetry.proto.collector.metrics.v1.MetricsService"}
@@ -216,6 +217,19 @@ class ScriptedOtlp:
     def export_config(self, **over: Any) -> ExportConfig:
         """An ExportConfig that sends both signals here (see :func:`loopback_export_config`)."""
         return loopback_export_config(self.protocol, self.port, **over)
+
+
+def request_records(n: int, payload_bytes: int = 0, name: str = "svc.S/M") -> list[tuple]:
+    """``n`` sampled request records (each one span), with a ``payload`` attribute of ``payload_bytes``."""
+    out: list[tuple] = []
+    recorder = RequestRecorder(sink=out.append, otel_context=False)
+    for i in range(n):
+        span = recorder.start(name, attributes={"rpc.method": name, "rpc.system.name": "grpc", "i": i})
+        if payload_bytes:
+            span.set_attribute("payload", "x" * payload_bytes)
+        span.set_attribute("rpc.response.status_code", "OK")
+        span.end()
+    return out
 
 
 def loopback_export_config(protocol: str, port: int, **over: Any) -> ExportConfig:

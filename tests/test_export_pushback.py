@@ -16,26 +16,13 @@ import grpc
 import pytest
 from _never_lost import note
 from _scripted_otlp import Reply, ScriptedOtlp
+from _scripted_otlp import request_records as _records
 
 from zoomer_serve.config import ExportConfig
 from zoomer_serve.export import ExportStats, ExportWorker
 from zoomer_serve.export.transport import retry_after_s
-from zoomer_serve.recording import RequestRecorder
 
 PROTOCOLS = ["grpc", "http/protobuf"]
-
-
-def _records(n: int, payload_bytes: int = 0, name: str = "svc.S/M") -> list[tuple]:
-    """``n`` sampled request records (each one span), with a ``payload`` attribute of ``payload_bytes``."""
-    out: list[tuple] = []
-    recorder = RequestRecorder(sink=out.append, otel_context=False)
-    for i in range(n):
-        span = recorder.start(name, attributes={"rpc.method": name, "rpc.system.name": "grpc", "i": i})
-        if payload_bytes:
-            span.set_attribute("payload", "x" * payload_bytes)
-        span.set_attribute("rpc.response.status_code", "OK")
-        span.end()
-    return out
 
 
 def _export(receiver: ScriptedOtlp, records: list[tuple], shutdown_s: float = 20.0, **cfg) -> ExportStats:

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 from _collector_fixtures import query, running_collector
 from _never_lost import note
-from _scripted_otlp import ScriptedOtlp
+from _scripted_otlp import ScriptedOtlp, request_records
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 
 from zoomer_serve.config import DEFAULT_MAX_REQUEST_BYTES, ConfigError, ExportConfig, ZoomerConfig
@@ -25,15 +25,7 @@ PROTOCOLS = ["grpc", "http/protobuf"]
 
 
 def _records(n: int, payload_bytes: int = 0, name: str = "svc.S/Ordinary") -> list[tuple]:
-    out: list[tuple] = []
-    recorder = RequestRecorder(sink=out.append, otel_context=False)
-    for i in range(n):
-        span = recorder.start(name, attributes={"rpc.method": name, "rpc.system.name": "grpc", "i": i})
-        if payload_bytes:
-            span.set_attribute("payload", "x" * payload_bytes)
-        span.set_attribute("rpc.response.status_code", "OK")
-        span.end()
-    return out
+    return request_records(n, payload_bytes, name)
 
 
 def _collector_config(collector, protocol: str, **over) -> ExportConfig:

@@ -14,22 +14,13 @@ from collections.abc import Iterator
 import pytest
 from _never_lost import note
 from _scripted_otlp import loopback_export_config
+from _scripted_otlp import request_records as _records
 
 from zoomer_serve.config import ExportConfig
 from zoomer_serve.export import ExportPipeline, ExportWorker
 from zoomer_serve.recording import RequestRecorder
 
 BATCH = 10
-
-
-def _records(n: int) -> list[tuple]:
-    out: list[tuple] = []
-    recorder = RequestRecorder(sink=out.append, otel_context=False)
-    for i in range(n):
-        span = recorder.start("svc.S/M", attributes={"rpc.method": "svc.S/M", "rpc.system.name": "grpc", "i": i})
-        span.set_attribute("rpc.response.status_code", "OK")
-        span.end()
-    return out
 
 
 @pytest.fixture
