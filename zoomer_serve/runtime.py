@@ -175,18 +175,29 @@ def _check_timeout(timeout_s: Any, what: str) -> None:
         raise ValueError(f"{what}(timeout_s=...) must be a finite number of seconds >= 0, got {timeout_s!r}")
 
 
+_UNSTARTED_WORKER = "cannot join thread before it is started"
+
+
 def _shutdown_provider(provider: Any, budget_s: float) -> None:
     try:
         if hasattr(provider, "force_flush"):
             provider.force_flush(int(budget_s * 1000))
         provider.shutdown()
-    except RuntimeError as exc:
-        if "before it is started" not in str(exc):
-            logger.warning("zoomer-serve: SDK provider shutdown failed: %r", exc)
-        # else: a forked child stopped (SIGTERM) while the SDK's fork hook had made its new worker thread and
-        # not yet started it: that worker never ran here, so it holds nothing to flush
     except Exception as exc:
-        logger.warning("zoomer-serve: SDK provider shutdown failed: %r", exc)
+        if not _only_unstarted_workers(exc):
+            logger.warning("zoomer-serve: SDK provider shutdown failed: %r", exc)
+
+
+def _only_unstarted_workers(exc: Exception) -> bool:
+    """True when all ``exc`` reports is worker threads joined before they started: a forked child stopped
+    (SIGTERM) while an SDK fork hook (the batch span processor's, the periodic metric reader's) had made its new
+    worker thread and not yet started it. That worker never ran here, so it holds nothing to flush. The
+    TracerProvider raises the RuntimeError itself; the MeterProvider one Exception with a line per failed reader
+    after its first."""
+    if isinstance(exc, RuntimeError):
+        return _UNSTARTED_WORKER in str(exc)
+    failures = str(exc).splitlines()[1:]
+    return bool(failures) and all(_UNSTARTED_WORKER in line for line in failures)
 
 
 def configure(*, service_name: str | None = None, endpoint: str | None = None, protocol: str | None = None,
