@@ -274,3 +274,45 @@ def test_generated_code_matches_a_fresh_protoc_run(tmp_path: Path, name: str) ->
         f"{name} is stale: run python -m zoomer_serve.profiling.codegen and commit the result")
     if name.endswith("_grpc.py"):
         assert "from . import profiler_control_pb2 as profiler__control__pb2" in committed.read_text()
+
+
+def _peer_seen_by_a_server_on(host: str) -> str:
+    """The ``context.peer()`` a real grpc server bound to ``host`` (port 0) sees for a call from a client there."""
+    from concurrent import futures
+
+    seen: list[str] = []
+
+    def handler(request: bytes, context: grpc.ServicerContext) -> bytes:
+        seen.append(context.peer())
+        return request
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "peer.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(handler)}),))
+    port = server.add_insecure_port(f"{host}:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"{host}:{port}") as channel:
+            assert channel.unary_unary("/peer.Echo/Echo")(b"x", timeout=10) == b"x"
+    finally:
+        server.stop(None)
+    return seen[0]
+
+
+def test_an_ipv6_loopback_caller_is_a_loopback_caller() -> None:
+    """A server on ``::1`` opened to loopback callers (``--admin-open-loopback``) refused them: grpc writes an
+    IPv6 peer percent-encoded (``ipv6:%5B::1%5D:PORT``), which did not parse as an address. A non-loopback
+    caller of a server opened to loopback only is told that, not that the server has no token."""
+    try:
+        peer = _peer_seen_by_a_server_on("[::1]")
+    except RuntimeError as exc:  # grpc could not bind [::1]: no IPv6 loopback here
+        pytest.skip(f"no IPv6 loopback: {exc}")
+    assert peer.startswith("ipv6:") and is_loopback_peer(peer), peer
+    assert check_access(AdminConfig(open_loopback=True), (), peer) is None
+    assert is_loopback_peer(_peer_seen_by_a_server_on("127.0.0.1"))
+    assert [is_loopback_peer(p) for p in ("ipv6:%5B::1%5D:50062", "ipv6:%5B::ffff:127.0.0.1%5D:1",
+                                          "ipv6:%5B2001:db8::1%5D:1", "ipv6:%5Bfe80::1%25eth0%5D:1")] == \
+        [True, True, False, False]
+    code, message = check_access(AdminConfig(open_loopback=True), (), "ipv4:192.0.2.2:5555")
+    assert code is grpc.StatusCode.PERMISSION_DENIED
+    assert "open to loopback callers only" in message and "192.0.2.2" in message and "ZOOMER_ADMIN_TOKEN" in message

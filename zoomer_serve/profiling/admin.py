@@ -19,6 +19,7 @@ import hmac
 import ipaddress
 from concurrent import futures
 from typing import Any
+from urllib.parse import unquote
 
 import grpc
 
@@ -36,8 +37,8 @@ MAX_STOP_WAIT_MS = 120_000
 
 
 def is_loopback_peer(peer: str | None) -> bool:
-    """True for a gRPC peer string on a loopback address (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``,
-    IPv4-mapped loopback) or a Unix socket."""
+    """True for a gRPC peer string on a loopback address (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``, which
+    grpc writes percent-encoded as ``ipv6:%5B::1%5D:5000``, IPv4-mapped loopback) or a Unix socket."""
     if not peer:
         return False
     kind, _, rest = peer.partition(":")
@@ -45,7 +46,7 @@ def is_loopback_peer(peer: str | None) -> bool:
         return True
     if kind not in ("ipv4", "ipv6"):
         return False
-    host = rest.rpartition(":")[0].strip("[]")
+    host = unquote(rest).rpartition(":")[0].strip("[]")
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
@@ -58,6 +59,10 @@ def check_access(config: AdminConfig, metadata: Any, peer: str | None) -> tuple[
     """None when the caller may use the service, else the status code and message to refuse it with."""
     if config.open_loopback and is_loopback_peer(peer):
         return None
+    if config.token is None and config.open_loopback:
+        return grpc.StatusCode.PERMISSION_DENIED, (
+            f"the profiler admin service is open to loopback callers only, and this caller ({peer}) is not on "
+            "loopback: call it from the server's host, or configure ZOOMER_ADMIN_TOKEN on the server and send it")
     if config.token is None:
         return grpc.StatusCode.PERMISSION_DENIED, (
             "the profiler admin service is closed: the server has no ZOOMER_ADMIN_TOKEN configured (set one, "
