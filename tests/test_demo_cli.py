@@ -127,6 +127,19 @@ def test_demo_with_an_unusable_store_says_why_without_a_traceback(tmp_path):
     assert f"the store {tmp_path} is a folder; give a file name" in proc.stderr and proc.stdout == ""
 
 
+def test_demo_refuses_a_store_that_already_exists(tmp_path):
+    """A second ``demo --store S`` on the store of a first run added its spans to the first run's, then reported
+    "808 spans for 367 calls" and exited 1: the demo checks that its store holds one span per call it made. A
+    store that exists is refused before anything starts, and left as it was."""
+    store = tmp_path / "earlier.duckdb"
+    store.write_bytes(b"an earlier run's store")
+    proc = subprocess.run([sys.executable, "-m", "zoomer_serve", "demo", "--store", str(store),
+                           "--duration-s", "1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr
+    assert f"the store {store} already exists" in proc.stderr and "--store" in proc.stderr
+    assert store.read_bytes() == b"an earlier run's store"
+
+
 @pytest.mark.parametrize(("max_requests", "batch", "calls"), [
     (5, 8, [3, 2]), (1, 8, [1]), (6, 8, [3, 3]), (5, 0, [5]), (None, 8, [None, None])])
 def test_max_requests_is_the_most_calls_in_all_phases(max_requests, batch, calls) -> None:
@@ -135,3 +148,17 @@ def test_max_requests_is_the_most_calls_in_all_phases(max_requests, batch, calls
 
     args = argparse.Namespace(max_requests=max_requests, batch_max_size=batch, duration_s=20.0)
     assert [p[3] for p in _phases(args)] == calls
+
+
+@pytest.mark.slow
+def test_demo_whose_html_report_cannot_be_written_exits_1(tmp_path):
+    """``demo --html /proc/x.html``: its folder exists, so nothing refused it at the start, the write failed at the
+    end, the demo said "HTML report not written" and still exited 0. Now the run is a problem (exit 1) that names
+    it; the store and the report are there."""
+    store, html = tmp_path / "s.duckdb", Path("/proc/zoomer-serve-test-report.html")
+    proc = subprocess.run([sys.executable, "-m", "zoomer_serve", "demo", "--store", str(store), "--html", str(html),
+                           "--duration-s", "2", "--max-requests", "6", "--batch-max-size", "0"],
+                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"HTML report not written: {html}" in proc.stdout and "the HTML report not written" in proc.stdout
+    assert "6 spans for 6 calls" in proc.stdout and store.exists() and "Traceback" not in proc.stderr

@@ -68,7 +68,7 @@ def register(subparsers: Any) -> None:
         description="Start the embedded collector and the instrumented demo model server, drive real load "
         "(unary and streaming, a few invalid requests) for a bounded time, shut down cleanly, print the report.")
     demo.add_argument("--store", type=Path, default=None,
-                      help="DuckDB store to write (default: a new zoomer-data/demo-<time>.duckdb)")
+                      help="DuckDB store to write, a new file (default: zoomer-data/demo-<time>.duckdb)")
     demo.add_argument("--duration-s", type=duration_s, default=20.0, help="how long to send load (default 20 s)")
     demo.add_argument("--clients", type=client_threads, default=4,
                       help=f"concurrent client threads, at most {MAX_CLIENT_THREADS} (default 4)")
@@ -273,8 +273,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _output_problem(store: Path, html: Path) -> str | None:
-    """Why the store or the HTML report cannot be written where asked (their folder cannot be made, or the
-    path is a folder), or None; makes the store's folder."""
+    """Why the store or the HTML report cannot be written where asked (their folder cannot be made, the path
+    is a folder, the store exists already), or None; makes the store's folder."""
     try:
         store.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -282,6 +282,9 @@ def _output_problem(store: Path, html: Path) -> str | None:
     for what, path in (("store", store), ("HTML report", html)):
         if path.is_dir():
             return f"the {what} {path} is a folder; give a file name"
+    if store.exists():  # its spans would count against this run's calls
+        return (f"the store {store} already exists: the demo checks that its store holds one span per call it "
+                "makes, so give --store a path that does not exist yet (or leave --store out for a new one)")
     if not html.parent.is_dir():
         return f"the HTML report's folder {html.parent} does not exist"
     return None
@@ -326,7 +329,8 @@ def _drive(console: Any, target: str, args: argparse.Namespace, seconds: float, 
 
 def _finish(console: TableOutput, store: Path, html: Path, result: Any, server_rc: int, collector_rc: int) -> int:
     """Print the report and the findings, write the HTML report to ``html``, name what to run next; the exit
-    code (1 when a process failed or the store does not hold one span per call)."""
+    code (1 when a process failed, the store does not hold one span per call, or the HTML report could not be
+    written)."""
     import shlex
 
     from rich.text import Text
@@ -343,17 +347,21 @@ def _finish(console: TableOutput, store: Path, html: Path, result: Any, server_r
     console.print(Text(f"\n  sent {result.total_calls} calls "
                        f"({', '.join(f'{m} {c}: {n}' for (m, c), n in sorted(result.counts.items()))}); "
                        f"the store holds {spans} server spans"))
+    html_written = True
     try:
         write_html(analysis, html, title=f"zoomer-serve demo: {store.name}")
         console.print(Text(f"  HTML report: {html}  (open it in a browser)"))
     except OSError as exc:
+        html_written = False
         console.print(Text(f"  HTML report not written: {html}: {exc}"))
     quoted = shlex.quote(str(store))
     console.print(Text(f"  store: {store}  (again: zoomer-serve report --store {quoted}; "
                        f"zoomer-serve analyze --store {quoted})"))
-    ok = server_rc == 0 and collector_rc == 0 and result.unexpected == 0 and spans == result.total_calls
+    ok = (server_rc == 0 and collector_rc == 0 and result.unexpected == 0 and spans == result.total_calls
+          and html_written)
     if not ok:
         console.print(Text(f"demo problem: server exit {server_rc}, collector exit {collector_rc}, "
-                           f"{result.unexpected} unexpected statuses, {spans} spans for {result.total_calls} calls"))
+                           f"{result.unexpected} unexpected statuses, {spans} spans for {result.total_calls} calls"
+                           + ("" if html_written else ", the HTML report not written")))
     console.close()
     return 0 if ok else 1
