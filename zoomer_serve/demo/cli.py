@@ -53,7 +53,8 @@ def register(subparsers: Any) -> None:
                        help="grpc.server with a thread pool (sync) or grpc.aio (default sync)")
     serve.add_argument("--transport", choices=("grpc", "thrift"), default="grpc",
                        help="serve the Ranker over gRPC (ranker.proto) or Thrift (ranker.thrift) (default grpc)")
-    serve.add_argument("--grace-s", type=non_negative_float, default=5.0, help="drain time for in-flight calls on stop")
+    serve.add_argument("--grace-s", type=non_negative_float, default=5.0,
+                       help="seconds to drain in-flight calls on stop (default 5)")
     serve.add_argument("--torch-threads", type=torch_threads, default=1,
                        help="torch intra-op threads (default 1: the gRPC worker threads already run in parallel)")
     serve.add_argument("--slow-preprocess", type=non_negative_int, default=0, metavar="N",
