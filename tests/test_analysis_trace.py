@@ -213,6 +213,16 @@ def test_a_file_without_events_says_what_else_is_wrong(tmp_path: Path, name: str
         load_trace(p)
 
 
+def test_a_gzip_file_cut_short_is_not_called_not_gzip(tmp_path: Path) -> None:
+    """A real ``.json.gz`` cut short was said to be both "the compressed stream ends early" and "the name ends in
+    .gz but the file is not gzip": it is gzip. Only the first is said."""
+    p = tmp_path / "cut.json.gz"
+    p.write_bytes(gzip.compress(b'{"traceEvents": [', mtime=0)[:12])
+    with pytest.raises(TraceFormatError) as info:
+        load_trace(p)
+    assert "stream ends early" in str(info.value) and "not gzip" not in str(info.value)
+
+
 def test_a_file_with_only_metadata_events_still_loads(tmp_path: Path) -> None:
     """A trace whose only events are metadata (``ph: M``) holds trace events: it loads, with no kernels."""
     p = tmp_path / "meta.json"

@@ -78,11 +78,26 @@ def open_binary(path: Path) -> BinaryIO:
     Raises:
         OSError: it cannot be opened.
     """
-    with open(path, "rb") as probe:
-        magic = probe.read(2)
-    if magic == b"\x1f\x8b":
+    if is_gzip(path):
         return gzip.open(path, "rb")  # type: ignore[return-value]
     return open(path, "rb")
+
+
+def is_gzip(path: Path) -> bool:
+    """Whether the file starts with the gzip magic bytes.
+
+    Raises:
+        OSError: it cannot be opened.
+    """
+    with open(path, "rb") as probe:
+        return probe.read(2) == b"\x1f\x8b"
+
+
+def _gzip_or_unreadable(path: Path) -> bool:
+    try:
+        return is_gzip(path)
+    except OSError:
+        return True  # nothing to add about its name
 
 
 def _byte_pos(text: str, pos: int) -> int:
@@ -282,7 +297,9 @@ class EventChunks:
     def _why_not(self, text: bytes) -> str:
         """What else is wrong with a whole file ``text`` that has no event array: a name ending in ``.gz`` that is
         not gzip, or text that is not JSON (with the parser's message); "" otherwise."""
-        gz = " (the name ends in .gz but the file is not gzip)" if str(self.path).endswith(".gz") else ""
+        gz = ""
+        if str(self.path).endswith(".gz") and not _gzip_or_unreadable(Path(self.path)):
+            gz = " (the name ends in .gz but the file is not gzip)"
         try:
             orjson.loads(text)
         except orjson.JSONDecodeError as exc:
