@@ -484,8 +484,10 @@ def test_a_data_file_is_refused_as_a_store(tmp_path: Path, suffix: str) -> None:
     before = path.read_bytes()
     with pytest.raises(StoreError, match="not a DuckDB file"):
         Store(path)
-    with pytest.raises(StoreError, match="not a DuckDB file"):
+    with pytest.raises(StoreError, match="not a DuckDB file") as read:
         open_readonly(path)
+    # read-only, DuckDB says "Cannot launch in-memory database in read-only mode!": true, and no help to a user
+    assert "read-only mode" not in str(read.value) and "data file" in str(read.value)
     with pytest.raises(StoreError, match="not a DuckDB file"):
         EmbeddedCollector(path, grpc_port=0, http_port=None).start()
     assert path.read_bytes() == before

@@ -230,7 +230,10 @@ def open_readonly(path: str | os.PathLike[str]) -> duckdb.DuckDBPyConnection:
         con = duckdb.connect(str(p), read_only=True, config=NO_EXTENSION_DOWNLOADS)
     except duckdb.Error as exc:
         text = str(exc)
-        if "not a valid DuckDB database file" in text or "in-memory database" in text:
+        if "in-memory database" in text:  # DuckDB took it for a data file it would read into memory
+            raise StoreError(f"cannot open store {p}: not a DuckDB file (DuckDB takes it for a data file: JSON, "
+                             "CSV or Parquet)") from exc
+        if "not a valid DuckDB database file" in text:
             raise StoreError(f"cannot open store {p}: not a DuckDB file ({text})") from exc
         hint = " (is a collector still running on it?)" if "Could not set lock" in text else ""
         raise StoreError(f"cannot open store {p} read-only: {text}{hint}") from exc
