@@ -501,14 +501,26 @@ def test_default_store_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     assert default_store_path() == tmp_path / "zoomer-data" / "zoomer.duckdb"
 
 
-def test_port_in_use_fails_cleanly(tmp_path: Path) -> None:
+def test_port_in_use_fails_cleanly_and_leaves_no_store_it_created(tmp_path: Path) -> None:
+    """A start that fails removes the store file, its write-ahead log and the folders it created; a store
+    that was there before is closed again, untouched."""
     with running_collector(tmp_path) as first:
-        second = EmbeddedCollector(tmp_path / "other.duckdb", grpc_port=0, http_port=first.http_port)
+        for grpc_port, http_port in ((0, first.http_port), (first.grpc_port, 0)):
+            fresh = tmp_path / "new" / "deeper" / "other.duckdb"
+            second = EmbeddedCollector(fresh, grpc_port=grpc_port, http_port=http_port)
+            with pytest.raises(OSError):
+                second.start()
+            assert not second.running
+            assert not (tmp_path / "new").exists(), sorted(map(str, (tmp_path / "new").rglob("*")))
+        existing = tmp_path / "existing.duckdb"
+        store = Store(existing)
+        assert store.write("spans", _rows(1)).status is WriteStatus.COMMITTED
+        store.close()
+        third = EmbeddedCollector(existing, grpc_port=0, http_port=first.http_port)
         with pytest.raises(OSError):
-            second.start()
-        assert not second.running
-        # the store of the failed collector was closed again: it can be opened by someone else
-        open_readonly(tmp_path / "other.duckdb").close()
+            third.start()
+        # the store of the failed collector was closed again, its rows kept: it can be opened by someone else
+        assert query(existing, "SELECT count(*) FROM spans") == [(1,)]
 
 
 def _collector_parser() -> argparse.ArgumentParser:

@@ -128,7 +128,9 @@ class EmbeddedCollector:
     def start(self) -> EmbeddedCollector:
         """Open the store, start the receivers; fills :attr:`grpc_port` / :attr:`http_port`. Returns self.
 
-        On failure everything already started is stopped again before the error propagates.
+        On failure everything already started is stopped again before the error propagates, and the store
+        file, its write-ahead log and the folders above it are removed if this start created them (a store
+        that existed before is closed again, untouched).
 
         Raises:
             RuntimeError: already started.
@@ -137,6 +139,7 @@ class EmbeddedCollector:
             if self._store is not None:
                 raise RuntimeError("collector already started")
             cfg = self.config
+            created = _absent_store_paths(cfg.store_path)
             store = Store(cfg.store_path, cfg.store)
             ingestor = Ingestor(store)
             self._store, self._ingestor, self._final_stats = store, ingestor, None
@@ -153,6 +156,7 @@ class EmbeddedCollector:
                     self.http_port = self._http.start()
             except BaseException:
                 self._stop_locked(timeout_s=1.0)
+                _remove_created(created)
                 raise
         return self
 
@@ -227,3 +231,31 @@ class EmbeddedCollector:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+def _absent_store_paths(store_path: Path) -> list[Path]:
+    """What opening a store at ``store_path`` would create, as it is now: the file and its write-ahead log
+    (only when the file is missing: a log next to an existing store holds its data) and the missing folders
+    above it, deepest first. Empty when the store file exists."""
+    if store_path.exists():
+        return []
+    wal = store_path.with_name(store_path.name + ".wal")
+    paths = [store_path] if wal.exists() else [store_path, wal]
+    for folder in store_path.absolute().parents:
+        if folder.exists():
+            break
+        paths.append(folder)
+    return paths
+
+
+def _remove_created(paths: list[Path]) -> None:
+    """Remove the files and (empty) folders of :func:`_absent_store_paths` that a failed start left; what
+    cannot be removed is logged and left."""
+    for path in paths:
+        try:
+            if path.is_dir():
+                path.rmdir()
+            else:
+                path.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("could not remove %s, created by the collector's failed start: %s", path, exc)
