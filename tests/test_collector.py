@@ -529,6 +529,42 @@ def _collector_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _run_cli(*argv: str) -> int:
+    args = _collector_parser().parse_args(["collector", *argv])
+    return int(args.func(args))
+
+
+def test_cli_refuses_the_same_port_for_both_receivers_before_creating_the_store(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store = tmp_path / "s.duckdb"
+    assert _run_cli("--store", str(store), "--grpc-port", "45678", "--http-port", "45678") == 2
+    err = capsys.readouterr().err
+    assert "--grpc-port" in err and "--http-port" in err and "45678" in err, err
+    assert "Errno" not in err and "Traceback" not in err, err
+    assert not store.exists() and list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="grpc_port and http_port"):
+        EmbeddedCollector(store, grpc_port=45678, http_port=45678)
+    EmbeddedCollector(store, grpc_port=0, http_port=0)  # 0 twice: two free ports
+
+
+@pytest.mark.parametrize("receiver", ["grpc", "http"])
+def test_cli_port_in_use_names_the_receiver_address_and_option_and_leaves_no_store(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], receiver: str) -> None:
+    import socket
+
+    store = tmp_path / "data" / "s.duckdb"
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        ports = {"grpc": "0", "http": "0", receiver: str(port)}
+        assert _run_cli("--store", str(store), "--grpc-port", ports["grpc"], "--http-port", ports["http"]) == 1
+    ours = [line for line in capsys.readouterr().err.splitlines() if line.startswith("zoomer-serve collector:")]
+    assert len(ours) == 1, ours
+    name, option = {"grpc": ("OTLP/gRPC", "--grpc-port"), "http": ("OTLP/HTTP", "--http-port")}[receiver]
+    assert name in ours[0] and f"127.0.0.1:{port}" in ours[0] and option in ours[0], ours[0]
+    assert "in use" in ours[0] and "GRPC_VERBOSITY" not in ours[0], ours[0]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_cli_ready_line_and_clean_stop_on_sigterm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     store = tmp_path / "cli.duckdb"
     script = ("import argparse, sys\n"

@@ -5,8 +5,10 @@ Prints one JSON line when listening, ``{"event": "ready", "grpc_port": P, "http_
 on a non-loopback address with neither, which it does only with ``--insecure-open``), and one when stopped,
 ``{"event": "stopped", ...counters}``. SIGINT (Ctrl+C, to the process or its group) and SIGTERM stop it the
 same way: the receivers stop accepting, requests being ingested finish, and everything acknowledged is
-already in the store (it was committed before the answer). Exit codes: 0 after a clean stop, 1 when a
-setting is wrong, the store cannot be opened or a port cannot be bound (message on stderr).
+already in the store (it was committed before the answer). Exit codes: 0 after a clean stop, 2 when a
+setting is wrong (the same non-zero ``--grpc-port`` and ``--http-port`` included), 1 when the store cannot be
+opened or a port cannot be bound (message on stderr, naming the receiver, its address and its flag). A start
+that fails leaves no store file it created itself.
 
 Settings besides the flags (each flag's default comes from its variable):
 
@@ -49,6 +51,10 @@ from zoomer_serve.collector.rotation import ParquetConfig
 from zoomer_serve.collector.security import ReceiverSecurity
 from zoomer_serve.collector.store import StoreError, default_store_path
 from zoomer_serve.config import ConfigError
+from zoomer_serve.netaddr import BindError
+
+_PORT_OPTIONS = {"grpc_port": "--grpc-port", "http_port": "--http-port"}
+"""The flag of each :class:`~zoomer_serve.netaddr.BindError` setting, for its message."""
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -136,10 +142,13 @@ def build_collector(args: argparse.Namespace) -> EmbeddedCollector:
     """The collector the parsed ``args`` (and the ``ZOOMER_*`` variables) describe.
 
     Raises:
-        ConfigError: a bad setting or variable (named), or an open non-loopback bind without
-            ``--insecure-open``.
+        ConfigError: a bad setting or variable (named), the same non-zero ``--grpc-port`` and ``--http-port``,
+            or an open non-loopback bind without ``--insecure-open``.
         ValueError: a bad port or size.
     """
+    if args.grpc_port == args.http_port and args.grpc_port != 0:
+        raise ConfigError(f"--grpc-port and --http-port are both {args.grpc_port}: the OTLP/gRPC and OTLP/HTTP "
+                          "receivers need a port each (0 picks a free one)")
     security = ReceiverSecurity.from_env(tls_cert=args.tls_cert, tls_key=args.tls_key,
                                          insecure_open=args.insecure_open)
     limits = HttpLimits.from_env(max_connections=args.max_connections, header_timeout_s=args.header_timeout_s,
@@ -203,6 +212,11 @@ def run(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
         except ConfigError as exc:  # TLS files that hold no certificate or key
             print(f"zoomer-serve collector: {exc}", file=sys.stderr)
             return 2
+        except BindError as exc:
+            option = _PORT_OPTIONS.get(exc.setting, exc.setting)
+            print(f"zoomer-serve collector: {exc.receiver} receiver cannot listen on {exc.address} (set by --host "
+                  f"and {option}): {exc.reason}", file=sys.stderr)
+            return 1
         except (StoreError, OSError) as exc:
             print(f"zoomer-serve collector: {exc}", file=sys.stderr)
             return 1

@@ -67,11 +67,13 @@ class EmbeddedCollector:
 
     Raises (from :meth:`start`):
         zoomer_serve.collector.store.StoreError: the store cannot be opened for writing.
-        OSError: a port cannot be bound (``BindError`` for gRPC).
+        zoomer_serve.netaddr.BindError: a port cannot be bound (an OSError naming the receiver, the address,
+            the setting and why).
         zoomer_serve.config.ConfigError: the TLS certificate or key cannot be loaded.
 
     Raises (from the constructor):
-        ValueError: a bad setting; ``ConfigError`` (a ValueError) for a non-loopback ``host`` with neither
+        ValueError: a bad setting (a port out of range, the same non-zero port for both receivers);
+            ``ConfigError`` (a ValueError) for a non-loopback ``host`` with neither
             token nor TLS unless ``security.insecure_open``.
     """
 
@@ -94,6 +96,9 @@ class EmbeddedCollector:
         for name, port in (("grpc_port", grpc_port), ("http_port", http_port)):
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{name} must be in 0..65535, got {port}")
+        if grpc_port is not None and grpc_port == http_port and grpc_port != 0:
+            raise ValueError(f"grpc_port and http_port are both {grpc_port}: the OTLP/gRPC and OTLP/HTTP receivers "
+                             "need a port each (0 picks a free one)")
         self.config = CollectorConfig(
             store_path=Path(store_path) if store_path is not None else default_store_path(),
             host=host,

@@ -28,6 +28,9 @@ import grpc
 
 from zoomer_serve.collector.ingest import GRPC_SERVICES, Ingestor, Outcome, Signal
 from zoomer_serve.collector.security import ReceiverSecurity
+from zoomer_serve.netaddr import BindError, bind_probe, format_hostport
+
+__all__ = ["BindError", "GrpcReceiver", "format_hostport"]
 
 log = logging.getLogger(__name__)
 
@@ -36,15 +39,6 @@ _STATUS = {
     Outcome.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Outcome.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
 }
-
-
-class BindError(OSError):
-    """A receiver could not listen on the requested address (port in use, bad host, ...)."""
-
-
-def format_hostport(host: str, port: int) -> str:
-    """``host:port``, with brackets around an IPv6 literal."""
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 def _serialize(message: Any) -> bytes:
@@ -97,7 +91,7 @@ class GrpcReceiver:
         """Bind and start serving; returns the bound port.
 
         Raises:
-            BindError: the address cannot be bound.
+            BindError: the address cannot be bound (its message names the receiver, the address and why).
             zoomer_serve.config.ConfigError: the TLS certificate or key cannot be read.
         """
         pem = self._security.pem_pair()
@@ -114,11 +108,14 @@ class GrpcReceiver:
             else:
                 port = server.add_secure_port(address, grpc.ssl_server_credentials([pem]))
         except RuntimeError as exc:
+            failure: str | None = str(exc)
+        else:
+            failure = None if port else "grpc bound no port"
+        if failure is not None:
             server.stop(None)
-            raise BindError(f"OTLP/gRPC receiver cannot listen on {address}: {exc}") from exc
-        if not port:
-            server.stop(None)
-            raise BindError(f"OTLP/gRPC receiver cannot listen on {address}")
+            # grpc's error only says "Failed to bind to address ...; set GRPC_VERBOSITY=debug ...": ask the OS why
+            reason = bind_probe(self._host, self._requested_port) or failure
+            raise BindError("OTLP/gRPC", address, reason, "grpc_port")
         server.start()
         self._server = server
         self.port = port

@@ -78,6 +78,7 @@ from zoomer_serve import envvars
 from zoomer_serve.collector.ingest import REQUEST_TYPES, Ingestor, IngestResult, Outcome, Signal
 from zoomer_serve.collector.security import ReceiverSecurity
 from zoomer_serve.config import ConfigError
+from zoomer_serve.netaddr import BindError, bind_failure_reason, format_hostport
 
 log = logging.getLogger(__name__)
 
@@ -621,13 +622,18 @@ class HttpReceiver:
         """Bind and start serving in a background thread; returns the bound port.
 
         Raises:
-            OSError: the address cannot be bound (port in use, unknown host).
+            BindError: the address cannot be bound (port in use, unknown host); an OSError naming the
+                receiver, the address and why.
             ConfigError: the TLS certificate or key cannot be loaded.
         """
         ssl_context = self.security.server_ssl_context()
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        sock = socket.create_server((self._host, self._requested_port), family=family,
-                                    backlog=min(socket.SOMAXCONN, self.limits.max_connections))
+        try:
+            sock = socket.create_server((self._host, self._requested_port), family=family,
+                                        backlog=min(socket.SOMAXCONN, self.limits.max_connections))
+        except OSError as exc:
+            raise BindError("OTLP/HTTP", format_hostport(self._host, self._requested_port),
+                            bind_failure_reason(exc), "http_port") from exc
         self._check_fd_limit()
         self.port = sock.getsockname()[1]
         self.pool = ThreadPoolExecutor(self.limits.ingest_threads, thread_name_prefix="otlp-http")
