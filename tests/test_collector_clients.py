@@ -26,6 +26,8 @@ import psutil
 import pytest
 from _collector_fixtures import TRACE_EXPORT, http_post, raw_trace_request
 from _collector_process import CollectorProcess, start_collector
+from _scripted_otlp import loopback_export_config, request_records
+from google.rpc import status_pb2
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -36,6 +38,7 @@ from zoomer_serve.collector.cli import build_collector
 from zoomer_serve.collector.http_receiver import HttpLimits
 from zoomer_serve.collector.security import ReceiverSecurity
 from zoomer_serve.config import ConfigError
+from zoomer_serve.export import ExportWorker
 from zoomer_serve.netaddr import is_loopback_host
 
 MiB = 1024 * 1024
@@ -329,6 +332,40 @@ def test_an_open_collector_says_so_in_its_ready_line_and_takes_exports(tmp_path:
         finally:
             collector.kill()
         assert stopped["spans_received"] == 3 and stopped["rejected_unauthenticated"] == 0
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_an_exporter_without_the_collectors_token_is_told_how_to_send_it(
+        tmp_path: Path, protocol: str, caplog: pytest.LogCaptureFixture) -> None:
+    """C20: spans refused for their credentials (gRPC UNAUTHENTICATED, HTTP 401) are counted as failed exports
+    (``export_failed``, the documented reasons), and the error says that the collector refused the credentials
+    and names the variable that sends them, in the form to use; the same when the token sent is wrong."""
+    hint = "OTEL_EXPORTER_OTLP_HEADERS=authorization=Bearer%20<token>"
+    security = ReceiverSecurity(token="sekret")
+    with EmbeddedCollector(tmp_path / "s.duckdb", grpc_port=0, http_port=0, security=security) as collector:
+        port = collector.grpc_port if protocol == "grpc" else collector.http_port
+        assert port is not None
+        for headers, what in (({}, "no authorization header was sent"),
+                              ({"authorization": "Bearer wrong"}, "OTEL_EXPORTER_OTLP_HEADERS")):
+            caplog.clear()
+            cfg = loopback_export_config(protocol, port, headers=headers, metrics=False)
+            worker = ExportWorker(cfg, {"service.name": "no-token"})
+            with caplog.at_level(logging.WARNING, logger="zoomer_serve.export"):
+                worker.start()
+                worker.put(request_records(5))
+                stats = worker.shutdown(20.0)
+            assert stats.exported == 0 and stats.dropped_export == 5 and stats.dropped_rejected == 0
+            error = stats.last_error or ""
+            assert "the collector refused the credentials" in error and hint in error and what in error, error
+            logged = [r.getMessage() for r in caplog.records if "could not export spans" in r.getMessage()]
+            assert len(logged) == 1 and hint in logged[0], logged
+        # what the collector answers any client names the variable too
+        with pytest.raises(grpc.RpcError) as err:
+            grpc_export(collector.grpc_port)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and hint in (err.value.details() or "")
+        status, _, body = http_post(collector.http_port, "/v1/traces", raw_trace_request(1).SerializeToString())
+        assert status == 401 and hint in status_pb2.Status.FromString(body).message
+        assert collector.stats()["spans_received"] == 0
 
 
 @pytest.mark.slow

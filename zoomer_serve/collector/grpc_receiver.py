@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 
 from zoomer_serve.collector.ingest import GRPC_SERVICES, Ingestor, Outcome, Signal
-from zoomer_serve.collector.security import ReceiverSecurity
+from zoomer_serve.collector.security import UNAUTHENTICATED_MESSAGE, ReceiverSecurity
 from zoomer_serve.netaddr import BindError, bind_probe, format_hostport
 
 __all__ = ["BindError", "GrpcReceiver", "format_hostport"]
@@ -69,8 +69,7 @@ class GrpcReceiver:
                 metadata = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
                 if not security.authorized(metadata.get("authorization")):
                     ingestor.count("rejected_unauthenticated")
-                    context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                  "missing or wrong bearer token: send metadata 'authorization: Bearer <token>'")
+                    context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
             result = ingestor.ingest_bytes(signal, payload)
             if result.outcome is Outcome.OK:
                 return result.response

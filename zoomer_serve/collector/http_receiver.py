@@ -76,7 +76,7 @@ from google.rpc import code_pb2, status_pb2
 
 from zoomer_serve import envvars
 from zoomer_serve.collector.ingest import REQUEST_TYPES, Ingestor, IngestResult, Outcome, Signal
-from zoomer_serve.collector.security import ReceiverSecurity
+from zoomer_serve.collector.security import UNAUTHENTICATED_MESSAGE, ReceiverSecurity
 from zoomer_serve.config import ConfigError
 from zoomer_serve.netaddr import BindError, bind_failure_reason, format_hostport
 
@@ -518,7 +518,7 @@ class _Connection:
             raise HttpError(503, "the collector is stopping; retry later", close=True)
         if not receiver.security.authorized(req.headers.get("authorization")):
             receiver.ingestor.count("rejected_unauthenticated")
-            raise HttpError(401, "missing or wrong bearer token: send 'authorization: Bearer <token>'", close=True)
+            raise HttpError(401, UNAUTHENTICATED_MESSAGE, close=True)
         if req.headers.get("transfer-encoding"):
             raise HttpError(411, "chunked bodies are not accepted; send Content-Length", close=True)
         raw_length = req.headers.get("content-length")

@@ -8,7 +8,9 @@ token                   ``ZOOMER_COLLECTOR_TOKEN`` (env     every export must ca
                         only: a command line shows in       <token>`` (HTTP header / gRPC metadata); missing
                         ``ps``)                             or wrong: HTTP 401 (``WWW-Authenticate: Bearer``,
                                                             body not read), gRPC ``UNAUTHENTICATED``;
-                                                            counted in ``rejected_unauthenticated``
+                                                            counted in ``rejected_unauthenticated``;
+                                                            the answer names
+                                                            ``OTEL_EXPORTER_OTLP_HEADERS``, which sends it
 TLS                     ``--tls-cert PATH --tls-key PATH``  both receivers speak TLS with this PEM
                         (``ZOOMER_COLLECTOR_TLS_CERT`` /    certificate chain and key (HTTPS; gRPC with
                         ``ZOOMER_COLLECTOR_TLS_KEY``)       ``ssl_server_credentials``)
@@ -38,6 +40,9 @@ TOKEN_ENV = "ZOOMER_COLLECTOR_TOKEN"
 TLS_CERT_ENV = "ZOOMER_COLLECTOR_TLS_CERT"
 TLS_KEY_ENV = "ZOOMER_COLLECTOR_TLS_KEY"
 INSECURE_OPEN_ENV = "ZOOMER_COLLECTOR_INSECURE_OPEN"
+UNAUTHENTICATED_MESSAGE = ("missing or wrong bearer token: send 'authorization: Bearer <token>' (an OpenTelemetry "
+                           "exporter: OTEL_EXPORTER_OTLP_HEADERS=authorization=Bearer%20<token>)")
+"""The answer to an export without the right token (gRPC ``UNAUTHENTICATED`` details, HTTP 401 status message)."""
 
 
 @dataclass(frozen=True)

@@ -340,7 +340,7 @@ def _log_losses(stats: ExportStats, endpoint: str) -> None:
     if stats.dropped:
         failed = stats.dropped_export - stats.dropped_rejected - stats.dropped_too_large
         logger.warning("zoomer-serve: %d spans could not be exported to %s (queue full: %d, export failed: %d, "
-                       "rejected by the collector: %d, too large: %d, lost with a helper process: %d; last error: "
+                       "rejected in a partial success: %d, too large: %d, lost with a helper process: %d; last error: "
                        "%s)", stats.dropped, endpoint, stats.dropped_queue, failed, stats.dropped_rejected,
                        stats.dropped_too_large + stats.dropped_record_too_large, stats.lost_in_helper,
                        stats.last_error)

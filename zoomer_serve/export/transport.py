@@ -14,6 +14,9 @@ deadline (``time.monotonic()``) and returns a :class:`SendResult`. It never rais
 - Too large: HTTP 413, and gRPC ``RESOURCE_EXHAUSTED`` about the message size (grpc's "... larger than max
   (N vs. M)", from the server or from the client's own channel limit) return TOO_LARGE, never retried as is:
   the caller splits the batch (:class:`zoomer_serve.export.worker.ExportWorker`).
+- Credentials refused: gRPC ``UNAUTHENTICATED`` / ``PERMISSION_DENIED`` and HTTP 401 / 403 fail at once (an
+  ``export_failed`` like any failed export); the error says that the collector refused the credentials and how
+  to send them (``OTEL_EXPORTER_OTLP_HEADERS=authorization=Bearer%20<token>``).
 - Accepted: ``partial_success`` of the response (``rejected_spans`` / ``rejected_data_points`` and
   ``error_message``) is returned in the result; such a response is never retried.
 """
@@ -43,6 +46,7 @@ _GRPC_METHODS = {
 _RETRYABLE_HTTP = {429, 502, 503, 504}
 _TOO_LARGE_HTTP = 413
 _TOO_LARGE_TEXT = re.compile(r"larger than max|too large", re.IGNORECASE)  # grpc core's size errors
+_CREDENTIALS_HTTP = {401, 403}
 _STATUS_DETAILS_KEY = "grpc-status-details-bin"
 _FIRST_BACKOFF_S = 0.1
 _MAX_BACKOFF_S = 5.0
@@ -140,6 +144,25 @@ class Sender:
         pass
 
 
+HEADERS_HINT = "OTEL_EXPORTER_OTLP_HEADERS=authorization=Bearer%20<token>"
+"""How an exporter of this project sends a collector's bearer token (``ZOOMER_COLLECTOR_TOKEN``)."""
+
+
+def credentials_refused(status: str, message: str, headers: dict[str, str]) -> str:
+    """The error of an export whose credentials the collector refused (``status``: its gRPC status or HTTP code;
+    ``message``: its answer, left out when it already gives this hint, as a zoomer-serve collector's does),
+    saying whether an ``authorization`` header was sent and how to send the right one."""
+    if message and HEADERS_HINT not in message:
+        status = f"{status}: {message}"
+    if any(name.lower() == "authorization" for name in headers):
+        sent = ("the authorization header set by OTEL_EXPORTER_OTLP_HEADERS (or ..._TRACES_HEADERS) is not the "
+                "one it expects")
+    else:
+        sent = "no authorization header was sent"
+    return (f"the collector refused the credentials ({status}): {sent}; set {HEADERS_HINT} with the collector's "
+            "token (its ZOOMER_COLLECTOR_TOKEN)")
+
+
 def _retry_info(err: Any) -> tuple[bool, float | None]:
     """(RetryInfo present, its delay in seconds or None when zero) from a grpc error's
     ``grpc-status-details-bin`` trailer (a ``google.rpc.Status``)."""
@@ -218,6 +241,9 @@ class GrpcSender(Sender):
             code = err.code() if hasattr(err, "code") else None
             details = str(err.details() if hasattr(err, "details") else err)
             self.last_error = f"{code}: {details}"
+            if code in (self._grpc.StatusCode.UNAUTHENTICATED, self._grpc.StatusCode.PERMISSION_DENIED):
+                self.last_error = credentials_refused(str(code), details, self.cfg.headers)
+                return _Attempt()
             has_retry_info, delay = _retry_info(err)
             if code == self._grpc.StatusCode.RESOURCE_EXHAUSTED:
                 if _TOO_LARGE_TEXT.search(details):
@@ -247,7 +273,12 @@ class HttpSender(Sender):
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 return _Attempt(response=resp.read())
         except urllib.error.HTTPError as err:
-            self.last_error = f"HTTP {err.code}{_status_message(err)}"
+            message = _status_message(err)
+            self.last_error = f"HTTP {err.code}{message}"
+            if err.code in _CREDENTIALS_HTTP:
+                self.last_error = credentials_refused(f"HTTP {err.code}", message.removeprefix(": "),
+                                                      self.cfg.headers)
+                return _Attempt()
             if err.code == _TOO_LARGE_HTTP:
                 return _Attempt(too_large=True)
             return _Attempt(retryable=err.code in _RETRYABLE_HTTP,
