@@ -7,10 +7,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import duckdb
+import psutil
 import pytest
+from _never_lost import note
 
 from zoomer_serve.analysis.store import detect_store, load_store
 from zoomer_serve.processes import wait_for_event
@@ -138,6 +141,70 @@ def test_demo_refuses_a_store_that_already_exists(tmp_path):
     assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr
     assert f"the store {store} already exists" in proc.stderr and "--store" in proc.stderr
     assert store.read_bytes() == b"an earlier run's store"
+
+
+def _start_demo(store: Path, tmp_path: Path) -> tuple[subprocess.Popen[str], list[psutil.Process]]:
+    """``zoomer-serve demo`` in a session of its own (as from a terminal), once its first phase's load runs:
+    the process and its children (collector, server, the server's export helper)."""
+    proc = subprocess.Popen([sys.executable, "-m", "zoomer_serve", "demo", "--store", str(store), "--duration-s",
+                             "60", "--clients", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path, start_new_session=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "with the zoomer interceptor on" in line:
+            break
+    else:
+        proc.wait(timeout=60)
+        raise AssertionError(f"the demo ended before its load (exit {proc.returncode}): {proc.stderr.read()}")
+    time.sleep(2.0)  # some calls done (not a timing assertion)
+    return proc, psutil.Process(proc.pid).children(recursive=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("how", "code"), [("sigint-group", 130), ("sigterm-pid", 143)])
+def test_demo_stopped_by_ctrl_c_stops_in_order_and_keeps_every_call(tmp_path, how, code):
+    """C12 on ``zoomer-serve demo``: Ctrl+C (SIGINT to its process group) or SIGTERM to its pid while the load
+    runs: the load stops, the server stops first (its telemetry flushes into the collector still running),
+    then the collector; the report is printed with one stored server span per call sent, the batched phase
+    never starts, no child is left, and the exit status is 128 + the signal's number. (The children used to
+    get the terminal's SIGINT themselves: the collector stopped before the server's flush reached it, and
+    the demo drove load at the dead server for half a minute more.)"""
+    store = tmp_path / "int.duckdb"
+    proc, children = _start_demo(store, tmp_path)
+    if how == "sigint-group":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=180)
+    _, alive = psutil.wait_procs(children, timeout=60)
+    assert proc.returncode == code, out[-3000:] + err[-3000:]
+    assert alive == []
+    assert "Traceback" not in err and "could not be exported" not in err, err[-3000:]
+    con = duckdb.connect(str(store), read_only=True)
+    try:
+        by_service = dict(con.execute("SELECT service_name, count(*) FROM spans WHERE kind = 'SERVER' "
+                                      "GROUP BY ALL").fetchall())
+    finally:
+        con.close()
+    text = " ".join(out.split())
+    sent = int(text.split(" sent ")[1].split(" calls")[0])
+    note("C12", f"zoomer-serve demo, {how} during the load", sent, sum(by_service.values()))
+    assert by_service == {"zoomer-demo-ranker": sent} and sent > 0, text[-2000:]
+    assert f"the store holds {sent} server spans" in text and "demo problem" not in text
+
+
+@pytest.mark.slow
+def test_a_demo_killed_with_sigkill_leaves_no_child_running(tmp_path):
+    """The demo's children (collector, server) stop when the demo dies, even of SIGKILL (they used to serve
+    on, orphaned, until killed by hand)."""
+    proc, children = _start_demo(tmp_path / "killed.duckdb", tmp_path)
+    assert len(children) >= 2
+    proc.kill()
+    proc.communicate(timeout=60)
+    _, alive = psutil.wait_procs(children, timeout=90)
+    for child in alive:
+        child.kill()
+    assert alive == []
 
 
 @pytest.mark.parametrize(("max_requests", "batch", "calls"), [

@@ -26,7 +26,7 @@ from zoomer_serve.cli_types import (
     torch_threads,
 )
 from zoomer_serve.config import ConfigError
-from zoomer_serve.processes import start_zoomer_command, stop_process
+from zoomer_serve.processes import SignalStop, StopRequested, start_zoomer_command, stop_process
 from zoomer_serve.profiling.serving import ServerProfiling, add_profiling_options
 
 SLOW_PREPROCESS_HELP = ("add N iterations of a deliberately slow pure-Python step (hash_ids_slowly) to every "
@@ -232,45 +232,65 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"zoomer-serve demo: {problem}", file=sys.stderr)
         return 2
     env = dict(os.environ)
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[subprocess.Popen[bytes]] = []  # running: the collector, then the server of the phase
     results: list[Any] = []
-    server_rc = 0
-    try:
-        _say(console, f"[bold]zoomer-serve demo[/]: store [cyan]{store}[/]")
-        collector, col = start_zoomer_command(
-            ["collector", "--store", str(store), "--grpc-port", "0", "--http-port", "0"], env, "embedded collector")
-        procs.append(collector)
-        _say(console, f"  embedded OTLP collector on 127.0.0.1:{col['grpc_port']} (gRPC), "
-                      f":{col['http_port']} (HTTP)")
-        for service, batch_size, seconds, calls in _phases(args):
-            server_env = dict(env, OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{col['grpc_port']}",
-                              OTEL_EXPORTER_OTLP_PROTOCOL="grpc", OTEL_SERVICE_NAME=service,
-                              OTEL_BSP_SCHEDULE_DELAY="500", OTEL_METRIC_EXPORT_INTERVAL="5000")
-            server, srv = start_zoomer_command(
-                ["serve-demo", "--port", "0", "--server", args.server, "--transport", args.transport,
-                 "--slow-preprocess", str(args.slow_preprocess), "--batch-max-size", str(batch_size),
-                 "--batch-max-delay-ms", str(args.batch_max_delay_ms)], server_env, "demo model server")
-            procs.append(server)
-            target = f"127.0.0.1:{srv['port']}"
-            how = (f"a dynamic batcher of at most {batch_size} requests, {args.batch_max_delay_ms:g} ms"
-                   if batch_size else "one forward pass per request")
-            _say(console, f"  demo Ranker {service} (DLRM on {srv['device']}, {how}) with the zoomer interceptor "
-                          f"on {target}")
-            results.append(_drive(console, target, args, seconds, calls))
-            _say(console, "  stopping the server (drain, flush telemetry)")
-            server_rc = max(server_rc, stop_process(server, 30))
-            procs.remove(server)
-        _say(console, "  stopping the collector (flush store)")
-        collector_rc = stop_process(collector, 30)
-        procs.clear()
-    except RuntimeError as exc:  # a child did not start; it said why on stderr
-        _say(console, f"[red]zoomer-serve demo[/]: {exc}")
+    server_rc = collector_rc = 0
+    failed: str | None = None
+    # Ctrl+C (SIGINT to the process group: the children run in groups of their own and do not get it) or
+    # SIGTERM: stop the load, then the server (it flushes into the collector still running), then the collector
+    with SignalStop("zoomer-serve demo") as stopping:
+        try:
+            _say(console, f"[bold]zoomer-serve demo[/]: store [cyan]{store}[/]")
+            collector, col = start_zoomer_command(
+                ["collector", "--store", str(store), "--grpc-port", "0", "--http-port", "0"], env,
+                "embedded collector", stop=stopping.event)
+            procs.append(collector)
+            _say(console, f"  embedded OTLP collector on 127.0.0.1:{col['grpc_port']} (gRPC), "
+                          f":{col['http_port']} (HTTP)")
+            for service, batch_size, seconds, calls in _phases(args):
+                if stopping.stopped:
+                    break
+                server_env = dict(env, OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{col['grpc_port']}",
+                                  OTEL_EXPORTER_OTLP_PROTOCOL="grpc", OTEL_SERVICE_NAME=service,
+                                  OTEL_BSP_SCHEDULE_DELAY="500", OTEL_METRIC_EXPORT_INTERVAL="5000")
+                server, srv = start_zoomer_command(
+                    ["serve-demo", "--port", "0", "--server", args.server, "--transport", args.transport,
+                     "--slow-preprocess", str(args.slow_preprocess), "--batch-max-size", str(batch_size),
+                     "--batch-max-delay-ms", str(args.batch_max_delay_ms)], server_env, "demo model server",
+                    stop=stopping.event)
+                procs.append(server)
+                target = f"127.0.0.1:{srv['port']}"
+                how = (f"a dynamic batcher of at most {batch_size} requests, {args.batch_max_delay_ms:g} ms"
+                       if batch_size else "one forward pass per request")
+                _say(console, f"  demo Ranker {service} (DLRM on {srv['device']}, {how}) with the zoomer "
+                              f"interceptor on {target}")
+                results.append(_drive(console, target, args, seconds, calls, stopping.event))
+                _say(console, "  stopping the server (drain, flush telemetry)")
+                server_rc = max(server_rc, stop_process(server, 30))
+                procs.remove(server)
+        except StopRequested:
+            pass
+        except RuntimeError as exc:  # a child did not start; it said why on stderr
+            failed = str(exc)
+        finally:
+            # what still runs stops in order, the server before the collector (never killed first: what the
+            # server had not flushed would be lost); each is killed only after its stop timeout
+            for proc in reversed(procs):
+                if proc is not procs[0]:
+                    _say(console, "  stopping the server (drain, flush telemetry)")
+                    server_rc = max(server_rc, stop_process(proc, 30))
+            if procs:
+                _say(console, "  stopping the collector (flush store)")
+                collector_rc = stop_process(procs[0], 30)
+            procs.clear()
+    if failed is not None:
+        _say(console, f"[red]zoomer-serve demo[/]: {failed}")
         return 1
-    finally:
-        for proc in procs:
-            proc.kill()
+    if stopping.stopped and not results:
+        _say(console, f"  stopped ({signal.Signals(stopping.signum or 0).name}) before any load was sent")
+        return stopping.exit_code
     out = TableOutput(fmt, console=console if fmt == "table" else None)
-    return _finish(out, store, html, _merged(results), server_rc, collector_rc)
+    return _finish(out, store, html, _merged(results), server_rc, collector_rc, stopping.signum)
 
 
 def _output_problem(store: Path, html: Path) -> str | None:
@@ -305,7 +325,8 @@ def _merged(results: list[Any]) -> Any:
                       stream_messages=sum(res.stream_messages for res in results))
 
 
-def _drive(console: Any, target: str, args: argparse.Namespace, seconds: float, calls: int | None) -> Any:
+def _drive(console: Any, target: str, args: argparse.Namespace, seconds: float, calls: int | None,
+           cancel: threading.Event | None = None) -> Any:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     drive_load: Callable[..., Any]
@@ -323,15 +344,18 @@ def _drive(console: Any, target: str, args: argparse.Namespace, seconds: float, 
         def progress(p: Any) -> None:
             bar.update(task, completed=min(p.elapsed_s, seconds), calls=p.calls, ok=p.ok)
 
-        result = drive_load(target, seconds, clients=args.clients, max_requests=calls, progress=progress)
-        bar.update(task, completed=seconds, calls=result.total_calls)
+        result = drive_load(target, seconds, clients=args.clients, max_requests=calls, progress=progress,
+                            cancel=cancel)
+        bar.update(task, completed=seconds if cancel is None or not cancel.is_set() else min(result.duration_s,
+                   seconds), calls=result.total_calls)
     return result
 
 
-def _finish(console: TableOutput, store: Path, html: Path, result: Any, server_rc: int, collector_rc: int) -> int:
+def _finish(console: TableOutput, store: Path, html: Path, result: Any, server_rc: int, collector_rc: int,
+            signum: int | None = None) -> int:
     """Print the report and the findings, write the HTML report to ``html``, name what to run next; the exit
     code (1 when a process failed, the store does not hold one span per call, or the HTML report could not be
-    written)."""
+    written; 128 + ``signum`` when a signal stopped the demo early, after the report of what it did)."""
     import shlex
 
     from rich.text import Text
@@ -364,5 +388,10 @@ def _finish(console: TableOutput, store: Path, html: Path, result: Any, server_r
         console.print(Text(f"demo problem: server exit {server_rc}, collector exit {collector_rc}, "
                            f"{result.unexpected} unexpected statuses, {spans} spans for {result.total_calls} calls"
                            + ("" if html_written else ", the HTML report not written")))
+    if signum is not None:
+        console.print(Text(f"  stopped early by {signal.Signals(signum).name} after {result.duration_s:.1f} s of "
+                           "load: the report covers the calls sent until then"))
     console.close()
+    if signum is not None:
+        return 128 + signum
     return 0 if ok else 1

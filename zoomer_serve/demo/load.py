@@ -304,10 +304,12 @@ def _client(index: int, seed: int, plan: _Plan, tally: CallTally, stop: threadin
 
 def run_clients(clients: int, client: Callable[[int, threading.Event], None],
                 snapshot: Callable[[float], LoadProgress], start: float,
-                progress: Callable[[LoadProgress], None] | None, progress_interval_s: float, name: str) -> float:
+                progress: Callable[[LoadProgress], None] | None, progress_interval_s: float, name: str,
+                cancel: threading.Event | None = None) -> float:
     """Run ``client(index, stop)`` on ``clients`` threads until all return; report ``snapshot(elapsed_s)`` to
     ``progress`` about every ``progress_interval_s`` and once at the end, on this thread. An exception in a
-    client stops the others and is re-raised here. Returns the elapsed seconds since ``start``
+    client stops the others and is re-raised here; ``cancel`` set (a Ctrl+C) stops them too, within about
+    ``progress_interval_s`` (calls in flight finish). Returns the elapsed seconds since ``start``
     (``time.monotonic()``)."""
     stop = threading.Event()
     errors: list[BaseException] = []
@@ -326,6 +328,8 @@ def run_clients(clients: int, client: Callable[[int, threading.Event], None],
         for t in threads:
             while t.is_alive():
                 t.join(progress_interval_s)
+                if cancel is not None and cancel.is_set():
+                    stop.set()
                 if progress is not None and t.is_alive():
                     progress(snapshot(time.monotonic() - start))
     finally:
@@ -356,6 +360,7 @@ def drive_load(
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
     rpc_timeout_s: float = 10.0,
     progress_interval_s: float = 0.5,
+    cancel: threading.Event | None = None,
 ) -> LoadResult:
     """Send load to the Ranker service at ``target`` ("host:port") and tally the outcomes.
 
@@ -373,6 +378,7 @@ def drive_load(
         metadata: gRPC metadata sent with every call, e.g. (("traceparent", "00-..."),).
         config: the served model's shape (default ``DLRMConfig()``).
         max_batch_size: the server's limit, used to build BATCH_TOO_LARGE requests.
+        cancel: once set, no call starts (calls in flight finish): ``zoomer-serve demo``'s Ctrl+C.
 
     Returns:
         LoadResult; transport failures (e.g. UNAVAILABLE when nothing listens) are counted, not raised.
@@ -402,7 +408,7 @@ def drive_load(
     )
     tally = CallTally(max_requests)
     elapsed = run_clients(clients, lambda i, stop: _client(i, seed, plan, tally, stop), tally.progress, start,
-                          progress, progress_interval_s, "load-client")
+                          progress, progress_interval_s, "load-client", cancel)
     return LoadResult(
         duration_s=elapsed,
         counts=dict(tally.counts),

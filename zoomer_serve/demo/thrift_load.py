@@ -130,6 +130,7 @@ def drive_thrift_load(
     rpc_timeout_s: float = 10.0,
     progress_interval_s: float = 0.5,
     tracked: bool = False,
+    cancel: threading.Event | None = None,
 ) -> LoadResult:
     """Send ``Predict`` load to the Thrift Ranker at ``target`` ("host:port") and tally the outcomes; the
     arguments are those of ``load.drive_load`` (which see), except:
@@ -160,7 +161,7 @@ def drive_thrift_load(
                  max_batch_size, max(1, int(rpc_timeout_s * 1000)), tracked)
     tally = CallTally(max_requests)
     elapsed = run_clients(clients, lambda i, stop: _client(i, seed, plan, tally, stop), tally.progress, start,
-                          progress, progress_interval_s, "thrift-load")
+                          progress, progress_interval_s, "thrift-load", cancel)
     return LoadResult(duration_s=elapsed, counts=dict(tally.counts),
                       latency_ms={PREDICT: LatencyStats.from_samples(tally.samples[PREDICT])},
                       unexpected=tally.unexpected, stream_messages=0)
