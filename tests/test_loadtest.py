@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -23,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import psutil
 import pytest
+from _never_lost import note
 from _profiling_support import TOKEN, serve_with_profiling, traces
 
 from interceptors import ZoomerServerInterceptor
@@ -264,6 +267,49 @@ def test_zoomer_serve_loadtest_runs_headless_and_prints_client_server_gap_and_pr
     assert profile.started_after_s is not None and profile.started_after_s >= 1.0
     assert [str(p) for p in traces(profiles)] == [profile.trace_file] == [profile.session["trace_path"]]
     assert summary.store == str(store)
+
+
+@pytest.mark.slow
+def test_loadtest_stopped_by_ctrl_c_stops_locust_then_server_then_collector_and_keeps_every_call(
+        tmp_path: Path) -> None:
+    """Ctrl+C (SIGINT to the process group) during ``zoomer-serve loadtest``: locust stops its users at once,
+    the server stops before the collector (its telemetry flushed into the store), the summary of what ran is
+    printed with one server span per client request, no child is left, exit 130. (locust used to run on for
+    its whole --run-time against a server and collector that had the Ctrl+C too; exit 0, thousands of
+    failures, spans that could not be exported.)"""
+    env = {k: v for k, v in os.environ.items() if k not in ("ZOOMER_ADMIN_TOKEN", "ZOOMER_LOADTEST_TARGET")}
+    store = tmp_path / "int.duckdb"
+    proc = subprocess.Popen([sys.executable, "-m", "zoomer_serve", "loadtest", "--users", "2", "--run-time", "120",
+                             "--no-profile", "--store", str(store), "--profiles-dir", str(tmp_path / "profiles"),
+                             "--json"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    assert proc.stderr is not None
+    seen = []
+    for line in proc.stderr:  # with --json our lines and locust's go to stderr
+        seen.append(line)
+        if "Ramping to 2 users" in line or "All users spawned" in line:
+            break
+    else:
+        raise AssertionError("locust never started: " + "".join(seen)[-3000:])
+    children = psutil.Process(proc.pid).children(recursive=True)
+    time.sleep(3.0)  # some requests done (not a timing assertion)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=180)
+    err = "".join(seen) + err
+    _, alive = psutil.wait_procs(children, timeout=60)
+    assert proc.returncode == 130, err[-4000:]
+    assert alive == []
+    assert "Traceback" not in err and "could not be exported" not in err, err[-4000:]
+    summary = LoadTestSummary.from_dict(json.loads(out))
+    client = {c.name: c for c in summary.client}
+    server = {s.method: s for s in summary.server or []}
+    sent = sum(client[n].count for n in RANKER if n in client)
+    note("C12", "zoomer-serve loadtest, sigint-group during the load", sent,
+         sum(server[n].count for n in RANKER if n in server))
+    assert sent > 0 and client["Aggregated"].failures == 0, err[-4000:]
+    for name in RANKER:
+        if name in client:
+            assert server[name].count == client[name].count
 
 
 def _closed_port() -> int:

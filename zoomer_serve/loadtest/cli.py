@@ -16,6 +16,12 @@ locust runs in a subprocess (``python -m locust``), so this command never import
 monkeypatching would affect every other command). Exit code 0 when locust exited 0, the profile (unless
 ``--no-profile``) produced a trace and, in the self-contained mode, the server and collector stopped cleanly;
 else 1; 2 for bad options.
+
+Ctrl+C (SIGINT to the process group) or SIGTERM: locust, the collector and the server run in process groups of
+their own and do not get the terminal's Ctrl+C; this command SIGTERMs locust (it stops its users and writes its
+summary), then stops the server (it flushes its telemetry into the collector still running), then the collector,
+prints the summary of what ran and exits 128 + the signal's number (130, 143). If it is killed (SIGKILL), its
+children get SIGTERM on Linux (:func:`zoomer_serve.processes.child_popen_kwargs`).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import dataclasses
 import json
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -44,7 +51,13 @@ from zoomer_serve.loadtest.config import (
     grpc_target,
     to_locust_args,
 )
-from zoomer_serve.processes import start_zoomer_command, stop_process
+from zoomer_serve.processes import (
+    SignalStop,
+    StopRequested,
+    child_popen_kwargs,
+    start_zoomer_command,
+    stop_process,
+)
 
 DEFAULT_LOCUSTFILE = Path(__file__).with_name("ranker_users.py")
 PREFLIGHT_TIMEOUT_S = 5.0
@@ -102,11 +115,15 @@ def run(args: argparse.Namespace) -> int:
             end = "" if problem.endswith((".", "?")) else "."  # "running there?" takes no period after it
             print(f"zoomer-serve loadtest: {problem}{end} No load was run.", file=sys.stderr)
             return 1
-    with tempfile.TemporaryDirectory(prefix="zoomer-loadtest-") as tmp:
+    # Ctrl+C (SIGINT to the process group: locust, the server and the collector run in groups of their own and
+    # do not get it) or SIGTERM: locust stops its users and writes its summary, then the server stops (it
+    # flushes into the collector still running), then the collector; the summary of what ran is printed
+    with SignalStop("zoomer-serve loadtest") as stopping, \
+            tempfile.TemporaryDirectory(prefix="zoomer-loadtest-") as tmp:
         plugin_json = Path(tmp) / "summary.json"
         if args.host is not None:
-            return _run_against(args, options, args.host, dict(os.environ), plugin_json, [])
-        return _run_demo(args, options, plugin_json)
+            return _run_against(args, options, args.host, dict(os.environ), plugin_json, [], stopping)
+        return _run_demo(args, options, plugin_json, stopping)
 
 
 # -- preflight -----------------------------------------------------------------------------------------------
@@ -146,7 +163,7 @@ def check_answers(address: str, protocol: str, timeout_s: float = PREFLIGHT_TIME
 
 
 # -- processes -----------------------------------------------------------------------------------------------
-def _run_demo(args: argparse.Namespace, options: LoadTestOptions, plugin_json: Path) -> int:
+def _run_demo(args: argparse.Namespace, options: LoadTestOptions, plugin_json: Path, stopping: SignalStop) -> int:
     data = Path("zoomer-data")
     store = (options.store or data / time.strftime("loadtest-%Y%m%d-%H%M%S.duckdb")).resolve()
     profiles = (options.profiles_dir or data / "profiles").resolve()
@@ -162,14 +179,16 @@ def _run_demo(args: argparse.Namespace, options: LoadTestOptions, plugin_json: P
     say = _say(_machine_readable(args))
     try:
         collector, col = start_zoomer_command(
-            ["collector", "--store", str(store), "--grpc-port", "0", "--http-port", "0"], env, "embedded collector")
+            ["collector", "--store", str(store), "--grpc-port", "0", "--http-port", "0"], env, "embedded collector",
+            stop=stopping.event)
         procs.append(collector)
         endpoint = f"http://127.0.0.1:{col['grpc_port']}"
         env.update(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
                    OTEL_BSP_SCHEDULE_DELAY="500")
         server, srv = start_zoomer_command(
             ["serve-demo", "--port", "0", "--transport", args.transport, "--server", args.server,
-             "--profiles-dir", str(profiles)], dict(env, OTEL_SERVICE_NAME="zoomer-demo-ranker"), "demo model server")
+             "--profiles-dir", str(profiles)], dict(env, OTEL_SERVICE_NAME="zoomer-demo-ranker"), "demo model server",
+            stop=stopping.event)
         procs.append(server)
         host = f"127.0.0.1:{srv['port']}"
         options = dataclasses.replace(options, target=f"127.0.0.1:{srv['admin_port']}")
@@ -177,15 +196,19 @@ def _run_demo(args: argparse.Namespace, options: LoadTestOptions, plugin_json: P
             f"({args.transport}, {args.server}) on {host}")
         if note:
             say(f"zoomer-serve loadtest: {note}")
-        return _run_against(args, options, host, env, plugin_json, procs)
+        if stopping.stopped:
+            raise StopRequested("stopped before the load started")
+        return _run_against(args, options, host, env, plugin_json, procs, stopping)
+    except StopRequested:
+        print(f"zoomer-serve loadtest: stopped ({signal.Signals(stopping.signum or signal.SIGINT).name}) "
+              "before any load was run", file=sys.stderr)
+        return stopping.exit_code
     except RuntimeError as exc:
         print(f"zoomer-serve loadtest: {exc}", file=sys.stderr)
         return 1
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        for proc in reversed(procs):  # what still runs: the server, then the collector (killed after a timeout)
+            stop_process(proc, 60)
 
 
 def _machine_readable(args: argparse.Namespace) -> bool:
@@ -217,24 +240,19 @@ def locust_command(args: argparse.Namespace, options: LoadTestOptions, host: str
 
 
 def _run_against(args: argparse.Namespace, options: LoadTestOptions, host: str, env: dict[str, str],
-                 plugin_json: Path, procs: list[subprocess.Popen[bytes]]) -> int:
+                 plugin_json: Path, procs: list[subprocess.Popen[bytes]], stopping: SignalStop) -> int:
     """Run locust, stop the processes this command started (``procs``: server, then collector), read the
-    store, print everything; the exit code."""
-    limit_s = args.run_time + options.stop_wait_s + 120
-    try:
-        locust = subprocess.run(locust_command(args, options, host, plugin_json), env=env,
-                                stdout=sys.stderr if _machine_readable(args) else None, timeout=limit_s)
-        locust_rc = locust.returncode
-    except subprocess.TimeoutExpired:  # subprocess.run killed it
-        print(f"zoomer-serve loadtest: locust did not end within {limit_s:g} s; killed", file=sys.stderr)
-        locust_rc = -1
+    store, print everything; the exit code (128 + the signal's number when ``stopping`` got one: locust
+    was stopped early with SIGTERM, which stops its users and writes its summary)."""
+    locust_rc = _run_locust(locust_command(args, options, host, plugin_json), env, _machine_readable(args),
+                            args.run_time + options.stop_wait_s + 120, stopping)
     stopped_ok = True
     for proc in reversed(procs):  # the server first (a session still running is finished), then the collector
         stopped_ok = stop_process(proc, 60) == 0 and stopped_ok
     procs.clear()
     if not plugin_json.is_file():
         print(f"zoomer-serve loadtest: locust wrote no summary (exit code {locust_rc})", file=sys.stderr)
-        return 1
+        return stopping.exit_code or 1
     from zoomer_serve.loadtest.summary import LoadTestSummary, with_store
 
     summary = LoadTestSummary.read_json(plugin_json)
@@ -244,7 +262,33 @@ def _run_against(args: argparse.Namespace, options: LoadTestOptions, host: str, 
         summary.write_json(options.summary_json)
     _print(summary, options, args.json, getattr(args, "format", "table"))
     profile_ok = not options.profile or (summary.profile is not None and summary.profile.ok)
+    if stopping.stopped:
+        print(f"zoomer-serve loadtest: stopped early by {signal.Signals(stopping.signum or signal.SIGINT).name}: "
+              "the summary covers the load sent until then", file=sys.stderr)
+        return stopping.exit_code
     return 0 if locust_rc == 0 and profile_ok and stopped_ok else 1
+
+
+def _run_locust(argv: list[str], env: dict[str, str], to_stderr: bool, limit_s: float, stopping: SignalStop) -> int:
+    """Run locust in a process group of its own until it exits: SIGTERM it once ``stopping`` is set (locust
+    then stops its users, within its ``--stop-timeout``, and writes its summary), kill it after ``limit_s``
+    seconds. Its exit code (-1 when killed for the time limit)."""
+    proc = subprocess.Popen(argv, env=env, stdout=sys.stderr if to_stderr else None, **child_popen_kwargs())
+    deadline = time.monotonic() + limit_s
+    signalled = False
+    while True:
+        try:
+            return proc.wait(timeout=0.2)
+        except subprocess.TimeoutExpired:
+            pass
+        if stopping.stopped and not signalled:
+            proc.send_signal(signal.SIGTERM)
+            signalled = True
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            print(f"zoomer-serve loadtest: locust did not end within {limit_s:g} s; killed", file=sys.stderr)
+            return -1
 
 
 def _print(summary: Any, options: LoadTestOptions, as_json: bool, format: str = "table") -> None:
