@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
@@ -87,40 +86,48 @@ class SignalStop:
         return 128 + self.signum if self.signum is not None else 0
 
 
-def _die_with_parent(parent_pid: int) -> Callable[[], None] | None:
-    """A ``preexec_fn`` that asks Linux to SIGTERM the child when the thread that started it ends (its process
-    dies, SIGKILL included), or None off Linux. Everything it needs is looked up here, before the fork."""
-    if not sys.platform.startswith("linux"):
-        return None
+PARENT_PID_VAR = "ZOOMER_PARENT_PID"
+"""Set by :func:`child_popen_kwargs` in a child's environment: the pid of the command that started it, which the
+child (:func:`die_with_parent`, run first thing by ``python -m zoomer_serve`` and by :data:`LOCUST_BOOT`)
+follows into death."""
+
+LOCUST_BOOT = ("import runpy; from zoomer_serve.processes import die_with_parent; die_with_parent(); "
+               "runpy.run_module('locust', run_name='__main__', alter_sys=True)")
+"""``python -c LOCUST_BOOT ARGS...`` is ``python -m locust ARGS...`` that first follows its parent into death."""
+
+
+def die_with_parent() -> None:
+    """In a child started with :func:`child_popen_kwargs`: take :data:`PARENT_PID_VAR` out of the environment (so
+    that this process's own children do not act on it) and, on Linux, ask for SIGTERM when the parent dies
+    (``prctl(PR_SET_PDEATHSIG)``), SIGKILL included; SIGTERM at once when it is already gone. Done here, after
+    ``exec``, not in a ``preexec_fn``, which is not safe in a parent with threads. Nothing without the variable
+    or off Linux."""
+    raw = os.environ.pop(PARENT_PID_VAR, None)
+    if raw is None or not sys.platform.startswith("linux"):
+        return
     import ctypes
 
     try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    pr_set_pdeathsig, sigterm, getppid, kill = 1, int(signal.SIGTERM), os.getppid, os.kill
-
-    def preexec() -> None:
-        prctl(pr_set_pdeathsig, sigterm, 0, 0, 0)
-        if getppid() != parent_pid:  # the parent died before the request took effect
-            kill(os.getpid(), sigterm)
-
-    return preexec
+        parent_pid = int(raw)
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    except (ValueError, OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
-def child_popen_kwargs() -> dict[str, Any]:
+def child_popen_kwargs(env: dict[str, str] | None = None) -> dict[str, Any]:
     """``subprocess.Popen`` arguments for a long-lived child of a command: a process group of its own (a
     Ctrl+C in the terminal goes to the command alone, which stops its children in order), stdin from
-    /dev/null (it never reads the terminal), and on Linux SIGTERM when the thread that starts it ends (the
-    command died, of SIGKILL too: no child lives on). Start such children from the main thread."""
-    kwargs: dict[str, Any] = {"stdin": subprocess.DEVNULL}
+    /dev/null (it never reads the terminal), and ``env`` (default: this process's) with :data:`PARENT_PID_VAR`,
+    so that a child that runs :func:`die_with_parent` gets SIGTERM when the command dies (on Linux; of SIGKILL
+    too: no child lives on)."""
+    kwargs: dict[str, Any] = {"stdin": subprocess.DEVNULL,
+                              "env": {**(os.environ if env is None else env), PARENT_PID_VAR: str(os.getpid())}}
     if sys.version_info >= (3, 11):
         kwargs["process_group"] = 0
     else:
         kwargs["start_new_session"] = True
-    preexec = _die_with_parent(os.getpid())
-    if preexec is not None:
-        kwargs["preexec_fn"] = preexec
     return kwargs
 
 
@@ -160,14 +167,14 @@ def wait_for_event(proc: subprocess.Popen[bytes], event: str, timeout_s: float,
 def start_zoomer_command(argv: list[str], env: dict[str, str], what: str, timeout_s: float = 120.0,
                          stop: threading.Event | None = None) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     """Start ``python -m zoomer_serve ARGV...`` (a collector, a demo server) as a child of its own
-    (:func:`child_popen_kwargs`; from the main thread) and wait for its ready event.
+    (:func:`child_popen_kwargs`) and wait for its ready event.
 
     Raises:
         StopRequested: ``stop`` was set first (the child is stopped with SIGTERM: :func:`stop_process`).
         RuntimeError: naming ``what``, when it exits or stays silent for ``timeout_s`` seconds (it is killed).
     """
-    proc = subprocess.Popen([sys.executable, "-m", "zoomer_serve", *argv], stdout=subprocess.PIPE, env=env,
-                            **child_popen_kwargs())
+    proc = subprocess.Popen([sys.executable, "-m", "zoomer_serve", *argv], stdout=subprocess.PIPE,
+                            **child_popen_kwargs(env))
     ready = wait_for_event(proc, "ready", timeout_s, stop)
     if ready is None and stop is not None and stop.is_set():
         stop_process(proc, 30)

@@ -12,8 +12,8 @@ Two modes:
   model server (``serve-demo`` with a one-run admin token), the load, a clean stop of both, the report.
   ``--target`` is refused here (exit 2): the demo is profiled on its own admin port.
 
-locust runs in a subprocess (``python -m locust``), so this command never imports locust or gevent (whose
-monkeypatching would affect every other command). Exit code 0 when locust exited 0, the profile (unless
+locust runs in a subprocess (``python -m locust``, by way of :data:`zoomer_serve.processes.LOCUST_BOOT`), so
+this command never imports locust or gevent (whose monkeypatching would affect every other command). Exit code 0 when locust exited 0, the profile (unless
 ``--no-profile``) produced a trace and, in the self-contained mode, the server and collector stopped cleanly;
 else 1; 2 for bad options.
 
@@ -52,6 +52,7 @@ from zoomer_serve.loadtest.config import (
     to_locust_args,
 )
 from zoomer_serve.processes import (
+    LOCUST_BOOT,
     SignalStop,
     StopRequested,
     child_popen_kwargs,
@@ -225,10 +226,10 @@ def _say(json_mode: bool) -> Any:
 
 
 def locust_command(args: argparse.Namespace, options: LoadTestOptions, host: str, plugin_json: Path) -> list[str]:
-    """The ``python -m locust`` command line of a run."""
+    """The ``python -m locust`` command line of a run (:data:`~zoomer_serve.processes.LOCUST_BOOT`)."""
     spawn_rate = args.spawn_rate if args.spawn_rate is not None else float(args.users)
     plugin_options = dataclasses.replace(options, store=None, summary_json=plugin_json)
-    argv = [sys.executable, "-m", "locust", "-f", str(args.locustfile), "--headless", "--host", host,
+    argv = [sys.executable, "-c", LOCUST_BOOT, "-f", str(args.locustfile), "--headless", "--host", host,
             "--users", str(args.users), "--spawn-rate", f"{spawn_rate:g}", "--run-time", f"{args.run_time}s",
             "--only-summary", "--stop-timeout", "10", "--zoomer-quiet",
             # failed requests are results (in the summary), not a failed run: locust would exit 1 for one call
@@ -273,7 +274,7 @@ def _run_locust(argv: list[str], env: dict[str, str], to_stderr: bool, limit_s: 
     """Run locust in a process group of its own until it exits: SIGTERM it once ``stopping`` is set (locust
     then stops its users, within its ``--stop-timeout``, and writes its summary), kill it after ``limit_s``
     seconds. Its exit code (-1 when killed for the time limit)."""
-    proc = subprocess.Popen(argv, env=env, stdout=sys.stderr if to_stderr else None, **child_popen_kwargs())
+    proc = subprocess.Popen(argv, stdout=sys.stderr if to_stderr else None, **child_popen_kwargs(env))
     deadline = time.monotonic() + limit_s
     signalled = False
     while True:
