@@ -182,7 +182,7 @@ def start_zoomer_command(argv: list[str], env: dict[str, str], what: str, timeou
     if ready is None:
         proc.kill()
         proc.wait()
-        raise RuntimeError(f"the {what} did not start (exit code {proc.poll()}); see its messages above")
+        raise RuntimeError(f"the {what} did not start (exit code {proc.poll()}); see its messages on stderr")
     return proc, ready
 
 
