@@ -181,4 +181,8 @@ SETTINGS: tuple[Setting, ...] = (
     # -- internal -------------------------------------------------------------------------------------------------
     Setting("ZOOMER_WORKER_CONFIG", _INTERNAL, "JSON", "set by zoomer-serve",
             "the export helper's settings, passed from the server process to the helper it starts; do not set"),
+    Setting("ZOOMER_PARENT_PID", _INTERNAL, "pid", "set by zoomer-serve",
+            "the pid of the `demo` or `loadtest` that started this collector, server or locust, which it follows "
+            "into death (Linux: SIGTERM when that command dies); taken out of the environment at start; do not "
+            "set"),
 )
