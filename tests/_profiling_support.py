@@ -29,10 +29,13 @@ class Served:
 
 @contextmanager
 def serve_with_profiling(telemetry: Any, model: Any, profiles_dir: Path, admin: AdminConfig | None = None,
-                         **config: Any) -> Iterator[Served]:
+                         attach: bool = True, **config: Any) -> Iterator[Served]:
     """The demo Ranker on 127.0.0.1 (port 0) with the zoomer interceptor, a controller attached to
-    ``telemetry`` and the admin service (token :data:`TOKEN` unless ``admin`` is given) on the same port."""
-    controller = ProfilerController(ProfilerConfig(profiles_dir=profiles_dir, **config), telemetry).attach()
+    ``telemetry`` (with ``attach=False``, as built: ``add_profiler_control`` has to) and the admin service
+    (token :data:`TOKEN` unless ``admin`` is given) on the same port."""
+    controller = ProfilerController(ProfilerConfig(profiles_dir=profiles_dir, **config), telemetry)
+    if attach:
+        controller.attach()
     admin = admin if admin is not None else AdminConfig(token=TOKEN)
     server, port = build_server(model, interceptors=[ZoomerServerInterceptor(telemetry.recorder)], max_workers=4,
                                 extra_servicers=[lambda s: add_profiler_control(s, controller, admin)])

@@ -268,6 +268,22 @@ def test_admin_refuses_a_missing_or_wrong_token(model: DLRM, telemetry: Any, pro
 
 
 @pytest.mark.slow
+def test_a_controller_given_to_add_profiler_control_observes_the_requests(model: DLRM, telemetry: Any,
+                                                                         profiles_dir: Path) -> None:
+    """``add_profiler_control(server, ProfilerController())``, as docs/profiling.md shows it, without
+    ``.attach()``: every session said "running" and covered no request (30 calls served, ``requests=0``, a trace
+    with no request ranges), and nothing said why. Registering the admin service attaches the controller."""
+    with serve_with_profiling(telemetry, model, profiles_dir, attach=False) as served, \
+            ProfilerClient(served.target, token=TOKEN) as client:
+        assert client.start(max_requests=5).result is Result.STARTED
+        load = drive_load(served.target, 30.0, max_requests=12, **LOAD)
+        assert load.unexpected == 0
+        assert served.controller.wait_idle(60)
+    info = served.controller.last
+    assert info is not None and info.stop_reason == "max_requests" and info.requests == 5
+
+
+@pytest.mark.slow
 def test_outside_a_session_requests_make_no_profiler_calls(model: DLRM, telemetry: Any, profiles_dir: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     calls = {"record_function": 0, "increment_step": 0}

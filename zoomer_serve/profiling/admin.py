@@ -117,7 +117,11 @@ class ProfilerControlServicer(pb_grpc.ProfilerControlServicer):
 
 def add_profiler_control(server: grpc.Server, controller: ProfilerController,
                          admin: AdminConfig | None = None) -> ProfilerControlServicer:
-    """Register the admin service on ``server`` (before it starts); returns the servicer."""
+    """Register the admin service on ``server`` (before it starts) and attach ``controller`` (it observes the
+    request spans: :meth:`ProfilerController.attach`, which does nothing the second time); returns the servicer.
+
+    Without the attach, every session started through the service covered no request, and said nothing."""
+    controller.attach()
     servicer = ProfilerControlServicer(controller, admin)
     pb_grpc.add_ProfilerControlServicer_to_server(servicer, server)
     return servicer

@@ -74,7 +74,8 @@ class ProfilerClient:
             details = err.details() or ""
             if err.code() is grpc.StatusCode.UNIMPLEMENTED:  # a server without the admin service
                 details += (f" ({self.target} does not serve the ProfilerControl admin service: zoomer-serve "
-                            "serve-demo does; add it to a server of your own with "
+                            "serve-demo does on its gRPC port, or with --server aio or --transport thrift on the "
+                            "port its ready line gives as admin_port; add it to a server of your own with "
                             "add_profiler_control(server, controller), see docs/profiling.md)")
             raise ProfilerControlError(err.code(), details) from None
 
