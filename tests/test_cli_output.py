@@ -415,3 +415,17 @@ def test_piped_findings_keep_their_whole_title() -> None:
     out.close()
     text = buf.getvalue()
     assert any(f"request.tail-latency  {scope}" in line for line in text.splitlines()), text
+
+
+@pytest.mark.parametrize("fmt", ["table", "markdown", "csv", "json"])
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(store: Path, fmt: str) -> None:
+    """``zoomer-serve report ... | head -1``: the command wrote on after head had gone and ended with a
+    BrokenPipeError traceback (markdown, csv), or exit 1 with nothing said. Now it stops writing and exits 1
+    quietly (Python's recipe for a closed stdout: nothing more is flushed into it)."""
+    proc = subprocess.Popen([sys.executable, "-m", "zoomer_serve", "report", "--store", str(store), "--format", fmt],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1
+    assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err

@@ -38,7 +38,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:  # the reader of stdout is gone (``| head``): stop quietly
+        _drop_stdout()
+        return 1
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so that nothing more is flushed into the closed pipe at exit (Python's recipe
+    for SIGPIPE: https://docs.python.org/3/library/signal.html#note-on-sigpipe)."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a file descriptor
+        pass
+    finally:
+        os.close(devnull)
 
 
 if __name__ == "__main__":
