@@ -31,6 +31,7 @@ from zoomer_serve.recording import (
     RequestSpan,
     internal_error,
     parse_traceparent,
+    register_quiet_exception,
 )
 from zoomer_serve.recording import records as r
 
@@ -283,6 +284,9 @@ def is_quiet_exception(exc: BaseException) -> bool:
     cancellation."""
     return (isinstance(exc, (GeneratorExit, asyncio.CancelledError, grpc.aio.AbortError))
             or (type(exc) is Exception and not exc.args))
+
+
+register_quiet_exception(is_quiet_exception)  # nor do they fail the handler's phases
 
 
 def final_status(context: Any, exc: BaseException | None, call_over: bool

@@ -37,6 +37,12 @@ def _unary(request: bytes, context: grpc.ServicerContext) -> bytes:
         while context.is_active() and time.monotonic() < deadline:
             time.sleep(0.01)
         return b"slept"
+    if cmd == b"phaseabort":
+        with phase("preprocess"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad feature count")
+    if cmd == b"phaseraise":
+        with phase("preprocess"):
+            raise ValueError("preprocess exploded")
     if cmd == b"phases":
         with phase("preprocess"):
             time.sleep(0.002)

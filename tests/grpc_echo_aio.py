@@ -42,6 +42,12 @@ async def _unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
     if cmd == b"sleep":
         await asyncio.sleep(2.0)  # a cancel or a deadline cancels this task
         return b"slept"
+    if cmd == b"phaseabort":
+        with phase("preprocess"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad feature count")
+    if cmd == b"phaseraise":
+        with phase("preprocess"):
+            raise ValueError("preprocess exploded")
     if cmd == b"phases":
         with phase("preprocess"):
             await asyncio.sleep(0.002)

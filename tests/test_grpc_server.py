@@ -340,6 +340,28 @@ def test_phases_are_child_spans(echo, collector):
     assert phases["preprocess"]["duration_ns"] >= 2_000_000
 
 
+def test_an_abort_inside_a_phase_is_not_the_phases_error(echo, collector):
+    """``context.abort()`` inside ``phase("preprocess")``: grpc ends the handler with a bare ``Exception()``, which
+    marked the phase span ERROR with ``error.type=Exception`` while its server span was INVALID_ARGUMENT and UNSET
+    (a status the handler chose, not a failure). The phase now ends as its request does; an exception the handler
+    raises still marks it ERROR."""
+    with pytest.raises(grpc.RpcError) as aborted:
+        echo.unary(b"phaseabort")
+    assert aborted.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as raised:
+        echo.unary(b"phaseraise")
+    assert raised.value.code() is grpc.StatusCode.UNKNOWN
+    spans = collector.spans()
+    servers = {s["span_id"]: s for s in spans if s["kind"] == "SERVER"}
+    phases = [s for s in spans if "zoomer.phase" in s["attributes"]]
+    assert len(servers) == 2 and len(phases) == 2
+    by_status = {servers[p["parent_span_id"]]["attributes"]["rpc.response.status_code"]: p for p in phases}
+    assert by_status["INVALID_ARGUMENT"]["status_code"] == "UNSET"
+    assert "error.type" not in by_status["INVALID_ARGUMENT"]["attributes"]
+    assert by_status["UNKNOWN"]["status_code"] == "ERROR"
+    assert by_status["UNKNOWN"]["attributes"]["error.type"] == "ValueError"
+
+
 @pytest.mark.slow
 def test_user_otel_spans_become_children(echo, collector, telemetry):
     grpc_echo._TRACER_PROVIDER[0] = telemetry.tracer_provider

@@ -9,6 +9,7 @@ from zoomer_serve.recording.recorder import (
     ThreadJoin,
     current_request,
     phase,
+    register_quiet_exception,
 )
 from zoomer_serve.recording.sampling import Sampler
 
@@ -25,4 +26,5 @@ __all__ = [
     "internal_error_counts",
     "parse_traceparent",
     "phase",
+    "register_quiet_exception",
 ]

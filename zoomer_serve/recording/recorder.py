@@ -519,6 +519,21 @@ def _leave_thread(entered: list[tuple[ThreadJoin, Any]]) -> None:
     _threads.request = None
 
 
+_quiet_exception_tests: list[Callable[[BaseException], bool]] = []
+
+
+def register_quiet_exception(test: Callable[[BaseException], bool]) -> None:
+    """Let a transport adapter name the exceptions that are how its calls end, not failures (grpc's ``abort()``
+    raises one through the handler's phases; a cancelled stream's ``GeneratorExit``): a :class:`phase` that one
+    leaves keeps status UNSET, as its request span does. Called once per adapter, at import."""
+    if test not in _quiet_exception_tests:
+        _quiet_exception_tests.append(test)
+
+
+def _is_quiet(exc: BaseException | None) -> bool:
+    return exc is not None and any(test(exc) for test in _quiet_exception_tests)
+
+
 class phase:
     """Time a block of request work as a child span named ``name`` with attribute ``zoomer.phase``.
 
@@ -528,7 +543,8 @@ class phase:
     the request's thread joins (:meth:`RequestSpan.add_thread_join`: its profiler range while a profiling
     session covers it, its allocator tag while allocation history records), so that thread's work is the
     request's. Outside a request it only opens that profiler range (when profiling) and records nothing. An
-    exception leaving the block marks the phase span ERROR and propagates unchanged.
+    exception leaving the block marks the phase span ERROR (unless an adapter calls it the way its calls end:
+    :func:`register_quiet_exception`) and propagates unchanged.
     """
 
     __slots__ = ("name", "_start_mono", "_request", "_range", "_attrs", "_joined")
@@ -596,7 +612,7 @@ class phase:
             if self._attrs:
                 attrs.update(self._attrs)
             status = r.STATUS_UNSET
-            if exc_type is not None:
+            if exc_type is not None and not _is_quiet(exc):
                 status = r.STATUS_ERROR
                 attrs["error.type"] = exc_type.__qualname__
             req.add_child(self.name, base + self._start_mono, base + end_mono, attrs, status, parent_id, span_id)
