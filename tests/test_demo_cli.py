@@ -143,12 +143,13 @@ def test_demo_refuses_a_store_that_already_exists(tmp_path):
     assert store.read_bytes() == b"an earlier run's store"
 
 
-def _start_demo(store: Path, tmp_path: Path) -> tuple[subprocess.Popen[str], list[psutil.Process]]:
+def _start_demo(store: Path, tmp_path: Path, env: dict[str, str] | None = None
+                ) -> tuple[subprocess.Popen[str], list[psutil.Process]]:
     """``zoomer-serve demo`` in a session of its own (as from a terminal), once its first phase's load runs:
-    the process and its children (collector, server, the server's export helper)."""
+    the process and its children (collector, server, the server's export helper). ``env``: variables added."""
     proc = subprocess.Popen([sys.executable, "-m", "zoomer_serve", "demo", "--store", str(store), "--duration-s",
                              "60", "--clients", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=tmp_path, start_new_session=True)
+                            cwd=tmp_path, start_new_session=True, env={**os.environ, **(env or {})})
     assert proc.stdout is not None
     for line in proc.stdout:
         if "with the zoomer interceptor on" in line:
@@ -196,14 +197,18 @@ def test_demo_stopped_by_ctrl_c_stops_in_order_and_keeps_every_call(tmp_path, ho
 @pytest.mark.slow
 def test_a_demo_killed_with_sigkill_leaves_no_child_running(tmp_path):
     """The demo's children (collector, server) stop when the demo dies, even of SIGKILL (they used to serve
-    on, orphaned, until killed by hand)."""
-    proc, children = _start_demo(tmp_path / "killed.duckdb", tmp_path)
+    on, orphaned, until killed by hand). The server, whose collector went with the demo, spends its export
+    budget (2 s here) retrying before it exits; the children hold the demo's stderr until they are gone, so the
+    demo's pipes are read only after them (reading them first, with a 60 s limit, failed once on a loaded
+    machine)."""
+    proc, children = _start_demo(tmp_path / "killed.duckdb", tmp_path, {"OTEL_EXPORTER_OTLP_TIMEOUT": "2000"})
     assert len(children) >= 2
     proc.kill()
-    proc.communicate(timeout=60)
-    _, alive = psutil.wait_procs(children, timeout=90)
+    proc.wait(timeout=30)
+    _, alive = psutil.wait_procs(children, timeout=180)
     for child in alive:
         child.kill()
+    proc.communicate(timeout=60)
     assert alive == []
 
 
