@@ -58,6 +58,11 @@ def integer(env: Mapping[str, str], name: str, default: int, error: type[Excepti
     return value
 
 
+BEARER_HEADERS_HINT = "OTEL_EXPORTER_OTLP_HEADERS=authorization=Bearer%20<token>"
+"""How an OpenTelemetry exporter sends a bearer token (the collector's ``ZOOMER_COLLECTOR_TOKEN``): said by the
+collector's refusal and by the exporter's error when it is refused."""
+
+
 def bearer_token(token: str, name: str, error: type[Exception]) -> str:
     """``token`` if it can travel as ``authorization: Bearer <token>`` (gRPC metadata, an HTTP header, a Thrift
     header): printable ASCII (0x20 to 0x7E), not blank.

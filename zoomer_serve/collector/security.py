@@ -41,7 +41,7 @@ TLS_CERT_ENV = "ZOOMER_COLLECTOR_TLS_CERT"
 TLS_KEY_ENV = "ZOOMER_COLLECTOR_TLS_KEY"
 INSECURE_OPEN_ENV = "ZOOMER_COLLECTOR_INSECURE_OPEN"
 UNAUTHENTICATED_MESSAGE = ("missing or wrong bearer token: send 'authorization: Bearer <token>' (an OpenTelemetry "
-                           "exporter: OTEL_EXPORTER_OTLP_HEADERS=authorization=Bearer%20<token>)")
+                           f"exporter: {envvars.BEARER_HEADERS_HINT})")
 """The answer to an export without the right token (gRPC ``UNAUTHENTICATED`` details, HTTP 401 status message)."""
 
 

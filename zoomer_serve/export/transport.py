@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from zoomer_serve import envvars
 from zoomer_serve.config import ExportConfig
 
 _GRPC_METHODS = {
@@ -144,8 +145,9 @@ class Sender:
         pass
 
 
-HEADERS_HINT = "OTEL_EXPORTER_OTLP_HEADERS=authorization=Bearer%20<token>"
-"""How an exporter of this project sends a collector's bearer token (``ZOOMER_COLLECTOR_TOKEN``)."""
+HEADERS_HINT = envvars.BEARER_HEADERS_HINT
+"""How an exporter of this project sends a collector's bearer token (``ZOOMER_COLLECTOR_TOKEN``); the collector's
+refusal says the same (:data:`zoomer_serve.collector.security.UNAUTHENTICATED_MESSAGE`)."""
 
 
 def credentials_refused(status: str, message: str, headers: dict[str, str]) -> str:
