@@ -44,20 +44,24 @@ class StopRequested(Exception):
 class SignalStop:
     """While entered: SIGINT and SIGTERM set :attr:`event` instead of raising KeyboardInterrupt or ending the
     process, so that the command can stop its load and its children in order; the handlers that were there
-    before come back on exit. A second signal while stopping is only noted on stderr (the stop in progress
-    goes on, bounded by the children's stop timeouts): stopping the children out of order would lose what the
-    server had not flushed yet. The signals are acted on even when the command started with SIGINT ignored
-    (as ``serve-demo`` and ``collector`` do)."""
+    before come back on exit. With ``announce`` (the default) the first signal is said on stderr, with the order
+    of the stop, and a second one while stopping is only noted there (the stop in progress goes on, bounded by
+    the children's stop timeouts): stopping the children out of order would lose what the server had not flushed
+    yet. The signals are acted on even when the command started with SIGINT ignored (as ``serve-demo`` and
+    ``collector`` do). Off the main thread, where Python cannot install handlers, nothing is routed: only
+    :attr:`event` (``event``, when given, is the one set) stops the command."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, event: threading.Event | None = None, announce: bool = True) -> None:
         self.name = name
-        self.event = threading.Event()
+        self.event = event if event is not None else threading.Event()
+        self.announce = announce
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> SignalStop:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -67,18 +71,27 @@ class SignalStop:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum is None:
+        first = self.signum is None
+        if first:
             self.signum = signum
-            print(f"\n{self.name}: {signal.Signals(signum).name} received: stopping the load, then the server "
-                  "(it flushes its telemetry), then the collector", file=sys.stderr, flush=True)
-        else:
-            print(f"{self.name}: {signal.Signals(signum).name} received again: already stopping, in order",
-                  file=sys.stderr, flush=True)
+        if self.announce:
+            name = signal.Signals(signum).name
+            if first:
+                message = (f"\n{self.name}: {name} received: stopping the load, then the server (it flushes its "
+                           "telemetry), then the collector")
+            else:
+                message = f"{self.name}: {name} received again: already stopping, in order"
+            print(message, file=sys.stderr, flush=True)
         self.event.set()
 
     @property
     def stopped(self) -> bool:
         return self.event.is_set()
+
+    @property
+    def signal_name(self) -> str:
+        """The first signal's name (``SIGINT``, ``SIGTERM``); "" when none came."""
+        return signal.Signals(self.signum).name if self.signum is not None else ""
 
     @property
     def exit_code(self) -> int:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import threading
 from pathlib import Path
@@ -52,6 +51,7 @@ from zoomer_serve.collector.security import ReceiverSecurity
 from zoomer_serve.collector.store import StoreError, default_store_path
 from zoomer_serve.config import ConfigError
 from zoomer_serve.netaddr import BindError
+from zoomer_serve.processes import SignalStop
 
 _PORT_OPTIONS = {"grpc_port": "--grpc-port", "http_port": "--http-port"}
 """The flag of each :class:`~zoomer_serve.netaddr.BindError` setting, for its message."""
@@ -112,16 +112,6 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 def _emit(event: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(event) + "\n")
     sys.stdout.flush()
-
-
-def _install_stop_handlers(stop: threading.Event) -> dict[int, Any]:
-    """Route SIGINT / SIGTERM to ``stop``; returns the previous handlers (empty off the main thread)."""
-    previous: dict[int, Any] = {}
-    if threading.current_thread() is not threading.main_thread():
-        return previous
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        previous[sig] = signal.signal(sig, lambda _signum, _frame: stop.set())
-    return previous
 
 
 def _raise_file_limit(needed: int) -> None:
@@ -205,7 +195,13 @@ def run(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
         print(f"zoomer-serve collector: {exc}", file=sys.stderr)
         return 2
     _raise_file_limit(collector.config.http_limits.max_connections + 256)
-    previous = _install_stop_handlers(stop)
+    with SignalStop("zoomer-serve collector", event=stop, announce=False):  # SIGINT / SIGTERM set stop
+        return _serve(collector, stop)
+
+
+def _serve(collector: EmbeddedCollector, stop: threading.Event) -> int:
+    """Start ``collector``, say it is ready, run until ``stop`` is set, say what it stored; the exit code as
+    :func:`run` gives it. The collector is stopped however this ends."""
     try:
         try:
             collector.start()
@@ -232,5 +228,3 @@ def run(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
         return 0
     finally:
         collector.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

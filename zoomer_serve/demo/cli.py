@@ -89,13 +89,10 @@ def register(subparsers: Any) -> None:
 
 # -- serve-demo -------------------------------------------------------------------------------------------
 def run_serve_demo(args: argparse.Namespace) -> int:
-    import json
 
     import torch
 
-    import zoomer_serve
-    from zoomer_serve.demo.model import build_model, pick_device
-    from zoomer_serve.demo.service import ServerBindError, ServiceConfig
+    from zoomer_serve.demo.service import ServiceConfig
 
     torch.set_num_threads(max(1, args.torch_threads))
     try:
@@ -104,7 +101,19 @@ def run_serve_demo(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"zoomer-serve serve-demo: {exc}", file=sys.stderr)
         return 2
-    stop = _stop_on_signals()
+    with SignalStop("zoomer-serve serve-demo", announce=False) as stopping:  # SIGINT / SIGTERM: drain and stop
+        return _serve_demo(args, config, stopping.event)
+
+
+def _serve_demo(args: argparse.Namespace, config: Any, stop: threading.Event) -> int:
+    """serve-demo once its options are read: configure telemetry, build the model, serve until ``stop``, flush;
+    the exit code (2 for a bad setting, 1 when the port cannot be bound)."""
+    import json
+
+    import zoomer_serve
+    from zoomer_serve.demo.model import build_model, pick_device
+    from zoomer_serve.demo.service import ServerBindError
+
     try:
         ServerProfiling.configs(args)  # checked before telemetry starts, whose shutdown would flush first
         # configure from OTEL_* / ZOOMER_* before the first request; spans and profiling sessions are named
@@ -183,17 +192,6 @@ def _serve_sync(args: argparse.Namespace, model: Any, stop: threading.Event, rea
     server.stop(grace=args.grace_s).wait(args.grace_s + 1)
 
 
-def _stop_on_signals() -> threading.Event:
-    stop = threading.Event()
-
-    def handle(signum: int, frame: Any) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGINT, handle)
-    signal.signal(signal.SIGTERM, handle)
-    return stop
-
-
 # -- demo -------------------------------------------------------------------------------------------------
 def _default_store() -> Path:
     return Path("zoomer-data") / time.strftime("demo-%Y%m%d-%H%M%S.duckdb")
@@ -265,8 +263,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 _say(console, f"  demo Ranker {service} (DLRM on {srv['device']}, {how}) with the zoomer "
                               f"interceptor on {target}")
                 results.append(_drive(console, target, args, seconds, calls, stopping.event))
-                _say(console, "  stopping the server (drain, flush telemetry)")
-                server_rc = max(server_rc, stop_process(server, 30))
+                server_rc = max(server_rc, _stop_server(console, server))
                 procs.remove(server)
         except StopRequested:
             pass
@@ -275,10 +272,8 @@ def run_demo(args: argparse.Namespace) -> int:
         finally:
             # what still runs stops in order, the server before the collector (never killed first: what the
             # server had not flushed would be lost); each is killed only after its stop timeout
-            for proc in reversed(procs):
-                if proc is not procs[0]:
-                    _say(console, "  stopping the server (drain, flush telemetry)")
-                    server_rc = max(server_rc, stop_process(proc, 30))
+            for proc in reversed(procs[1:]):
+                server_rc = max(server_rc, _stop_server(console, proc))
             if procs:
                 _say(console, "  stopping the collector (flush store)")
                 collector_rc = stop_process(procs[0], 30)
@@ -287,10 +282,16 @@ def run_demo(args: argparse.Namespace) -> int:
         _say(console, f"[red]zoomer-serve demo[/]: {failed}")
         return 1
     if stopping.stopped and not results:
-        _say(console, f"  stopped ({signal.Signals(stopping.signum or 0).name}) before any load was sent")
+        _say(console, f"  stopped ({stopping.signal_name}) before any load was sent")
         return stopping.exit_code
     out = TableOutput(fmt, console=console if fmt == "table" else None)
     return _finish(out, store, html, _merged(results), server_rc, collector_rc, stopping.signum)
+
+
+def _stop_server(console: Any, server: subprocess.Popen[bytes]) -> int:
+    """Stop a phase's demo server (it drains its calls and flushes its telemetry); its exit code."""
+    _say(console, "  stopping the server (drain, flush telemetry)")
+    return stop_process(server, 30)
 
 
 def _output_problem(store: Path, html: Path) -> str | None:

@@ -201,7 +201,7 @@ def _run_demo(args: argparse.Namespace, options: LoadTestOptions, plugin_json: P
             raise StopRequested("stopped before the load started")
         return _run_against(args, options, host, env, plugin_json, procs, stopping)
     except StopRequested:
-        print(f"zoomer-serve loadtest: stopped ({signal.Signals(stopping.signum or signal.SIGINT).name}) "
+        print(f"zoomer-serve loadtest: stopped ({stopping.signal_name}) "
               "before any load was run", file=sys.stderr)
         return stopping.exit_code
     except RuntimeError as exc:
@@ -264,7 +264,7 @@ def _run_against(args: argparse.Namespace, options: LoadTestOptions, host: str, 
     _print(summary, options, args.json, getattr(args, "format", "table"))
     profile_ok = not options.profile or (summary.profile is not None and summary.profile.ok)
     if stopping.stopped:
-        print(f"zoomer-serve loadtest: stopped early by {signal.Signals(stopping.signum or signal.SIGINT).name}: "
+        print(f"zoomer-serve loadtest: stopped early by {stopping.signal_name}: "
               "the summary covers the load sent until then", file=sys.stderr)
         return stopping.exit_code
     return 0 if locust_rc == 0 and profile_ok and stopped_ok else 1
