@@ -138,13 +138,24 @@ def passthrough_interceptor(transport: str = GRPC, work_us: float = 0.0) -> Inst
     nothing: the floor any Python server interceptor pays (grpc runs its interceptor pipeline and a wrapped
     handler). ``work_us``: µs of plain Python (an empty loop, calibrated at start) the wrapper runs before the
     handler (the ``passthrough_work`` control row). gRPC sync only."""
-    import grpc
 
     if transport != GRPC:
         raise ValueError(f"the pass-through interceptor has no {transport!r} form")
     iterations = _spin_iterations(work_us) if work_us > 0 else 0
 
-    class PassThrough(grpc.ServerInterceptor):
+    def work() -> None:
+        for _ in range(iterations):
+            pass
+
+    return Instrumentation([_wrapping_interceptor(work)], lambda: {"work_us": work_us, "loop_iterations": iterations})
+
+
+def _wrapping_interceptor(before: Callable[[], None]) -> Any:
+    """A ``grpc.ServerInterceptor`` that wraps each unary-unary handler in a plain function calling ``before()``
+    and then the handler, and records nothing."""
+    import grpc
+
+    class PassThrough(grpc.ServerInterceptor):  # type: ignore[misc]
         def __init__(self) -> None:
             self._wrapped: dict[str, tuple[Any, Any]] = {}
 
@@ -158,8 +169,7 @@ def passthrough_interceptor(transport: str = GRPC, work_us: float = 0.0) -> Inst
             behavior = handler.unary_unary
 
             def call(request: Any, context: Any) -> Any:
-                for _ in range(iterations):
-                    pass
+                before()
                 return behavior(request, context)
 
             wrapped = grpc.unary_unary_rpc_method_handler(call, handler.request_deserializer,
@@ -167,7 +177,7 @@ def passthrough_interceptor(transport: str = GRPC, work_us: float = 0.0) -> Inst
             self._wrapped[details.method] = (handler, wrapped)
             return wrapped
 
-    return Instrumentation([PassThrough()], lambda: {"work_us": work_us, "loop_iterations": iterations})
+    return PassThrough()
 
 
 def passthrough_work(transport: str = GRPC) -> Instrumentation:
@@ -288,62 +298,82 @@ def _children_cpu_s(who: int) -> float:
     return round(usage.ru_utime + usage.ru_stime, 4)
 
 
-def offload_work_thrift(transport: str = THRIFT) -> Instrumentation:
-    """A control row, not instrumentation: thriftpy2's plain server that hands work to a child process, as
-    zoomer-serve hands its export to a helper process, and records nothing. The processor counts its calls and
-    writes one byte to the child's stdin per :data:`OFFLOAD_CALLS_PER_BYTE` calls (a non-blocking pipe: a byte
-    that does not fit is counted in ``bytes_skipped``, never waited for); the child, at niceness 5 as the export
-    helper, runs :data:`OFFLOAD_WORK_US` µs of plain Python (an empty loop, calibrated when the server starts)
-    per call for each byte. Like the export helper's, the child's work runs partly after its slice of the
-    benchmark has ended, in the next row's slice (the next configuration in ``--configs``; after the last, the
-    first). What that much CPU per call in another process costs the server's latency, to set
-    beside the zoomer row's: on a machine whose cores the client and server already fill, work in any other
-    process takes CPU time from them whatever its priority. The child is the server's descendant, so its CPU
-    counts in the row's CPU per request; its counters give the calls, the bytes skipped and the child's CPU
-    seconds once it has exited (``child_cpu_s``). Thrift only."""
-    import itertools
-    import subprocess
-    import sys
+class _OffloadChild:
+    """The ``offload_work`` row's child process and the server's end of its pipe: :meth:`call` once per call."""
 
-    from thriftpy2.thrift import TProcessor
+    def __init__(self) -> None:
+        import itertools
+        import subprocess
+        import sys
 
+        self.iterations = _spin_iterations(OFFLOAD_WORK_US)
+        self.child = subprocess.Popen([sys.executable, "-c", _OFFLOAD_CHILD,
+                                       str(self.iterations * OFFLOAD_CALLS_PER_BYTE)],
+                                      stdin=subprocess.PIPE, close_fds=True)
+        assert self.child.stdin is not None
+        self._fd = self.child.stdin.fileno()
+        os.set_blocking(self._fd, False)
+        self._calls = itertools.count(1)
+        self.skipped = 0
+
+    def call(self) -> None:
+        """Count a call; every :data:`OFFLOAD_CALLS_PER_BYTE`-th writes the child a byte (never waits: a byte that
+        does not fit is counted as skipped)."""
+        if next(self._calls) % OFFLOAD_CALLS_PER_BYTE == 0:
+            try:
+                os.write(self._fd, b"w")
+            except BlockingIOError:
+                self.skipped += 1
+
+    def shutdown(self) -> dict[str, Any]:
+        import resource
+        import subprocess
+
+        assert self.child.stdin is not None
+        self.child.stdin.close()
+        try:
+            self.child.wait(10.0)
+        except subprocess.TimeoutExpired:
+            self.child.kill()
+            self.child.wait()
+        return {"offload_work_us": OFFLOAD_WORK_US, "loop_iterations": self.iterations,
+                "calls": next(self._calls) - 1, "bytes_skipped": self.skipped,
+                "child_cpu_s": _children_cpu_s(resource.RUSAGE_CHILDREN)}
+
+
+def offload_work(transport: str = THRIFT) -> Instrumentation:
+    """A control row, not instrumentation: the plain server (thriftpy2's processor, or for gRPC a pass-through
+    interceptor) handing work to a child process, as zoomer-serve hands its export to a helper process, and
+    recording nothing. The server counts its calls and writes one byte to the child's stdin per
+    :data:`OFFLOAD_CALLS_PER_BYTE` calls (a non-blocking pipe: a byte that does not fit is counted in
+    ``bytes_skipped``, never waited for); the child, at niceness 5 as the export helper, runs
+    :data:`OFFLOAD_WORK_US` µs of plain Python (an empty loop, calibrated when the server starts) per call for
+    each byte: work in small, even pieces, where the export comes every half second. Like the export helper's,
+    the child's work runs partly after its slice of the benchmark has ended, in the next row's slice (the next
+    configuration in ``--configs``; after the last, the first). What that much CPU per call in another process
+    costs the server's latency, to set beside the zoomer row's: on a machine whose cores the client and server
+    already fill, work in any other process takes CPU time from them whatever its priority. The child is the
+    server's descendant, so its CPU counts in the row's CPU per request; its counters give the calls, the bytes
+    skipped and the child's CPU seconds once it has exited (``child_cpu_s``). Thrift and gRPC sync."""
+    if transport == GRPC:
+        offload = _OffloadChild()
+        return Instrumentation([_wrapping_interceptor(offload.call)], offload.shutdown)
     if transport != THRIFT:
         raise ValueError(f"the offload_work control row has no {transport!r} form")
-    iterations = _spin_iterations(OFFLOAD_WORK_US)
-    child = subprocess.Popen([sys.executable, "-c", _OFFLOAD_CHILD, str(iterations * OFFLOAD_CALLS_PER_BYTE)],
-                             stdin=subprocess.PIPE, close_fds=True)
-    assert child.stdin is not None
-    fd = child.stdin.fileno()
-    os.set_blocking(fd, False)
-    calls, skipped = itertools.count(1), [0]
+    from thriftpy2.thrift import TProcessor
+
+    offload = _OffloadChild()
 
     class OffloadProcessor(TProcessor):  # type: ignore[misc]
         def process_in(self, iprot: Any) -> Any:
             decoded = super().process_in(iprot)
-            if next(calls) % OFFLOAD_CALLS_PER_BYTE == 0:
-                try:
-                    os.write(fd, b"w")
-                except BlockingIOError:
-                    skipped[0] += 1
+            offload.call()
             return decoded
 
     def build(service: Any, handler: object, host: str, port: int, client_timeout: int) -> PlainThriftServer:
         return PlainThriftServer(service, handler, host, port, OffloadProcessor, client_timeout=client_timeout)
 
-    def shutdown() -> dict[str, Any]:
-        assert child.stdin is not None
-        child.stdin.close()
-        try:
-            child.wait(10.0)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-        import resource
-
-        return {"offload_work_us": OFFLOAD_WORK_US, "loop_iterations": iterations, "calls": next(calls) - 1,
-                "bytes_skipped": skipped[0], "child_cpu_s": _children_cpu_s(resource.RUSAGE_CHILDREN)}
-
-    return Instrumentation([build], shutdown)
+    return Instrumentation([build], offload.shutdown)
 
 
 @dataclass(frozen=True)
@@ -382,8 +412,8 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
                   "(ZOOMER_HOST_REQUEST_CPU_TIME_ONE_IN=1)", zoomer_cpu_time_every, default=False),
     Configuration(PYTHON_WORK, f"control: plain processor + {PYTHON_WORK_US:.0f} µs of plain Python per call",
                   python_work_thrift, exports=False, transports=(THRIFT,)),
-    Configuration(OFFLOAD_WORK, f"control: plain processor + {OFFLOAD_WORK_US:.0f} µs of CPU per call in a child "
-                  "process (niceness 5)", offload_work_thrift, exports=False, default=False, transports=(THRIFT,)),
+    Configuration(OFFLOAD_WORK, f"control: plain server + {OFFLOAD_WORK_US:.0f} µs of CPU per call in a child "
+                  "process (niceness 5)", offload_work, exports=False, default=False, transports=(THRIFT, GRPC)),
 )
 
 

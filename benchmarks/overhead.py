@@ -95,7 +95,7 @@ TARGET_P99_THREADS = 8
 TARGET_THRIFT_OVERHEAD_RATIO_VS_GRPC = 1.1  # Thrift zoomer overhead within 10 % of the sync gRPC echo's
 CONTROL_ROWS = {  # the Thrift kind's control rows: what each adds to a plain server's call
     PYTHON_WORK: f"plain processor, {PYTHON_WORK_US:.0f} µs of plain Python per call",
-    OFFLOAD_WORK: f"plain processor, {OFFLOAD_WORK_US:.0f} µs of CPU per call in a child process at niceness 5",
+    OFFLOAD_WORK: f"plain server, {OFFLOAD_WORK_US:.0f} µs of CPU per call in a child process at niceness 5",
 }
 TARGET_THRIFT_P99_RATIO_VS_GRPC = 1.3  # Thrift zoomer p99 ÷ bare, 8 client threads: within 1.3 × the gRPC echo's
 GRPC_REFERENCE_KIND = "echo"  # the gRPC interceptor's overhead the Thrift row is compared with

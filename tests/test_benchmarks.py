@@ -127,28 +127,33 @@ def test_thrift_control_row_adds_plain_python_and_no_spans(smoke: dict) -> None:
 
 @pytest.mark.slow
 def test_offload_work_control_row_burns_its_cpu_per_call_in_a_child_process() -> None:
-    """The offload_work control row (not a default one): a plain Thrift server that hands OFFLOAD_WORK_US of CPU
-    per call to a child process at niceness 5, as zoomer-serve hands its export to a helper. The child is found
-    as the server's helper process, its CPU counts in the row's (about OFFLOAD_WORK_US per call), no byte was
-    skipped, nothing is exported, and the verdict lines give its overhead and p99 beside python_work's."""
-    proc = _run("--smoke", "--kinds", "thrift_echo", "--configs", "bare,zoomer,python_work,offload_work", "--json")
+    """The offload_work control row (not a default one): a plain Thrift server, and a gRPC echo server with a
+    pass-through interceptor, that hand OFFLOAD_WORK_US of CPU per call to a child process at niceness 5, as
+    zoomer-serve hands its export to a helper. The child is found as the server's helper process, its CPU counts
+    in the row's (about OFFLOAD_WORK_US per call), no byte was skipped, nothing is exported, and the Thrift
+    verdict lines give its overhead and p99 beside python_work's."""
+    proc = _run("--smoke", "--kinds", "echo,thrift_echo", "--configs", "bare,zoomer,python_work,offload_work",
+                "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = json.loads(proc.stdout)
     thrift = run["thrift_echo"]
-    row = thrift["configs"]["offload_work"]
-    assert row["spans_lost"] is None and row["requests_answered"] > 0
     assert set(thrift["control_rows"]) == {"python_work", "offload_work"}
     assert thrift["control_rows"]["offload_work"]["p99_ratio_vs_bare"] == {
-        n: row["threads"][n]["p99_ratio_vs_bare"] for n in ("1", "8")}
+        n: thrift["configs"]["offload_work"]["threads"][n]["p99_ratio_vs_bare"] for n in ("1", "8")}
     helpers = run["meta"]["helper_processes"]
-    assert [n for s, n in helpers.items() if "-offload_work-" in s] == [1], helpers
-    counters = [c for s, c in run["meta"]["instrumentation_counters"].items() if "-offload_work-" in s]
-    assert counters and all(c["offload_work_us"] == 15.0 and c["loop_iterations"] >= 1 and c["bytes_skipped"] == 0
-                            for c in counters), counters
-    for c in counters:  # the child ran 15 µs of loop per call, in bytes of 64 calls (calibrated: at least half)
-        assert c["calls"] >= row["requests_answered"] and c["child_cpu_s"] >= 0.5 * (c["calls"] // 64) * 64 * 15e-6, c
+    for kind in ("echo", "thrift_echo"):
+        row = run[kind]["configs"]["offload_work"]
+        assert row["spans_lost"] is None and row["requests_answered"] > 0
+        servers = [s for s in helpers if s.startswith(f"bench-{kind}-offload_work-")]
+        assert servers and all(helpers[s] == 1 for s in servers), helpers
+        counters = [c for s, c in run["meta"]["instrumentation_counters"].items()
+                    if s.startswith(f"bench-{kind}-offload_work-")]
+        assert counters and all(c["offload_work_us"] == 15.0 and c["loop_iterations"] >= 1
+                                and c["bytes_skipped"] == 0 for c in counters), counters
+        for c in counters:  # the child ran 15 µs of loop per call, in bytes of 64 calls (calibrated: at least half)
+            assert c["calls"] >= row["requests_answered"] and c["child_cpu_s"] >= 0.5 * (c["calls"] // 64) * 64 * 15e-6
     text = overhead.markdown(run)
-    assert "control row offload_work (plain processor, 15 µs of CPU per call in a child process" in text
+    assert "control row offload_work (plain server, 15 µs of CPU per call in a child process" in text
     assert "control row python_work (plain processor, 15 µs of plain Python per call" in text
 
 
