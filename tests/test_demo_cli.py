@@ -130,6 +130,30 @@ def test_demo_with_an_unusable_store_says_why_without_a_traceback(tmp_path):
     assert f"the store {tmp_path} is a folder; give a file name" in proc.stderr and proc.stdout == ""
 
 
+def test_demo_refuses_an_html_report_that_is_its_store(tmp_path):
+    """``demo --store S --html S`` wrote its HTML report over the store it had just filled and exited 0, telling
+    the user to run ``report --store S`` on what was now a web page: refused before anything starts."""
+    store = tmp_path / "same.duckdb"
+    proc = subprocess.run([sys.executable, "-m", "zoomer_serve", "demo", "--store", str(store), "--html",
+                           str(tmp_path / "." / "same.duckdb"), "--duration-s", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert f"--store and --html name the same file ({store})" in proc.stderr and "Traceback" not in proc.stderr
+    assert not store.exists()
+
+
+def test_two_demos_started_in_one_second_get_stores_of_their_own(tmp_path, monkeypatch):
+    """The default store was named for the second only: two demos started together (two terminals, a CI matrix)
+    shared it and one failed on the store's lock."""
+    from zoomer_serve.demo import cli as demo_cli
+
+    monkeypatch.setattr(demo_cli.time, "strftime", lambda fmt: "demo-20261203-153531")
+    here, pid = demo_cli._default_store(), os.getpid()
+    monkeypatch.setattr(demo_cli.os, "getpid", lambda: pid + 1)
+    assert here != demo_cli._default_store()
+    assert here.parent == Path("zoomer-data") and here.name == f"demo-20261203-153531-{pid}.duckdb"
+
+
 def test_demo_refuses_a_store_that_already_exists(tmp_path):
     """A second ``demo --store S`` on the store of a first run added its spans to the first run's, then reported
     "808 spans for 367 calls" and exited 1: the demo checks that its store holds one span per call it made. A

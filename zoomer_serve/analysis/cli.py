@@ -32,6 +32,7 @@ from zoomer_serve.analysis.render import (
 )
 from zoomer_serve.analysis.store import StoreAnalysisError
 from zoomer_serve.cli_output import TableOutput, add_format_option
+from zoomer_serve.cli_paths import output_problem
 from zoomer_serve.cli_types import INT32_MAX, int_between
 from zoomer_serve.collector.store import default_store_path
 
@@ -112,6 +113,9 @@ def _run(args: argparse.Namespace, console: Console | None) -> int:
             return _error(f"trace not found: {t}")
         else:
             traces.append(t)
+    problem = output_problem(_outputs(args), [*traces, *_local(store)])
+    if problem is not None:  # said before the analysis runs, not after; an input is never overwritten
+        return _error(problem)
     steps = args.steps or ("complete" if args.conventions == "hta" else "all")
     try:
         result = analyze(traces, store, Conventions(args.conventions, steps))
@@ -157,10 +161,17 @@ def trace_files(folder: Path) -> list[Path]:
 
 
 def _run_diff(args: argparse.Namespace, console: Console | None) -> int:
-    from zoomer_serve.analysis.diff import diff
+    from zoomer_serve.analysis.diff import diff, parse_side
 
     if args.traces or args.store is not None:
         return _error("--diff takes its two sides as BEFORE AFTER; give no other trace or --store")
+    try:
+        inputs = [parse_side(side).path for side in args.diff]
+    except ValueError as exc:  # a window on a trace file, a time that cannot be read
+        return _error(str(exc))
+    problem = output_problem(_outputs(args), inputs)
+    if problem is not None:
+        return _error(problem)
     steps = args.steps or ("complete" if args.conventions == "hta" else "all")
     try:
         report = diff(args.diff[0], args.diff[1], Conventions(args.conventions, steps))
@@ -261,6 +272,17 @@ def render_summary(result: AnalysisResult, console: Console | TableOutput, rows:
         console.print(rich_table(result.store_tables["request_percentiles"], limit=rows, title="Requests"))
     console.rule(Text("findings"))
     render_findings(result.findings, console)
+
+
+def _outputs(args: argparse.Namespace) -> list[tuple[str, Path]]:
+    """The files this run will write, as ``(option, path)``."""
+    return [(option, path) for option, path in (("--html", args.html), ("--perfetto", args.perfetto))
+            if path is not None]
+
+
+def _local(store: str | Path | None) -> list[Path]:
+    """The store as a local path to check outputs against (none for an object-store URL)."""
+    return [] if store is None or "://" in str(store) else [Path(store)]
 
 
 def _write_outputs(args: argparse.Namespace, result: Any) -> list[str]:

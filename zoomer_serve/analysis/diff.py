@@ -89,12 +89,16 @@ def parse_side(spec: str) -> Side:
     empty).
 
     Raises:
-        ValueError: a window on a trace file, or a time that cannot be read.
+        ValueError: a window on a trace file, a window not written ``FROM..TO``, or a time that cannot be read.
     """
     m = _WINDOW.match(spec)
     path = Path(m.group("path") if m else spec)
     store = path.suffix == ".duckdb"
     if m is None:
+        head, at, _ = spec.rpartition("@")
+        if at and not path.exists() and Path(head).is_file():
+            raise ValueError(f"{spec}: a store's time window is written STORE@FROM..TO (either end may be empty; "
+                             "times as ISO 8601 or Unix seconds)")
         return Side(spec, path, store)
     if not store:
         raise ValueError(f"{spec}: a time window needs a store (a .duckdb file), not a trace file")

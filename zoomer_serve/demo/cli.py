@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from zoomer_serve.cli_output import TableOutput, add_format_option
+from zoomer_serve.cli_paths import same_file
 from zoomer_serve.cli_types import (
     MAX_CLIENT_THREADS,
     client_threads,
@@ -69,7 +70,7 @@ def register(subparsers: Any) -> None:
         description="Start the embedded collector and the instrumented demo model server, drive real load "
         "(unary and streaming, a few invalid requests) for a bounded time, shut down cleanly, print the report.")
     demo.add_argument("--store", type=Path, default=None,
-                      help="DuckDB store to write, a new file (default: zoomer-data/demo-<time>.duckdb)")
+                      help="DuckDB store to write, a new file (default: zoomer-data/demo-<time>-<pid>.duckdb)")
     demo.add_argument("--duration-s", type=duration_s, default=20.0, help="how long to send load (default 20 s)")
     demo.add_argument("--clients", type=client_threads, default=4,
                       help=f"concurrent client threads, at most {MAX_CLIENT_THREADS} (default 4)")
@@ -194,7 +195,9 @@ def _serve_sync(args: argparse.Namespace, model: Any, stop: threading.Event, rea
 
 # -- demo -------------------------------------------------------------------------------------------------
 def _default_store() -> Path:
-    return Path("zoomer-data") / time.strftime("demo-%Y%m%d-%H%M%S.duckdb")
+    """A new store's path: the time and this process's id, so that two demos started in one second (two
+    terminals, a CI matrix) do not share a store."""
+    return Path("zoomer-data") / f"{time.strftime('demo-%Y%m%d-%H%M%S')}-{os.getpid()}.duckdb"
 
 
 def _phases(args: argparse.Namespace) -> list[tuple[str, int, float, int | None]]:
@@ -296,7 +299,7 @@ def _stop_server(console: Any, server: subprocess.Popen[bytes]) -> int:
 
 def _output_problem(store: Path, html: Path) -> str | None:
     """Why the store or the HTML report cannot be written where asked (their folder cannot be made, the path
-    is a folder, the store exists already), or None; makes the store's folder."""
+    is a folder, the store exists already, they are one file), or None; makes the store's folder."""
     try:
         store.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -309,6 +312,8 @@ def _output_problem(store: Path, html: Path) -> str | None:
                 "makes, so give --store a path that does not exist yet (or leave --store out for a new one)")
     if not html.parent.is_dir():
         return f"the HTML report's folder {html.parent} does not exist"
+    if same_file(store, html):
+        return f"--store and --html name the same file ({store}): the HTML report would overwrite the store"
     return None
 
 
