@@ -270,3 +270,48 @@ def test_the_cli_flags_and_variables(tmp_path: Path, capsys: pytest.CaptureFixtu
         parser.parse_args(["collector", "--parquet-url", "x", "--parquet-rotate-s", "0"])
     assert refused.value.code == 2
     assert "argument --parquet-rotate-s: '0' is not a number > 0" in capsys.readouterr().err
+
+
+def test_a_parquet_file_cut_short_is_named_in_one_line_by_report_analyze_and_fleet(tmp_path: Path) -> None:
+    """A cut-short file in the dataset (a partial copy) made ``report`` and ``fleet analyze`` print DuckDB's
+    traceback: now one line naming the file, exit 2 (a bad store, as for every zoomer-serve command)."""
+    out = tmp_path / "dataset"
+    store = Store(tmp_path / "stage.duckdb")
+    _ingest(store, 20)
+    assert ParquetRotator(store, ParquetConfig(str(out), rotate_s=3600)).rotate() == 20
+    store.close()
+    bad = next(out.rglob("*.parquet"))
+    bad.write_bytes(bad.read_bytes()[:500])
+    for argv in (["report", "--store", str(out)], ["analyze", "--store", str(out)], ["fleet", "analyze", str(out)]):
+        done = subprocess.run([sys.executable, "-m", "zoomer_serve", *argv], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 2 and "Traceback" not in done.stderr and "internal error" not in done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and "cannot read the Parquet data under" in lines[0] and bad.name in lines[0], lines
+
+
+def test_an_upload_cut_short_never_appears_under_its_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files reach a local dataset under a ``.partial`` name and are renamed once complete: a copy that fails
+    half way leaves no file that readers would take for Parquet, and the rows stay staged."""
+    import os
+
+    import fsspec.implementations.local as local
+
+    def half_copy(self: Any, lpath: str, rpath: str, **kwargs: Any) -> None:
+        Path(rpath).write_bytes(Path(lpath).read_bytes()[:100])
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "link", lambda *a, **k: (_ for _ in ()).throw(OSError("cross-device link")))
+    monkeypatch.setattr(local.LocalFileSystem, "put_file", half_copy)
+    out = tmp_path / "dataset"
+    store = Store(tmp_path / "stage.duckdb")
+    _ingest(store, 15)
+    rotator = ParquetRotator(store, ParquetConfig(str(out), rotate_s=3600, retries=0))
+    assert rotator.rotate() == 0 and _staged(store) == 15 and "disk full" in rotator.stats().last_error
+    assert not list(out.rglob("*.parquet")) and list(out.rglob("*.parquet.partial"))
+    monkeypatch.undo()
+    assert rotator.rotate() == 15 and not list(out.rglob("*.partial"))
+    con = open_source(str(out))
+    assert _count(con, "SELECT count(*) FROM spans") == [(15,)]
+    con.close()
+    store.close()

@@ -120,3 +120,31 @@ def url_of(fs: Any, path: str) -> str:
     if is_local(fs):
         return path
     return fs.unstrip_protocol(path)
+
+
+PARTIAL_SUFFIX = ".partial"
+"""What a file being written to the local filesystem is called until it is complete (``<name>.partial``)."""
+
+
+def put_file(fs: Any, source: Path, target: str) -> None:
+    """Upload the file ``source`` to ``target`` on ``fs`` so that ``target`` is never seen half written: on the
+    local filesystem (folders made as needed) it is hard-linked, or else copied, to ``<target>.partial`` and renamed
+    into place; object stores make an upload visible only once it is complete.
+
+    Raises:
+        FileNotFoundError: ``source`` is gone (before an upload to an object store).
+        OSError and the fsspec backend's errors: the copy or the upload failed.
+    """
+    if is_local(fs):
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(f"{target}{PARTIAL_SUFFIX}")
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(source, tmp)
+        except OSError:
+            fs.put_file(str(source), str(tmp))
+        os.replace(tmp, target)
+        return
+    if not source.is_file():
+        raise FileNotFoundError(2, "file vanished before its upload", str(source))
+    fs.put_file(str(source), target)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from zoomer_serve.artifacts.layout import MANIFEST_SUFFIX, Manifest, kind_of
-from zoomer_serve.artifacts.storage import filesystem, is_local, join, url_of
+from zoomer_serve.artifacts.storage import filesystem, join, put_file, url_of
 
 logger = logging.getLogger("zoomer_serve.artifacts")
 CHUNK = 1 << 20
@@ -169,7 +169,7 @@ class ArtifactUploader:
                                 service=job.service, instance=job.instance, host=job.host, gpu_model=job.gpu_model,
                                 session_id=job.session_id, start_ns=job.start_ns, end_ns=job.end_ns, bytes=size,
                                 sha256=digest, resource=dict(job.resource), created_ns=time.time_ns(), **extra)
-            ok = self._attempt(functools.partial(_put, fs, path, target), f"{path} -> {manifest.url}") and \
+            ok = self._attempt(functools.partial(put_file, fs, path, target), f"{path} -> {manifest.url}") and \
                 self._attempt(functools.partial(fs.pipe_file, target + MANIFEST_SUFFIX, manifest.to_json()),
                               f"manifest of {manifest.url}")
             if ok:
@@ -221,18 +221,3 @@ def _remote_missing(exc: FileNotFoundError) -> bool:
     return getattr(exc, "filename", None) is None or not os.path.isabs(str(exc.filename))
 
 
-def _put(fs: Any, source: Path, target: str) -> None:
-    """Upload one file; on the local filesystem hard-link it when possible, else copy."""
-    if is_local(fs):
-        Path(target).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(f"{target}.partial")
-        tmp.unlink(missing_ok=True)
-        try:
-            os.link(source, tmp)
-        except OSError:
-            fs.put_file(str(source), str(tmp))
-        os.replace(tmp, target)
-        return
-    if not source.is_file():
-        raise FileNotFoundError(2, "artifact vanished before its upload", str(source))
-    fs.put_file(str(source), target)

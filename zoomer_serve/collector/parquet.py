@@ -78,7 +78,8 @@ def open_dataset(location: str, since_ns: int | None = None) -> duckdb.DuckDBPyC
 
     Raises:
         FileNotFoundError: no Parquet file of either table under ``location``.
-        StorageError: the URL's fsspec backend is missing, or the storage cannot be listed.
+        StorageError: the URL's fsspec backend is missing, the storage cannot be listed, or a file under it is not
+            readable Parquet (the message names the file).
     """
     fs, root = filesystem(location)
     try:
@@ -100,6 +101,11 @@ def open_dataset(location: str, since_ns: int | None = None) -> duckdb.DuckDBPyC
                             f"union_by_name = true){_since(since_ns)}")
             else:
                 con.execute(_empty_table(table))
+    except duckdb.Error as exc:  # a file that is not Parquet, or cut short (DuckDB's message names it)
+        con.close()
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__  # not its SQL
+        raise StorageError(f"cannot read the Parquet data under {normalize(location)}: {first} (move that file "
+                           "aside to read the rest)") from None
     except BaseException:
         con.close()
         raise

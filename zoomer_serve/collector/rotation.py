@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zoomer_serve.artifacts.storage import StorageError, check_protocol, filesystem, is_local, join
+from zoomer_serve.artifacts.storage import StorageError, check_protocol, filesystem, join, put_file
 from zoomer_serve.collector.parquet import partition_select
 from zoomer_serve.collector.store import TABLES, Store
 
@@ -192,9 +192,7 @@ class ParquetRotator:
             wait = self.config.backoff_s
             for attempt in range(self.config.retries + 1):
                 try:
-                    if is_local(fs):
-                        fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
-                    fs.put_file(str(path), target)
+                    put_file(fs, path, target)  # never seen half written: a reader would fail on it
                     break
                 except Exception:
                     if attempt == self.config.retries:
