@@ -130,6 +130,38 @@ def test_demo_with_an_unusable_store_says_why_without_a_traceback(tmp_path):
     assert f"the store {tmp_path} is a folder; give a file name" in proc.stderr and proc.stdout == ""
 
 
+@pytest.mark.slow
+def test_a_shell_set_up_for_another_backend_does_not_take_the_demos_spans(tmp_path):
+    """A user's OTEL_* / ZOOMER_* settings for production reached the demo's server and collector: spans sent to a
+    dead traces endpoint or sampled (0 and 40 spans stored for 654 and 498 calls, exit 1, no reason given), or a
+    collector that wanted a token. The demo leaves them out, says so, and stores one span per call."""
+    env = dict(os.environ, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT="http://127.0.0.1:9/",
+               OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf", OTEL_TRACES_SAMPLER="traceidratio",
+               OTEL_TRACES_SAMPLER_ARG="0.1", ZOOMER_COLLECTOR_TOKEN="s3cret-token-of-32-characters-xx")
+    store = tmp_path / "env.duckdb"
+    proc = subprocess.run([sys.executable, "-m", "zoomer_serve", "demo", "--store", str(store), "--duration-s",
+                           "2", "--batch-max-size", "0", "--clients", "2"], capture_output=True, text=True,
+                          timeout=240, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert ("ignoring OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, OTEL_TRACES_SAMPLER, "
+            "OTEL_TRACES_SAMPLER_ARG, ZOOMER_COLLECTOR_TOKEN from the environment") in proc.stdout
+    text = " ".join(proc.stdout.split())
+    sent = int(text.split("sent ")[1].split(" calls")[0])
+    assert sent > 0 and f"the store holds {sent} server spans" in text
+
+
+def test_the_demos_children_get_the_environment_less_what_would_take_their_spans() -> None:
+    from zoomer_serve.demo.cli import demo_child_env
+
+    env, ignored = demo_child_env({"PATH": "/bin", "OTEL_SERVICE_NAME": "mine", "OTEL_RESOURCE_ATTRIBUTES": "a=b",
+                                   "OTEL_EXPORTER_OTLP_HEADERS": "k=v", "OTEL_SDK_DISABLED": "true",
+                                   "ZOOMER_EXPORT_MODE": "none", "ZOOMER_COLLECTOR_PARQUET_URL": "s3://b/x",
+                                   "ZOOMER_GPU": "off"})
+    assert env == {"PATH": "/bin", "OTEL_SERVICE_NAME": "mine", "OTEL_RESOURCE_ATTRIBUTES": "a=b", "ZOOMER_GPU": "off"}
+    assert ignored == ["OTEL_EXPORTER_OTLP_HEADERS", "OTEL_SDK_DISABLED", "ZOOMER_COLLECTOR_PARQUET_URL",
+                       "ZOOMER_EXPORT_MODE"]
+
+
 def test_demo_refuses_an_html_report_that_is_its_store(tmp_path):
     """``demo --store S --html S`` wrote its HTML report over the store it had just filled and exited 0, telling
     the user to run ``report --store S`` on what was now a web page: refused before anything starts."""

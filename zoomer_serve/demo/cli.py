@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -232,7 +232,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if problem is not None:  # said before the load runs, not after
         print(f"zoomer-serve demo: {problem}", file=sys.stderr)
         return 2
-    env = dict(os.environ)
+    env, ignored = demo_child_env(os.environ)
     procs: list[subprocess.Popen[bytes]] = []  # running: the collector, then the server of the phase
     results: list[Any] = []
     server_rc = collector_rc = 0
@@ -242,6 +242,9 @@ def run_demo(args: argparse.Namespace) -> int:
     with SignalStop("zoomer-serve demo") as stopping:
         try:
             _say(console, f"[bold]zoomer-serve demo[/]: store [cyan]{store}[/]")
+            if ignored:
+                _say(console, f"  ignoring {', '.join(ignored)} from the environment: the demo sends every span to "
+                              "its own collector")
             collector, col = start_zoomer_command(
                 ["collector", "--store", str(store), "--grpc-port", "0", "--http-port", "0"], env,
                 "embedded collector", stop=stopping.event)
@@ -289,6 +292,24 @@ def run_demo(args: argparse.Namespace) -> int:
         return stopping.exit_code
     out = TableOutput(fmt, console=console if fmt == "table" else None)
     return _finish(out, store, html, _merged(results), server_rc, collector_rc, stopping.signum)
+
+
+_NOT_INHERITED_PREFIXES = ("OTEL_EXPORTER_OTLP_", "ZOOMER_COLLECTOR_")
+_NOT_INHERITED = frozenset({
+    "OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER", "OTEL_TRACES_SAMPLER",
+    "OTEL_TRACES_SAMPLER_ARG", "OTEL_BSP_MAX_QUEUE_SIZE", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "ZOOMER_EXPORT_MODE",
+    "ZOOMER_EXPORT_MAX_REQUEST_BYTES", "ZOOMER_EXCLUDED_METHODS"})
+
+
+def demo_child_env(environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """The environment of the demo's collector and servers: ``environ`` without the variables that would send
+    spans elsewhere, sample, drop or exclude them, or make the embedded collector expect a token, TLS or a
+    Parquet rotation (every ``OTEL_EXPORTER_OTLP_*`` and ``ZOOMER_COLLECTOR_*`` one, the exporters, the
+    sampler, the SDK switch, the queue and batch sizes, ``ZOOMER_EXPORT_MODE``, the excluded methods): the demo
+    checks that its store holds one span per call. Also the names left out, sorted, for the demo to say."""
+    ignored = sorted(name for name in environ
+                     if name in _NOT_INHERITED or name.startswith(_NOT_INHERITED_PREFIXES))
+    return {k: v for k, v in environ.items() if k not in ignored}, ignored
 
 
 def _stop_server(console: Any, server: subprocess.Popen[bytes]) -> int:
