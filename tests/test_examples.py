@@ -150,3 +150,21 @@ def test_a_client_pointed_at_a_port_nobody_listens_on_says_so_in_one_line(script
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     ours = [line for line in done.stderr.splitlines() if line.startswith("client.py: ")]
     assert len(ours) == 1 and target in ours[0], done.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["grpc_server/server.py", "grpc_aio_server/server.py"])
+def test_a_server_example_on_a_port_in_use_says_so_instead_of_sharing_it(script: str, collector: Any) -> None:
+    """A second example server on a busy port printed "listening" and shared the port with the first (grpc's
+    SO_REUSEPORT default), splitting the calls between two servers: now exit 1, one line naming the address."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, str(EXAMPLES / script), "--host", "127.0.0.1", "--port", str(port)],
+                              cwd=ROOT, env=telemetry_env(collector, "example-server"), capture_output=True, text=True,
+                              timeout=180)
+    assert done.returncode == 1 and "listening" not in done.stdout, (done.stdout, done.stderr[-3000:])
+    assert "Traceback" not in done.stderr and f"cannot listen on 127.0.0.1:{port}: " in done.stderr

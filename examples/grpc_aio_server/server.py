@@ -60,9 +60,13 @@ class Ranker(ranker_pb2_grpc.RankerServicer):
 
 
 async def serve(host: str, port: int) -> None:
-    server = grpc.aio.server(interceptors=[ZoomerAioServerInterceptor()])
+    # so_reuseport 0: a port in use is an error, not shared with the server already there (grpc's default)
+    server = grpc.aio.server(interceptors=[ZoomerAioServerInterceptor()], options=[("grpc.so_reuseport", 0)])
     ranker_pb2_grpc.add_RankerServicer_to_server(Ranker(build_model()), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as exc:  # the port is in use (or the address is not this host's)
+        raise SystemExit(f"cannot listen on {host}:{port}: {exc}") from None
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

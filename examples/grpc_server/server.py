@@ -53,9 +53,14 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # one request per thread: the 8 server threads share the cores
-    server = grpc.server(futures.ThreadPoolExecutor(8), interceptors=[ZoomerServerInterceptor()])
+    # so_reuseport 0: a port in use is an error, not shared with the server already there (grpc's default)
+    server = grpc.server(futures.ThreadPoolExecutor(8), interceptors=[ZoomerServerInterceptor()],
+                         options=[("grpc.so_reuseport", 0)])
     ranker_pb2_grpc.add_RankerServicer_to_server(Ranker(build_model()), server)
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    try:
+        port = server.add_insecure_port(f"{args.host}:{args.port}")
+    except RuntimeError as exc:  # the port is in use (or the address is not this host's)
+        raise SystemExit(f"cannot listen on {args.host}:{args.port}: {exc}") from None
     server.start()
     print(f"Ranker listening on {args.host}:{port}", flush=True)
     try:
