@@ -54,7 +54,8 @@ class Reply:
 @dataclass
 class Received:
     """One request the receiver answered: its signal, size in bytes (uncompressed), items (spans or data
-    points), when (``time.monotonic()``), the reply, and the parsed request for metrics."""
+    points), when (``time.monotonic()``), the reply, the parsed request for metrics, and the headers it came
+    with (HTTP headers or gRPC metadata, names lower-cased)."""
 
     signal: str
     size: int
@@ -62,6 +63,7 @@ class Received:
     at: float
     reply: Reply
     request: Any = None
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 def _parse(signal: str, payload: bytes) -> tuple[int, Any]:
@@ -126,17 +128,18 @@ class ScriptedOtlp:
         return self.requests(signal)
 
     # -- answering ------------------------------------------------------------------------------------------
-    def _answer(self, signal: str, payload: bytes) -> Reply:
+    def _answer(self, signal: str, payload: bytes, headers: Iterable[tuple[str, Any]] = ()) -> Reply:
         items, parsed = _parse(signal, payload)
+        seen = {str(k).lower(): v for k, v in headers if isinstance(v, str)}
         with self._lock:
             script = self._scripts[signal]
             reply = script.pop(0) if script else Reply()
-            self.received.append(Received(signal, len(payload), items, time.monotonic(), reply, parsed))
+            self.received.append(Received(signal, len(payload), items, time.monotonic(), reply, parsed, seen))
         return reply
 
     def _grpc_handler(self, signal: str) -> Any:
         def export(payload: bytes, context: grpc.ServicerContext) -> bytes:
-            reply = self._answer(signal, payload)
+            reply = self._answer(signal, payload, context.invocation_metadata() or ())
             if reply.grpc_code is None:
                 return _response(signal, reply)
             code = grpc.StatusCode[reply.grpc_code]
@@ -177,7 +180,7 @@ class ScriptedOtlp:
                 if receiver.max_request_bytes is not None and len(body) > receiver.max_request_bytes:
                     self._send(413, status_pb2.Status(message="request body too large").SerializeToString())
                     return
-                reply = receiver._answer(signal, body)
+                reply = receiver._answer(signal, body, self.headers.items())
                 if reply.http_status is None:
                     self._send(200, _response(signal, reply))
                     return

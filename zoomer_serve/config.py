@@ -1,18 +1,21 @@
 """Configuration: dataclasses filled from the environment, then from code.
 
 Each setting has one environment variable: the OpenTelemetry ``OTEL_*`` one where OpenTelemetry defines it,
-else a ``ZOOMER_*`` one. Arguments passed in code (``configure(service_name=...)``) override the
+else a ``ZOOMER_*`` one. The OTLP connection settings are per signal, as the OpenTelemetry exporter specification
+defines them: for traces and for metrics each is the signal's own variable (``OTEL_EXPORTER_OTLP_TRACES_TIMEOUT``,
+``OTEL_EXPORTER_OTLP_METRICS_TIMEOUT``) when set, else the general one (``OTEL_EXPORTER_OTLP_TIMEOUT``), else the
+default; one signal's own variable never applies to the other (:meth:`ExportConfig.otlp`). Arguments passed in code (``configure(service_name=...)``) override the
 environment. A bad value raises :class:`ConfigError` naming the variable and the value.
 
 | setting | variable | default |
 | --- | --- | --- |
 | service name | ``OTEL_SERVICE_NAME`` | ``zoomer-serve`` (also read from ``OTEL_RESOURCE_ATTRIBUTES``) |
 | resource attributes | ``OTEL_RESOURCE_ATTRIBUTES`` (``k=v,k2=v2``, percent-encoded values) | none |
-| OTLP endpoint | ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` | ``http://localhost:4317`` (grpc), ``http://localhost:4318`` (http) |
-| protocol | ``OTEL_EXPORTER_OTLP_PROTOCOL`` / ``..._TRACES_PROTOCOL``: ``grpc`` or ``http/protobuf`` | ``grpc`` |
-| headers | ``OTEL_EXPORTER_OTLP_HEADERS`` / ``..._TRACES_HEADERS`` | none |
-| export timeout | ``OTEL_EXPORTER_OTLP_TIMEOUT`` / ``..._TRACES_TIMEOUT`` (ms) | 10000 ms |
-| compression | ``OTEL_EXPORTER_OTLP_COMPRESSION`` / ``..._TRACES_COMPRESSION``: ``gzip`` or ``none`` | none |
+| OTLP endpoint | ``OTEL_EXPORTER_OTLP_ENDPOINT`` (a base URL for ``http/protobuf``) / ``..._TRACES_ENDPOINT``, ``..._METRICS_ENDPOINT`` (full URLs) | ``http://localhost:4317`` (grpc), ``http://localhost:4318`` (http) |
+| protocol | ``OTEL_EXPORTER_OTLP_PROTOCOL`` / ``..._TRACES_PROTOCOL``, ``..._METRICS_PROTOCOL``: ``grpc`` or ``http/protobuf`` | ``grpc`` |
+| headers | ``OTEL_EXPORTER_OTLP_HEADERS`` / ``..._TRACES_HEADERS``, ``..._METRICS_HEADERS`` | none |
+| export timeout | ``OTEL_EXPORTER_OTLP_TIMEOUT`` / ``..._TRACES_TIMEOUT``, ``..._METRICS_TIMEOUT`` (ms) | 10000 ms |
+| compression | ``OTEL_EXPORTER_OTLP_COMPRESSION`` / ``..._TRACES_COMPRESSION``, ``..._METRICS_COMPRESSION``: ``gzip`` or ``none`` | none |
 | sampler | ``OTEL_TRACES_SAMPLER``, ``OTEL_TRACES_SAMPLER_ARG`` | ``parentbased_always_on`` |
 | span queue | ``OTEL_BSP_MAX_QUEUE_SIZE`` | 2048 spans |
 | batch size | ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` | 512 spans |
@@ -77,6 +80,29 @@ _EXPORT_INTEGERS = {
 """ExportConfig's integer fields (ms or spans, 1 to INT_MAX like the variables they are read from) and those
 variables."""
 
+SIGNALS = ("traces", "metrics")
+
+_METRICS_FIELDS = {
+    "metrics_protocol": "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "metrics_headers": "OTEL_EXPORTER_OTLP_METRICS_HEADERS",
+    "metrics_timeout_ms": "OTEL_EXPORTER_OTLP_METRICS_TIMEOUT",
+    "metrics_compression": "OTEL_EXPORTER_OTLP_METRICS_COMPRESSION",
+}
+"""ExportConfig's metrics-only connection fields and the variables they are read from."""
+
+
+@dataclass(frozen=True)
+class OtlpConnection:
+    """How one signal's OTLP requests are sent (:meth:`ExportConfig.otlp`): ``endpoint``, the full URL (for
+    ``http/protobuf`` with ``/v1/traces`` or ``/v1/metrics``); ``protocol``, ``grpc`` or ``http/protobuf``;
+    ``headers`` sent with every request (HTTP headers or gRPC metadata); ``timeout_ms``, the time in ms one export
+    of the signal may take, retries included; ``compression``, ``gzip`` or ``none``."""
+
+    endpoint: str
+    protocol: str
+    headers: Mapping[str, str]
+    timeout_ms: int
+    compression: str
+
 
 @dataclass
 class ExportConfig:
@@ -84,6 +110,15 @@ class ExportConfig:
 
     ``traces_endpoint`` is the full URL the trace exporter uses (for ``http/protobuf`` it includes
     ``/v1/traces``); ``metrics_endpoint`` likewise. Times are in ms, sizes in spans.
+
+    ``protocol``, ``headers``, ``timeout_ms`` and ``compression`` are the traces' connection settings, and the
+    metrics' too where the matching ``metrics_*`` field is None (so an ExportConfig built in code with only
+    them sets both signals, as before). :meth:`from_env <ZoomerConfig.from_env>` fills the ``metrics_*`` fields
+    from the metrics' own variables (else the general ones): a trace setting never reaches the metrics.
+    :meth:`otlp` gives one signal's settings, resolved.
+
+    Raises:
+        ConfigError: a field is out of range or not one of its values (the message names it and its variable).
     """
 
     protocol: str = "grpc"
@@ -106,6 +141,36 @@ class ExportConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     # -- which RPC names (zoomer_serve.semconv.rpc_opt_in): "default" (v1.44.0), "next" or "dup" ---------------
     semconv_rpc: str = "default"
+    # -- the metrics' own connection settings (OTEL_EXPORTER_OTLP_METRICS_*); None: the field of the same name
+    # above (protocol, headers, timeout_ms in ms, compression) ------------------------------------------------
+    metrics_protocol: str | None = None
+    metrics_headers: dict[str, str] | None = None
+    metrics_timeout_ms: int | None = None
+    metrics_compression: str | None = None
+
+    def otlp(self, signal: str) -> OtlpConnection:
+        """The connection settings of ``signal`` (``"traces"`` or ``"metrics"``).
+
+        Raises:
+            ValueError: ``signal`` is neither.
+        """
+        if signal == "traces":
+            return OtlpConnection(self.traces_endpoint, self.protocol, dict(self.headers), self.timeout_ms,
+                                  self.compression)
+        if signal == "metrics":
+            def either(own: Any, shared: Any) -> Any:
+                return shared if own is None else own
+
+            return OtlpConnection(self.metrics_endpoint, either(self.metrics_protocol, self.protocol),
+                                  dict(either(self.metrics_headers, self.headers)),
+                                  either(self.metrics_timeout_ms, self.timeout_ms),
+                                  either(self.metrics_compression, self.compression))
+        raise ValueError(f"an OTLP signal is one of {SIGNALS}, got {signal!r}")
+
+    @property
+    def export_budget_ms(self) -> int:
+        """The longer of the two signals' export timeouts (ms): the default budget of a flush and of shutdown."""
+        return max(self.timeout_ms, self.otlp("metrics").timeout_ms)
 
     @property
     def sends_traces(self) -> bool:
@@ -129,6 +194,17 @@ class ExportConfig:
         for name, variable in _EXPORT_INTEGERS.items():
             value = getattr(self, name)
             if not is_count(value, 1, INT_MAX):
+                raise ConfigError(f"ExportConfig.{name} ({variable}) must be an integer between 1 and {INT_MAX}, "
+                                  f"got {value!r}")
+        for name, variable in _METRICS_FIELDS.items():
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if name == "metrics_protocol" and value not in PROTOCOLS:
+                raise ConfigError(f"ExportConfig.{name} ({variable}) must be one of {PROTOCOLS}, got {value!r}")
+            if name == "metrics_compression" and value not in ("none", "gzip"):
+                raise ConfigError(f"ExportConfig.{name} ({variable}) must be 'gzip' or 'none', got {value!r}")
+            if name == "metrics_timeout_ms" and not is_count(value, 1, INT_MAX):
                 raise ConfigError(f"ExportConfig.{name} ({variable}) must be an integer between 1 and {INT_MAX}, "
                                   f"got {value!r}")
         if self.max_request_bytes < MIN_REQUEST_BYTES:
@@ -362,24 +438,41 @@ def _exporter(env: Mapping[str, str], variable: str) -> bool:
     return names == {"otlp"}
 
 
-def _export_from_env(env: Mapping[str, str]) -> ExportConfig:
-    protocol_var, protocol = _signal(env, "TRACES", "PROTOCOL")
+def _otlp_from_env(env: Mapping[str, str], signal: str) -> OtlpConnection:
+    """The connection settings of ``signal`` (``TRACES`` or ``METRICS``): each the signal's own variable when set,
+    else the general one, else the default. Raises ConfigError naming the variable a bad value came from."""
+    protocol_var, protocol = _signal(env, signal, "PROTOCOL")
     protocol = (protocol or "grpc").strip().lower()  # the spec: enum values are read case-insensitively
     if protocol not in PROTOCOLS:
         raise ConfigError(f"{protocol_var}={protocol!r} is not supported; use 'grpc' or 'http/protobuf'")
-    timeout_var, timeout = _signal(env, "TRACES", "TIMEOUT")
-    compression_var, compression = _signal(env, "TRACES", "COMPRESSION")
+    timeout_var, timeout = _signal(env, signal, "TIMEOUT")
+    compression_var, compression = _signal(env, signal, "COMPRESSION")
     compression = (compression or "none").strip().lower()
     if compression not in ("none", "gzip"):
         raise ConfigError(f"{compression_var}={compression!r} is not supported; use 'gzip' or 'none'")
-    headers_var, headers = _signal(env, "TRACES", "HEADERS")
-    return ExportConfig(
+    headers_var, headers = _signal(env, signal, "HEADERS")
+    return OtlpConnection(
+        endpoint=_endpoint(env, signal, protocol),
         protocol=protocol,
-        traces_endpoint=_endpoint(env, "TRACES", protocol),
-        metrics_endpoint=_endpoint(env, "METRICS", protocol),
         headers=_check_headers(parse_key_values(headers or "", headers_var), headers_var),
         timeout_ms=_int({timeout_var: timeout} if timeout else {}, timeout_var, 10_000),
         compression=compression,
+    )
+
+
+def _export_from_env(env: Mapping[str, str]) -> ExportConfig:
+    traces, metrics = _otlp_from_env(env, "TRACES"), _otlp_from_env(env, "METRICS")
+    return ExportConfig(
+        protocol=traces.protocol,
+        traces_endpoint=traces.endpoint,
+        metrics_endpoint=metrics.endpoint,
+        headers=dict(traces.headers),
+        timeout_ms=traces.timeout_ms,
+        compression=traces.compression,
+        metrics_protocol=metrics.protocol,
+        metrics_headers=dict(metrics.headers),
+        metrics_timeout_ms=metrics.timeout_ms,
+        metrics_compression=metrics.compression,
         max_queue_size=_int(env, "OTEL_BSP_MAX_QUEUE_SIZE", 2048),
         max_export_batch_size=_int(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512),
         schedule_delay_ms=_int(env, "OTEL_BSP_SCHEDULE_DELAY", 5000),

@@ -110,7 +110,7 @@ class Telemetry:
         return self._stats is not None
 
     def _shutdown(self, timeout_s: float | None) -> ExportStats:
-        budget = self.config.export.timeout_ms / 1000 if timeout_s is None else timeout_s
+        budget = self.config.export.export_budget_ms / 1000 if timeout_s is None else timeout_s
         deadline = time.monotonic() + budget + 1.0  # one deadline for every part, whatever the collector does
         self.recorder.run_before_shutdown()  # first: spans that adapters still hold open
         if self.gpu is not None:  # first: it sends its last allocation totals through the pipeline
@@ -139,7 +139,7 @@ class Telemetry:
         _check_timeout(timeout_s, "force_flush")
         if self._stats is not None:
             return True
-        budget = self.config.export.timeout_ms / 1000 if timeout_s is None else timeout_s
+        budget = self.config.export.export_budget_ms / 1000 if timeout_s is None else timeout_s
         deadline = time.monotonic() + budget
         ok = self.pipeline.flush(budget) if self.pipeline is not None else True
         for provider in (self.tracer_provider, self.meter_provider):
@@ -210,6 +210,10 @@ def configure(*, service_name: str | None = None, endpoint: str | None = None, p
     Settings come from ``config`` when given, else from the environment; each keyword argument that is
     not None overrides them. ``endpoint`` is the OTLP base URL (``http://host:4317`` for grpc,
     ``http://host:4318`` for http/protobuf, where ``/v1/traces`` and ``/v1/metrics`` are appended).
+    ``endpoint``, ``protocol`` and ``timeout_ms`` (ms) apply to both signals, traces and metrics, over their own
+    ``OTEL_EXPORTER_OTLP_TRACES_*`` / ``..._METRICS_*`` variables; headers and compression come from the
+    environment (or ``config``) only, each signal its own. ``schedule_delay_ms`` and
+    ``metric_export_interval_ms`` are in ms.
     ``set_global_providers`` installs the SDK providers as the OpenTelemetry global ones when none is set yet.
 
     Raises:
@@ -274,14 +278,16 @@ def _apply_overrides(cfg: ZoomerConfig, service_name: str | None, endpoint: str 
                       "metric_export_interval_ms": metric_export_interval_ms})
     exp = cfg.export
     changes: dict[str, Any] = {}
-    if protocol is not None:
-        changes["protocol"] = protocol
-    if endpoint is not None:
-        proto = protocol or exp.protocol
+    if protocol is not None:  # both signals' (the metrics' own variable does not outweigh an argument)
+        changes["protocol"] = changes["metrics_protocol"] = protocol
+    if endpoint is not None:  # a base URL for both signals, with each one's path where its protocol is http
         base = check_url(endpoint, "configure(endpoint=...)").rstrip("/")
-        changes["traces_endpoint"] = base if proto == "grpc" else base + "/v1/traces"
-        changes["metrics_endpoint"] = base if proto == "grpc" else base + "/v1/metrics"
-    for key, value in (("mode", export_mode), ("timeout_ms", timeout_ms), ("schedule_delay_ms", schedule_delay_ms),
+        for signal in ("traces", "metrics"):
+            proto = protocol or exp.otlp(signal).protocol
+            changes[f"{signal}_endpoint"] = base if proto == "grpc" else f"{base}/v1/{signal}"
+    if timeout_ms is not None:  # both signals' export timeout
+        changes["timeout_ms"] = changes["metrics_timeout_ms"] = timeout_ms
+    for key, value in (("mode", export_mode), ("schedule_delay_ms", schedule_delay_ms),
                        ("metric_export_interval_ms", metric_export_interval_ms)):
         if value is not None:
             changes[key] = value

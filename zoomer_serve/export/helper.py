@@ -184,7 +184,7 @@ def main() -> None:
     worker = ExportWorker(ExportConfig(**spec["export"]), spec["resource"], spec.get("version", "0"),
                           SpanLimits(**spec.get("limits", {})))
     worker.start()
-    helper = Helper(worker, EventWriter(sys.stdout), spec["export"]["timeout_ms"] / 1000)
+    helper = Helper(worker, EventWriter(sys.stdout), worker.cfg.export_budget_ms / 1000)
     signal.signal(signal.SIGTERM, helper.on_sigterm)
     helper.run(sys.stdin.buffer)
 

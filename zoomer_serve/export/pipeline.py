@@ -300,7 +300,7 @@ class ExportPipeline:
         be sent. Returns the final counters; safe to call twice."""
         if self.final_stats is not None:
             return self.final_stats
-        budget = self.cfg.timeout_ms / 1000 if timeout_s is None else timeout_s
+        budget = self.cfg.export_budget_ms / 1000 if timeout_s is None else timeout_s
         deadline = self._deadline = time.monotonic() + budget + 1.0
         self._closing = True
         self._wake.set()

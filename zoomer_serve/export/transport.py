@@ -17,6 +17,8 @@ deadline (``time.monotonic()``) and returns a :class:`SendResult`. It never rais
 - Credentials refused: gRPC ``UNAUTHENTICATED`` / ``PERMISSION_DENIED`` and HTTP 401 / 403 fail at once (an
   ``export_failed`` like any failed export); the error says that the collector refused the credentials and how
   to send them (``OTEL_EXPORTER_OTLP_HEADERS=authorization=Bearer%20<token>``).
+- Each signal is sent with its own connection settings (:meth:`zoomer_serve.config.ExportConfig.otlp`: endpoint,
+  protocol, headers, timeout, compression): the traces' never go with the metrics, nor the metrics' with the traces.
 - Accepted: ``partial_success`` of the response (``rejected_spans`` / ``rejected_data_points`` and
   ``error_message``) is returned in the result; such a response is never retried.
 """
@@ -33,12 +35,13 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
 from zoomer_serve import envvars
-from zoomer_serve.config import ExportConfig
+from zoomer_serve.config import ExportConfig, OtlpConnection
 
 _GRPC_METHODS = {
     "traces": "/opentelemetry.proto.collector.trace.v1.TraceService/Export",
@@ -106,14 +109,20 @@ def _partial_success(signal: str, body: bytes) -> tuple[int, str]:
 
 
 class Sender:
-    """Base class: ``send(payload, deadline)`` and ``close()``; ``signal`` is ``"traces"`` or ``"metrics"``.
-    ``stop`` set means the worker is shutting down: no retry after that (the send returns FAILED)."""
+    """Base class: ``send(payload, deadline)`` and ``close()``; ``signal`` is ``"traces"`` or ``"metrics"``, whose
+    connection settings (``otlp``: endpoint, headers, compression) it sends with.
+    ``stop`` set means the worker is shutting down: no retry after that (the send returns FAILED).
+
+    Raises (constructor):
+        ValueError: ``signal`` is neither ``"traces"`` nor ``"metrics"``.
+    """
 
     def __init__(self, cfg: ExportConfig, stop: threading.Event, signal: str = "traces") -> None:
         self.cfg = cfg
         self.stop = stop
         self.signal = signal
-        self.endpoint = cfg.traces_endpoint if signal == "traces" else cfg.metrics_endpoint
+        self.otlp = cfg.otlp(signal)
+        self.endpoint = self.otlp.endpoint
         self.last_error: str | None = None
 
     def send(self, payload: bytes, deadline: float) -> SendResult:
@@ -150,15 +159,16 @@ HEADERS_HINT = envvars.BEARER_HEADERS_HINT
 refusal says the same (:data:`zoomer_serve.collector.security.UNAUTHENTICATED_MESSAGE`)."""
 
 
-def credentials_refused(status: str, message: str, headers: dict[str, str]) -> str:
+def credentials_refused(status: str, message: str, headers: Mapping[str, str], signal: str = "traces") -> str:
     """The error of an export whose credentials the collector refused (``status``: its gRPC status or HTTP code;
     ``message``: its answer, left out when it already gives this hint, as a zoomer-serve collector's does),
-    saying whether an ``authorization`` header was sent and how to send the right one."""
+    saying whether an ``authorization`` header was sent (``headers``: those of ``signal``'s requests) and how to
+    send the right one."""
     if message and HEADERS_HINT not in message:
         status = f"{status}: {message}"
     if any(name.lower() == "authorization" for name in headers):
-        sent = ("the authorization header set by OTEL_EXPORTER_OTLP_HEADERS (or ..._TRACES_HEADERS) is not the "
-                "one it expects")
+        sent = (f"the authorization header set by OTEL_EXPORTER_OTLP_HEADERS (or ..._{signal.upper()}_HEADERS) is "
+                "not the one it expects")
     else:
         sent = "no authorization header was sent"
     return (f"the collector refused the credentials ({status}): {sent}; set {HEADERS_HINT} with the collector's "
@@ -227,8 +237,8 @@ class GrpcSender(Sender):
             self._channel = grpc.insecure_channel(target)
         self._call = self._channel.unary_unary(_GRPC_METHODS[signal], request_serializer=None,
                                                response_deserializer=None)
-        self._metadata = tuple((k.lower(), v) for k, v in cfg.headers.items())
-        self._compression = grpc.Compression.Gzip if cfg.compression == "gzip" else None
+        self._metadata = tuple((k.lower(), v) for k, v in self.otlp.headers.items())
+        self._compression = grpc.Compression.Gzip if self.otlp.compression == "gzip" else None
         self._retryable = {
             grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
             grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS,
@@ -244,7 +254,7 @@ class GrpcSender(Sender):
             details = str(err.details() if hasattr(err, "details") else err)
             self.last_error = f"{code}: {details}"
             if code in (self._grpc.StatusCode.UNAUTHENTICATED, self._grpc.StatusCode.PERMISSION_DENIED):
-                self.last_error = credentials_refused(str(code), details, self.cfg.headers)
+                self.last_error = credentials_refused(str(code), details, self.otlp.headers, self.signal)
                 return _Attempt()
             has_retry_info, delay = _retry_info(err)
             if code == self._grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -264,9 +274,9 @@ class HttpSender(Sender):
     """OTLP/HTTP with ``Content-Type: application/x-protobuf`` (and gzip when configured)."""
 
     def _attempt(self, payload: bytes, deadline: float) -> _Attempt:
-        headers = {"Content-Type": "application/x-protobuf", **self.cfg.headers}
+        headers = {"Content-Type": "application/x-protobuf", **self.otlp.headers}
         body = payload
-        if self.cfg.compression == "gzip":
+        if self.otlp.compression == "gzip":
             body = gzip.compress(payload)
             headers["Content-Encoding"] = "gzip"
         req = urllib.request.Request(self.endpoint, data=body, headers=headers, method="POST")
@@ -279,7 +289,7 @@ class HttpSender(Sender):
             self.last_error = f"HTTP {err.code}{message}"
             if err.code in _CREDENTIALS_HTTP:
                 self.last_error = credentials_refused(f"HTTP {err.code}", message.removeprefix(": "),
-                                                      self.cfg.headers)
+                                                      self.otlp.headers, self.signal)
                 return _Attempt()
             if err.code == _TOO_LARGE_HTTP:
                 return _Attempt(too_large=True)
@@ -314,38 +324,47 @@ def _status_message(err: urllib.error.HTTPError) -> str:
 
 
 def make_sender(cfg: ExportConfig, stop: threading.Event, signal: str = "traces") -> Sender:
-    """The sender of ``signal`` (``"traces"`` or ``"metrics"``) for ``cfg.protocol``."""
-    if cfg.protocol == "grpc":
+    """The sender of ``signal`` (``"traces"`` or ``"metrics"``) for that signal's protocol.
+
+    Raises:
+        ValueError: ``signal`` is neither.
+    """
+    if cfg.otlp(signal).protocol == "grpc":
         return GrpcSender(cfg, stop, signal)
     return HttpSender(cfg, stop, signal)
 
 
 def sdk_metric_exporter(cfg: ExportConfig) -> Any:
-    """The OpenTelemetry SDK's OTLP metric exporter for the same endpoint, protocol, headers and timeout."""
-    if cfg.protocol == "grpc":
+    """The OpenTelemetry SDK's OTLP metric exporter, with the metrics' endpoint, protocol, headers, timeout and
+    compression."""
+    otlp = cfg.otlp("metrics")
+    if otlp.protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc import metric_exporter
     else:
         from opentelemetry.exporter.otlp.proto.http import metric_exporter  # type: ignore[no-redef]
-    return metric_exporter.OTLPMetricExporter(**_sdk_exporter_kwargs(cfg, cfg.metrics_endpoint))
+    return metric_exporter.OTLPMetricExporter(**_sdk_exporter_kwargs(otlp))
 
 
 def sdk_span_exporter(cfg: ExportConfig) -> Any:
-    """The OpenTelemetry SDK's OTLP span exporter (for spans that user code starts with the API)."""
-    if cfg.protocol == "grpc":
+    """The OpenTelemetry SDK's OTLP span exporter (for spans that user code starts with the API), with the traces'
+    settings."""
+    otlp = cfg.otlp("traces")
+    if otlp.protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc import trace_exporter
     else:
         from opentelemetry.exporter.otlp.proto.http import trace_exporter  # type: ignore[no-redef]
-    return trace_exporter.OTLPSpanExporter(**_sdk_exporter_kwargs(cfg, cfg.traces_endpoint))
+    return trace_exporter.OTLPSpanExporter(**_sdk_exporter_kwargs(otlp))
 
 
-def _sdk_exporter_kwargs(cfg: ExportConfig, endpoint: str) -> dict[str, Any]:
-    """Constructor arguments shared by the SDK's OTLP exporters of both protocols."""
-    kwargs: dict[str, Any] = {"endpoint": endpoint, "headers": cfg.headers or None, "timeout": cfg.timeout_ms / 1000}
-    gzip_on = cfg.compression == "gzip"
-    if cfg.protocol == "grpc":
+def _sdk_exporter_kwargs(otlp: OtlpConnection) -> dict[str, Any]:
+    """Constructor arguments shared by the SDK's OTLP exporters of both protocols, from one signal's settings."""
+    kwargs: dict[str, Any] = {"endpoint": otlp.endpoint, "headers": dict(otlp.headers) or None,
+                              "timeout": otlp.timeout_ms / 1000}
+    gzip_on = otlp.compression == "gzip"
+    if otlp.protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.exporter import Compression as GrpcCompression
 
-        kwargs["insecure"] = urllib.parse.urlparse(endpoint).scheme != "https"
+        kwargs["insecure"] = urllib.parse.urlparse(otlp.endpoint).scheme != "https"
         kwargs["compression"] = GrpcCompression.Gzip if gzip_on else None
     else:
         from opentelemetry.exporter.otlp.proto.http import Compression as HttpCompression

@@ -131,6 +131,7 @@ class ExportWorker:
         self._encoder = SpanEncoder(resource, SCOPE_NAME, version, limits)
         self._sender = make_sender(cfg, self._stop, "traces")
         self._metric_sender = make_sender(cfg, self._stop, "metrics")
+        self._metrics_timeout_s = cfg.otlp("metrics").timeout_ms / 1000  # the traces' is cfg.timeout_ms
         self._pending: list[bytes] = []  # encoded spans waiting for the next export
         self._received = 0  # spans of the batches the queue took: each ends exported, dropped or unknown
         self._in_flight = 0  # spans of the request being sent, not yet counted
@@ -195,7 +196,7 @@ class ExportWorker:
             if isinstance(batch, threading.Event):
                 now = time.monotonic()
                 self._flush(now + self.cfg.timeout_ms / 1000)
-                self._export_metrics(now + self.cfg.timeout_ms / 1000)
+                self._export_metrics(now + self._metrics_timeout_s)
                 batch.set()
                 continue
             self._ingest(batch)
@@ -206,7 +207,7 @@ class ExportWorker:
             elif due:
                 self._last_flush = now
             if now - self._last_metrics >= metric_interval:
-                self._export_metrics(now + self.cfg.timeout_ms / 1000)
+                self._export_metrics(now + self._metrics_timeout_s)
 
     def _ingest(self, batch: list[tuple[Any, ...]]) -> None:
         if self._status_rename:
