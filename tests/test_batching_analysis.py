@@ -146,3 +146,51 @@ def test_kernels_of_small_batches_in_small_grids_are_a_finding(tmp_path: Path):
     assert small.evidence["small_grid_time_share"] == 1.0 and small.evidence["occupancy_pct"] == 12.0
     assert small.evidence["sm_count"] == 132
     check_finding(small)
+
+
+STREAM = "zoomer.demo.v1.Ranker/PredictStream"
+
+
+def test_a_stream_s_every_message_counts_in_the_batching_table_and_its_batches_match_the_finding(collector,
+                                                                                                   telemetry):
+    """Streams of 2-5 messages, each message batched on its own: the Batching table's messages are the ones the
+    client sent, its batches the batch spans that link the stream's requests, its wait share the queue phase's
+    total over the batched requests' time, and the service's batch count the under-filled finding's."""
+    import duckdb
+
+    server, port = build_server(build_model(device="cpu"), interceptors=[ZoomerServerInterceptor(telemetry.recorder)],
+                                max_workers=4, config=ServiceConfig(batch_max_size=8, batch_max_delay_ms=10))
+    try:
+        result = drive_load(f"127.0.0.1:{port}", 60.0, clients=2, batch_size=8, max_requests=24, stream_share=0.5,
+                            invalid_share=0.0)
+    finally:
+        server.stop(None).wait(5)
+    assert result.unexpected == 0 and result.stream_messages > result.count(method="PredictStream")
+    collector.finish()
+    con = duckdb.connect(str(collector.store_path), read_only=True)
+    try:
+        links = con.execute("SELECT span_id, CAST(links AS VARCHAR) FROM spans WHERE name = 'process ranker'").fetchall()
+        requests = dict(con.execute("SELECT span_id, attributes->>'$.\"rpc.method\"' FROM spans WHERE kind = 'SERVER'"
+                                    ).fetchall())
+    finally:
+        con.close()
+    truth: dict[str, set[str]] = {}
+    for batch_id, raw in links:
+        for link in json.loads(raw):
+            method = requests[link["span_id"]]
+            truth.setdefault(method.rsplit("/", 1)[-1], set()).add(batch_id)
+    report = build_report(collector.store_path)
+    (stream,) = [m for m in report.methods if m.method == STREAM]
+    b = stream.batching
+    assert b is not None and b.requests == stream.count
+    assert b.messages == result.stream_messages  # every message, not each stream's last
+    assert b.batches == len(truth["PredictStream"])
+    (queue,) = [p for p in stream.phases if p.phase == "queue"]
+    assert queue.count == b.messages
+    assert abs(b.queue_wait_share - queue.share) < 1e-9  # every request of the method ran in batches here
+    assert abs(b.queue_wait_mean_ms - queue.mean_ms) < 1e-6
+    (total,) = [t for t in report.batching_totals if t.service_name == "test-svc"]
+    assert total.batching.batches == len(truth["Predict"] | truth["PredictStream"]) == len(links)
+    assert total.batching.messages == b.messages + next(m for m in report.methods if m.method == PREDICT).count
+    (under,) = _ids(analyze_store(collector.store_path))["batch.under-filled"]
+    assert under.evidence["batches_count"] == total.batching.batches

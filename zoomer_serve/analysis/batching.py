@@ -2,7 +2,9 @@
 (:mod:`zoomer_serve.batching`) and from batch ranges in kernel traces.
 
 Store detectors (per queue: the batch spans of one service and ``messaging.destination.name``; per method for
-the queue wait):
+the queue wait). Queue waits count every batched message, from each request's ``queue`` child spans (a stream
+queues one message per batch it joins; its ``zoomer.batch.*`` attributes are its last message's only), as the
+report's Batching table does (:data:`zoomer_serve.report.build.BATCH_MESSAGES_CTE`):
 
 - ``batch.queue-wait``: requests of a method spend at least half their time waiting for a batch to fill: the
   delay is too long for the load (evidence: queue wait percentiles, its share of latency, how the batches were
@@ -32,6 +34,7 @@ import numpy as np
 
 from zoomer_serve.analysis.findings import AT_STAKE, Finding, severity_for_share
 from zoomer_serve.batching import names as bn
+from zoomer_serve.report.build import BATCH_MESSAGES_CTE
 
 if TYPE_CHECKING:
     from zoomer_serve.analysis.kineto import KinetoTrace
@@ -68,6 +71,25 @@ ORDER BY start_ns
 """
 
 
+def _query(data: StoreData, sql: str) -> list[tuple[Any, ...]]:
+    """The rows of ``sql`` over the store ``data`` was read from (a DuckDB file or a Parquet dataset); none when it
+    cannot be read again or is not a store with spans (the other detectors say so)."""
+    from zoomer_serve.artifacts.storage import StorageError
+    from zoomer_serve.collector.parquet import open_source
+    from zoomer_serve.collector.store import StoreError
+
+    try:
+        con = open_source(data.path)
+    except (StoreError, StorageError, OSError):
+        return []
+    try:
+        return con.execute(sql).fetchall()
+    except Exception:
+        return []
+    finally:
+        con.close()
+
+
 @dataclass
 class BatchRow:
     """One batch span: ``span_id`` (hex), ``service``, ``queue``, ``start_ns``, ``duration_ns``, ``size``,
@@ -88,19 +110,8 @@ class BatchRow:
 
 def load_batches(data: StoreData) -> list[BatchRow]:
     """The batch spans of the store ``data`` was read from (an empty list when it cannot be read again)."""
-    from zoomer_serve.collector.store import StoreError, open_readonly
-
-    try:
-        con = open_readonly(data.path)
-    except (StoreError, OSError):
-        return []
-    try:
-        rows = con.execute(_BATCHES_SQL).fetchall()
-    except Exception:  # not a store with spans: the other detectors say so
-        return []
-    finally:
-        con.close()
     out = []
+    rows = _query(data, _BATCHES_SQL)
     for span_id, service, queue, start_ns, duration_ns, raw in rows:
         try:
             a = json.loads(raw or "{}")
@@ -114,8 +125,49 @@ def load_batches(data: StoreData) -> list[BatchRow]:
     return out
 
 
+_MESSAGES_SQL = BATCH_MESSAGES_CTE + """
+SELECT trace_id, span_id, batch_id, wait_ns FROM messages
+"""
+
+
+@dataclass
+class _Message:
+    """One batched message of request ``row`` (a unary request has one, a stream one per message it queued): its
+    ``batch_id`` and queue wait ``wait_ns`` (its ``queue`` child span's duration, ns)."""
+
+    row: int
+    service: str
+    method: str
+    batch_id: str
+    wait_ns: int
+    duration_ms: float
+
+
+def load_messages(data: StoreData) -> list[_Message]:
+    """Every batched message of the requests in ``data`` (:data:`zoomer_serve.report.build.BATCH_MESSAGES_CTE`,
+    the source of the report's Batching table); an empty list when the store cannot be read again."""
+    rows = _query(data, _MESSAGES_SQL)
+    req = data.requests
+    index = {(t, s): i for i, (t, s) in enumerate(zip(req["trace_id"].tolist(), req["span_id"].tolist()))}
+    out = []
+    for trace_id, span_id, batch_id, wait_ns in rows:
+        i = index.get((trace_id, span_id))
+        if i is not None:
+            out.append(_Message(i, str(req["service"][i]), str(req["method"][i]), str(batch_id), int(wait_ns),
+                                float(req["duration_ms"][i])))
+    return out
+
+
+def _request_ms(messages: list[_Message]) -> float:
+    """Summed duration (ms) of the distinct requests of ``messages``."""
+    return float(sum({m.row: m.duration_ms for m in messages}.values()))
+
+
 @dataclass
 class _Member:
+    """A batched request as its span's ``zoomer.batch.*`` attributes give it (for a stream: its last message's
+    batch, share and items; the share-outlier detector works on these)."""
+
     row: int
     service: str
     method: str
@@ -149,8 +201,9 @@ def detect_batching(data: StoreData) -> list[Finding]:
     if not members:
         return []
     batches = load_batches(data)
-    out = detect_queue_wait(data, members, batches)
-    out.extend(detect_under_filled(data, batches, members))
+    messages = load_messages(data)
+    out = detect_queue_wait(data, messages, batches)
+    out.extend(detect_under_filled(data, batches, messages))
     out.extend(detect_share_outliers(data, members, batches))
     return out
 
@@ -165,24 +218,26 @@ def _cuts(batches: list[BatchRow]) -> dict[str, Any]:
             "mean_batch_size": float(np.mean([b.size for b in batches])) if batches else None}
 
 
-def detect_queue_wait(data: StoreData, members: list[_Member], batches: list[BatchRow]) -> list[Finding]:
-    """``batch.queue-wait`` per service and method (see the module docstring)."""
+def detect_queue_wait(data: StoreData, messages: list[_Message], batches: list[BatchRow]) -> list[Finding]:
+    """``batch.queue-wait`` per service and method (see the module docstring). The share counts every batched
+    message (a stream's too) over the batched requests' time: the report's Batching table's wait share."""
     out = []
     by_id = {b.span_id: b for b in batches}
-    groups: dict[tuple[str, str], list[_Member]] = defaultdict(list)
-    for m in members:
+    groups: dict[tuple[str, str], list[_Message]] = defaultdict(list)
+    for m in messages:
         groups[(m.service, m.method)].append(m)
     for (service, method), group in sorted(groups.items()):
-        if len(group) < MIN_BATCHED_REQUESTS:
+        durations = {m.row: m.duration_ms for m in group}
+        if len(durations) < MIN_BATCHED_REQUESTS:
             continue
         waits_ms = np.array([m.wait_ns / NS_PER_MS for m in group])
-        total_ms = float(sum(m.duration_ms for m in group))
+        total_ms = float(sum(durations.values()))
         share = float(waits_ms.sum()) / total_ms if total_ms > 0 else 0.0
         if share < QUEUE_WAIT_SHARE:
             continue
         theirs = [by_id[bid] for bid in {m.batch_id for m in group} if bid in by_id]
         cuts = _cuts(theirs)
-        latency = np.array([m.duration_ms for m in group])
+        latency = np.array(list(durations.values()))
         delay = cuts["max_delay_ms"]
         delay_cut = cuts["cut_by_delay_share"]
         why = (f"{delay_cut:.0%} of their batches were cut by the {delay:g} ms delay, filled {cuts['mean_fill']:.0%} "
@@ -191,10 +246,10 @@ def detect_queue_wait(data: StoreData, members: list[_Member], batches: list[Bat
         out.append(Finding(
             id="batch.queue-wait", title=f"Queue wait dominates the latency of {method}",
             severity=severity_for_share(share),
-            summary=(f"{len(group)} batched requests spent {share:.0%} of their time waiting for a batch "
+            summary=(f"{len(durations)} batched requests spent {share:.0%} of their time waiting for a batch "
                      f"(queue wait p50 {np.quantile(waits_ms, 0.5):.2f} ms, p99 {np.quantile(waits_ms, 0.99):.2f} ms; "
                      f"latency p50 {np.quantile(latency, 0.5):.2f} ms); {why}."),
-            evidence={"requests_count": len(group), "queue_wait_share": share,
+            evidence={"requests_count": len(durations), "messages_count": len(group), "queue_wait_share": share,
                       "queue_wait_p50_ms": float(np.quantile(waits_ms, 0.5)),
                       "queue_wait_p99_ms": float(np.quantile(waits_ms, 0.99)),
                       "latency_p50_ms": float(np.quantile(latency, 0.5)), **cuts, AT_STAKE: share},
@@ -209,12 +264,14 @@ def detect_queue_wait(data: StoreData, members: list[_Member], batches: list[Bat
     return out
 
 
-def detect_under_filled(data: StoreData, batches: list[BatchRow], members: list[_Member] | None = None) -> list[Finding]:
-    """``batch.under-filled`` per service and queue (see the module docstring). The time at stake is the queue
-    wait of the requests in batches cut by the delay, as a share of those requests' time."""
+def detect_under_filled(data: StoreData, batches: list[BatchRow],
+                        messages: list[_Message] | None = None) -> list[Finding]:
+    """``batch.under-filled`` per service and queue (see the module docstring); ``batches_count`` counts the queue's
+    batch spans (the report's Batching table counts the same batches over a service's messages). The time at stake
+    is the queue wait of the messages in batches cut by the delay, as a share of their requests' time."""
     out = []
-    by_batch: dict[str, list[_Member]] = defaultdict(list)
-    for m in members or []:
+    by_batch: dict[str, list[_Message]] = defaultdict(list)
+    for m in messages or []:
         by_batch[m.batch_id].append(m)
     groups: dict[tuple[str, str], list[BatchRow]] = defaultdict(list)
     for b in batches:
@@ -235,7 +292,7 @@ def detect_under_filled(data: StoreData, batches: list[BatchRow], members: list[
         arithmetic = (f" Requests arrived at {rate:.0f}/s: filling {max_size} takes about {needed_ms:.1f} ms of "
                       f"arrivals, against a {delay:g} ms delay." if not math.isnan(per_delay) else "")
         cut = [m for b in group if b.cut_reason == bn.CUT_DELAY for m in by_batch.get(b.span_id, ())]
-        cut_time_ms = sum(m.duration_ms for m in cut)
+        cut_time_ms = _request_ms(cut)
         at_stake = sum(m.wait_ns for m in cut) / NS_PER_MS / cut_time_ms if cut_time_ms > 0 else 0.0
         toward = (f"raise the delay toward the {needed_ms:.1f} ms it takes the load to fill a batch"
                   if not math.isnan(per_delay) else "raise the delay")

@@ -45,7 +45,8 @@ not both).
 
 A streaming call whose messages are queued one by one joins one batch per message: it is linked from each of
 those batches, gets a ``queue`` child and phase copies per message, and its ``zoomer.batch.*`` attributes are
-those of its last message's batch.
+those of its last message's batch. Figures over all its messages (the report's Batching table, the queue-wait
+findings) read the ``queue`` children instead: one per message, with its ``zoomer.batch.id``, over its queue wait.
 
 Besides, each member gets child spans: ``queue`` (``zoomer.phase`` = ``queue``, from its enqueue to the batch's
 start) and one per top-level phase of its batch, over the same time as the batch's phase (``zoomer.phase`` = its

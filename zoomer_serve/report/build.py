@@ -16,7 +16,14 @@ from zoomer_serve.artifacts.storage import StorageError
 from zoomer_serve.batching import names as bn
 from zoomer_serve.collector.parquet import open_source
 from zoomer_serve.collector.store import StoreError
-from zoomer_serve.report.model import BatchingStats, MethodStats, PhaseStats, Report, SlowTrace
+from zoomer_serve.report.model import (
+    BatchingStats,
+    MethodStats,
+    PhaseStats,
+    Report,
+    ServiceBatching,
+    SlowTrace,
+)
 from zoomer_serve.semconv import method_sql
 
 NS_PER_MS = 1_000_000.0
@@ -75,18 +82,46 @@ FROM req r JOIN phase p ON p.trace_id = r.trace_id AND p.parent_span_id = r.span
 GROUP BY ALL
 """
 
-_BATCHING_SQL = _REQUESTS_CTE + f"""
-, batched AS (
-    SELECT r.service_name, r.method, r.duration_ns,
-           TRY_CAST(u.attributes->>'$."{bn.QUEUE_WAIT}"' AS BIGINT) AS wait_ns,
-           TRY_CAST(u.attributes->>'$."{bn.SIZE}"' AS BIGINT) AS size,
-           u.attributes->>'$."{bn.BATCH_ID}"' AS batch_id
-    FROM req r JOIN uspans u ON u.trace_id = r.trace_id AND u.span_id = r.span_id
-    WHERE u.attributes->>'$."{bn.BATCH_ID}"' IS NOT NULL
+BATCH_MESSAGES_CTE = _REQUESTS_CTE + f"""
+, batch_size AS (
+    SELECT span_id AS batch_id, TRY_CAST(attributes->>'$."{bn.SIZE}"' AS BIGINT) AS size
+    FROM uspans WHERE kind = 'INTERNAL' AND attributes->>'$."{bn.CUT_REASON}"' IS NOT NULL
+),
+messages AS (
+    SELECT r.service_name, r.method, r.trace_id, r.span_id, r.duration_ns, q.duration_ns AS wait_ns,
+           q.attributes->>'$."{bn.BATCH_ID}"' AS batch_id,
+           coalesce(b.size, TRY_CAST(u.attributes->>'$."{bn.SIZE}"' AS BIGINT)) AS size
+    FROM req r
+    JOIN uspans q ON q.trace_id = r.trace_id AND q.parent_span_id = r.span_id
+    JOIN uspans u ON u.trace_id = r.trace_id AND u.span_id = r.span_id
+    LEFT JOIN batch_size b ON b.batch_id = q.attributes->>'$."{bn.BATCH_ID}"'
+    WHERE q.attributes->>'$."zoomer.phase"' = '{bn.QUEUE_PHASE}' AND q.attributes->>'$."{bn.BATCH_ID}"' IS NOT NULL
 )
-SELECT service_name, method, count(*), count(DISTINCT batch_id), avg(size),
-       quantile_cont(wait_ns, [0.5, 0.99]), avg(wait_ns), sum(wait_ns), sum(duration_ns)
-FROM batched GROUP BY ALL
+"""
+"""One row per batched message: a request's ``queue`` child spans (one per message it queued: one for a unary call,
+one per message of a stream; :mod:`zoomer_serve.batching.names`) with the request's service, method, ids and
+duration (ns), the message's queue wait (``wait_ns``, the ``queue`` span's duration: enqueue to batch start), its
+``batch_id`` and its batch's ``size`` (the batch span's ``zoomer.batch.size``; the request's own attribute, its last
+message's, when the batch span is not in the store). The request spans' ``zoomer.batch.*`` attributes alone would
+see a stream's last message only."""
+
+_BATCHING_SQL = BATCH_MESSAGES_CTE + """
+, requests AS (SELECT DISTINCT service_name, method, trace_id, span_id, duration_ns FROM messages),
+per AS (
+    SELECT service_name, method, grouping(method) AS total, count(DISTINCT (trace_id, span_id)) AS requests,
+           count(*) AS messages, count(DISTINCT batch_id) AS batches, avg(size) AS size,
+           quantile_cont(wait_ns, [0.5, 0.99]) AS q, avg(wait_ns) AS mean_ns, sum(wait_ns) AS wait_ns
+    FROM messages GROUP BY GROUPING SETS ((service_name, method), (service_name))
+),
+request_time AS (
+    SELECT service_name, method, grouping(method) AS total, sum(duration_ns) AS request_ns
+    FROM requests GROUP BY GROUPING SETS ((service_name, method), (service_name))
+)
+SELECT p.service_name, p.method, p.total, p.requests, p.messages, p.batches, p.size, p.q, p.mean_ns, p.wait_ns,
+       t.request_ns
+FROM per p JOIN request_time t
+  ON t.service_name = p.service_name AND t.total = p.total AND t.method IS NOT DISTINCT FROM p.method
+ORDER BY p.service_name, p.total, p.method
 """
 
 _SLOWEST_SQL = _REQUESTS_CTE + """
@@ -124,15 +159,23 @@ def _phases(con: duckdb.DuckDBPyConnection,
     return out
 
 
-def _batching(con: duckdb.DuckDBPyConnection) -> dict[tuple[str, str], BatchingStats]:
-    out = {}
-    for service, method, n, batches, size, q, mean_ns, wait_ns, total_ns in con.execute(_BATCHING_SQL).fetchall():
-        out[(service, method)] = BatchingStats(
-            requests=int(n), batches=int(batches), mean_batch_size=float(size or 0.0),
+def _batching(con: duckdb.DuckDBPyConnection) -> tuple[dict[tuple[str, str], BatchingStats],
+                                                      dict[str, BatchingStats]]:
+    """Per (service, method) and per service (all its methods): the figures of :class:`BatchingStats`, from one row
+    per batched message (:data:`BATCH_MESSAGES_CTE`)."""
+    per_method, per_service = {}, {}
+    for (service, method, total, n, messages, batches, size, q, mean_ns, wait_ns,
+         request_ns) in con.execute(_BATCHING_SQL).fetchall():
+        stats = BatchingStats(
+            requests=int(n), messages=int(messages), batches=int(batches), mean_batch_size=float(size or 0.0),
             queue_wait_p50_ms=float(q[0] or 0.0) / NS_PER_MS, queue_wait_p99_ms=float(q[1] or 0.0) / NS_PER_MS,
             queue_wait_mean_ms=float(mean_ns or 0.0) / NS_PER_MS,
-            queue_wait_share=float(wait_ns or 0) / float(total_ns) if total_ns else 0.0)
-    return out
+            queue_wait_share=float(wait_ns or 0) / float(request_ns) if request_ns else 0.0)
+        if total:
+            per_service[service] = stats
+        else:
+            per_method[(service, method)] = stats
+    return per_method, per_service
 
 
 def _method_stats(row: tuple[Any, ...], statuses: dict[str, int], phases: list[PhaseStats],
@@ -180,7 +223,7 @@ def build_report(store_path: str | os.PathLike[str], slowest: int = 10) -> Repor
             statuses[(service, method)][status] = int(count)
         request_ns = {(r[0], r[1]): float(r[9]) for r in rows}
         phases = _phases(con, request_ns)
-        batching = _batching(con)
+        batching, batching_services = _batching(con)
         slow = [SlowTrace(t, s, m, d / NS_PER_MS, st)
                 for t, s, m, d, st in con.execute(_SLOWEST_SQL, [slowest]).fetchall()]
     except duckdb.Error as exc:  # a DuckDB file, but not a zoomer-serve store (other columns)
@@ -197,4 +240,5 @@ def build_report(store_path: str | os.PathLike[str], slowest: int = 10) -> Repor
         window_end_ns=max((r[4] for r in rows), default=None),
         methods=methods,
         slowest=slow,
+        batching_totals=[ServiceBatching(s, b) for s, b in sorted(batching_services.items())],
     )

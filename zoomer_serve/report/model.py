@@ -28,23 +28,43 @@ class PhaseStats:
 
 @dataclass(frozen=True)
 class BatchingStats:
-    """The requests of one method that ran in batches (``zoomer.batch.*`` span attributes).
+    """The requests of one method (or of all a service's methods) that ran in batches.
+
+    Every figure counts each batched message: a unary request queues one, a stream one per message it queued
+    (it joins one batch per message). The source is each request's ``queue`` child spans (``zoomer.phase`` =
+    ``queue``, one per message, carrying ``zoomer.batch.id``; their duration is the message's queue wait, ns in the
+    store), not the request span's ``zoomer.batch.*`` attributes, which for a stream are its last message's only.
 
     Attributes:
-        requests: batched requests.
-        batches: distinct batches they ran in.
-        mean_batch_size: mean ``zoomer.batch.size`` over the requests (requests per batch, as a request sees it).
-        queue_wait_p50_ms / queue_wait_p99_ms / queue_wait_mean_ms: ``zoomer.batch.queue_wait_ns``, ms.
-        queue_wait_share: summed queue wait / summed duration of these requests (0..1).
+        requests: requests with at least one batched message.
+        messages: batched messages (``queue`` child spans; equal to ``requests`` for unary methods).
+        batches: distinct ``zoomer.batch.id`` over all those messages (a batch holding requests of two methods
+            counts under each; the service's total row counts it once).
+        mean_batch_size: mean size of the batch each message ran in (the batch span's ``zoomer.batch.size``,
+            requests per batch as a message sees it).
+        queue_wait_p50_ms / queue_wait_p99_ms / queue_wait_mean_ms: the messages' queue waits, ms.
+        queue_wait_share: summed queue wait of all messages / summed duration of these requests (0..1). The
+            Phases table's ``queue`` share sums the same spans over all the method's requests, batched or not
+            (a request rejected before the queue adds time there and no wait), so it is equal or lower.
     """
 
     requests: int
+    messages: int
     batches: int
     mean_batch_size: float
     queue_wait_p50_ms: float
     queue_wait_p99_ms: float
     queue_wait_mean_ms: float
     queue_wait_share: float
+
+
+@dataclass(frozen=True)
+class ServiceBatching:
+    """:class:`BatchingStats` over all the batched methods of one service (``service_name``): its ``batches`` is
+    the number of batches its requests ran in, each once (the batch spans of its queues with a traced member)."""
+
+    service_name: str
+    batching: BatchingStats
 
 
 @dataclass(frozen=True)
@@ -111,6 +131,7 @@ class Report:
             when there are no requests).
         methods: per (service, method), sorted by service then method.
         slowest: the slowest traces, slowest first.
+        batching_totals: per service with batched requests, its batching figures over all methods.
     """
 
     store_path: str
@@ -120,6 +141,7 @@ class Report:
     window_end_ns: int | None
     methods: list[MethodStats]
     slowest: list[SlowTrace]
+    batching_totals: list[ServiceBatching] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:

@@ -14,7 +14,7 @@ from rich.console import JustifyMethod
 from rich.table import Table
 from rich.text import Text
 
-from zoomer_serve.report.model import MethodStats, Report
+from zoomer_serve.report.model import BatchingStats, MethodStats, Report
 
 NO_REQUESTS = "no requests recorded"
 LEFT: JustifyMethod = "left"
@@ -83,20 +83,33 @@ def phases_table(report: Report) -> Table | None:
     return table
 
 
+BATCHING_CAPTION = ("every batched message counts (a stream queues one per message); wait share = the messages' "
+                    "queue wait / the batched requests' time (the Phases table's queue share is over all requests)")
+
+
 def batching_table(report: Report) -> Table | None:
-    """Queue wait and batch size of the requests that ran in batches; None when none did."""
+    """Queue wait and batch size of the requests that ran in batches, per method and, for a service with more than
+    one batched method, over all of them (each batch once); None when none did. Figures count every batched message
+    (:class:`~zoomer_serve.report.model.BatchingStats`)."""
     if not any(m.batching for m in report.methods):
         return None
     table = _table("Batching (requests that ran in batches), queue wait in ms",
-                   [("service", LEFT), ("method", LEFT), ("batched", RIGHT), ("batches", RIGHT),
+                   [("service", LEFT), ("method", LEFT), ("batched", RIGHT), ("messages", RIGHT), ("batches", RIGHT),
                     ("mean size", RIGHT), ("wait p50", RIGHT), ("wait p99", RIGHT), ("wait share", RIGHT)],
                    fold=("service", "method"))
+    table.caption, table.caption_justify = BATCHING_CAPTION, "left"
+    totals = {t.service_name: t.batching for t in report.batching_totals}
+    rows: dict[str, list[tuple[Text, BatchingStats]]] = {}
     for m in report.methods:
-        b = m.batching
-        if b is None:
-            continue
-        table.add_row(Text(m.service_name), Text(m.method), str(b.requests), str(b.batches), f"{b.mean_batch_size:.1f}",
-                      _ms(b.queue_wait_p50_ms), _ms(b.queue_wait_p99_ms), _pct(b.queue_wait_share))
+        if m.batching is not None:
+            rows.setdefault(m.service_name, []).append((Text(m.method), m.batching))
+    for service, methods in rows.items():
+        if len(methods) > 1 and service in totals:
+            methods.append((Text("(all methods)", style="dim"), totals[service]))
+        for method, b in methods:
+            table.add_row(Text(service), method, str(b.requests), str(b.messages), str(b.batches),
+                          f"{b.mean_batch_size:.1f}", _ms(b.queue_wait_p50_ms), _ms(b.queue_wait_p99_ms),
+                          _pct(b.queue_wait_share))
     return table
 
 
