@@ -194,3 +194,28 @@ def test_a_stream_s_every_message_counts_in_the_batching_table_and_its_batches_m
     assert total.batching.messages == b.messages + next(m for m in report.methods if m.method == PREDICT).count
     (under,) = _ids(analyze_store(collector.store_path))["batch.under-filled"]
     assert under.evidence["batches_count"] == total.batching.batches
+
+
+def test_a_stream_whose_every_message_waits_gives_the_queue_wait_finding_the_report_s_share(collector, telemetry):
+    """20 streams of 3 messages, each message 100 ms in the queue, in requests of about 400 ms: 75 % of their time
+    waits, though each stream's last message alone (its span attributes) would say 25 %, below the threshold."""
+    rec = telemetry.recorder
+    batching = BatchRecorder("streams", max_size=8, max_delay_ms=100, recorder=rec)
+    start = time.monotonic_ns() - 400_000_000
+    spans = [rec.start("svc/Stream", start_mono_ns=start, attributes={"rpc.method": "svc/Stream"}) for _ in range(20)]
+    for _ in range(3):
+        for pair in zip(spans[::2], spans[1::2]):
+            with batching.begin([QueuedRequest(s, 1, time.monotonic_ns() - 100_000_000) for s in pair], "delay"):
+                pass
+    for s in spans:
+        s.end()
+    collector.finish()
+    (wait,) = _ids(analyze_store(collector.store_path))["batch.queue-wait"]
+    check_finding(wait, gpu=False)
+    assert wait.evidence["requests_count"] == 20 and wait.evidence["messages_count"] == 60
+    assert wait.evidence["batches_count"] == 30
+    (method,) = build_report(collector.store_path).methods
+    b = method.batching
+    assert b is not None and (b.requests, b.messages, b.batches) == (20, 60, 30) and b.mean_batch_size == 2
+    assert abs(wait.evidence["queue_wait_share"] - b.queue_wait_share) < 1e-9
+    assert 0.6 < b.queue_wait_share < 0.76
