@@ -15,7 +15,7 @@ from _never_lost import note
 
 import zoomer_serve
 from interceptors import ZoomerServerInterceptor
-from zoomer_serve import current_request
+from zoomer_serve import current_request, phase
 
 MB = 1_000_000
 
@@ -24,6 +24,15 @@ def _handler(request: bytes, context: Any) -> bytes:
     cmd, _, arg = request.partition(b":")
     if cmd == b"raise":
         raise ValueError(("boom " * (int(arg) // 5 + 1))[: int(arg)])
+    if cmd == b"odd":  # values and keys no OTLP reader takes as they are
+        span = current_request()
+        assert span is not None
+        span.set_attribute("my.bigint", 2**70)
+        span.set_attribute("my.list", [1, 2**64])
+        span.set_attribute(7, "an int key")
+        with phase(123):
+            pass
+        return request
     if cmd == b"attrs":
         span = current_request()
         assert span is not None
@@ -92,6 +101,33 @@ def test_bursts_of_huge_exceptions_and_attributes_never_stop_export(collector, m
     for span in big:
         assert len(span["attributes"]) == 128  # OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT's default
         assert all(len(v) <= 1000 for v in span["attributes"].values() if isinstance(v, str))
+
+
+@pytest.mark.slow
+def test_an_int_past_int64_or_a_key_that_is_no_string_loses_no_span_of_the_batch(collector):
+    """C14: one handler set ``2**70`` (and an int key, and a phase named 123) among 20 ordinary calls: the export
+    request that held it was refused whole by the collector ("Wire format was corrupt"), 0 of 21 stored, or the
+    record was lost to the encoder. Now every call's span is stored, the odd values as their strings."""
+    telemetry = zoomer_serve.configure(service_name="odd", endpoint=collector.grpc_endpoint, schedule_delay_ms=60_000,
+                                       timeout_ms=10_000, set_global_providers=False)
+    server, port = _serve(telemetry.recorder)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_unary("/t.Big/Call")
+            for i in range(21):  # one export request: the schedule delay is longer than the test
+                call(b"odd" if i == 10 else b"ok", timeout=30)
+    finally:
+        server.stop(None)
+    stats = zoomer_serve.shutdown()
+    assert stats is not None and stats.dropped == 0 and stats.unknown == 0, stats
+    spans = collector.spans("SERVER")
+    note("C14", "an int past int64, an int attribute key and a phase named 123 among 20 ordinary calls",
+         21, len(spans), stats.dropped)
+    assert len(spans) == 21
+    (odd,) = [s for s in spans if "my.bigint" in s["attributes"]]
+    assert odd["attributes"]["my.bigint"] == str(2**70) and odd["attributes"]["my.list"] == [1, str(2**64)]
+    assert odd["attributes"]["7"] == "an int key"
+    assert [s["name"] for s in collector.spans("INTERNAL") if s["parent_span_id"] == odd["span_id"]] == ["123"]
 
 
 def test_exception_text_is_bounded_by_default_keeping_the_end_of_the_stack(collector):

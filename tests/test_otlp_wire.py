@@ -193,3 +193,36 @@ def test_long_strings_are_not_kept_in_the_encoding_cache():
     for i in range(20):
         enc.encode_span(_record(R_ATTRS={"blob": f"{i}" + "x" * 1_000_000}))
     assert sum(len(v) for v in enc._attr_cache.values()) < 100 * otlp_wire._MAX_CACHED_STR
+
+
+def test_ints_outside_int64_travel_as_their_decimal_string_and_the_request_stays_valid():
+    """``set_attribute("my.bigint", 2**70)`` wrote a varint that no int64 reader accepts: the collector refused the
+    whole export ("Wire format was corrupt") and every other span of the request was lost; 2**63 wrapped to
+    -2**63. An int outside int64 (in a list, an event or a key-value list too) is its decimal string now."""
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+    big = [2**63, 2**64 - 1, 2**70, -(2**63) - 1, -(2**100)]
+    enc = SpanEncoder({}, "s", "v")
+    spans = [enc.encode_span(_record(R_ATTRS={"n": v, "in_list": [1, v]},
+                                     R_EVENTS=[(1, "e", {"n": v})])) for v in big]
+    spans.append(enc.encode_span(_record(R_ATTRS={"n": 2**63 - 1})))
+    parsed = ExportTraceServiceRequest.FromString(enc.encode_request(spans)).resource_spans[0].scope_spans[0].spans
+    assert [_attrs(s.attributes)["n"] for s in parsed] == [str(v) for v in big] + [2**63 - 1]
+    assert [_attrs(s.attributes)["in_list"] for s in parsed[:-1]] == [[1, str(v)] for v in big]
+    assert [s.events[0].attributes[0].value.string_value for s in parsed[:-1]] == [str(v) for v in big]
+    assert AnyValue.FromString(encode_any_value({"k": 2**64})).kvlist_value.values[0].value.string_value == str(2**64)
+
+
+def test_keys_and_names_that_are_not_strings_are_their_str_not_a_lost_record():
+    """``set_attribute(1, "v")``, ``phase(123)``, an event attribute keyed by an int: the encoder raised and the
+    record was lost with all its phases. Their ``str()`` is used, as for values of unknown types (event names and
+    status messages too)."""
+    enc = SpanEncoder({}, "s", "v")
+    rec = _record(R_ATTRS={1: "v", None: "w", ("t",): 2**20, "ok": "x"}, R_NAME=123,
+                  R_EVENTS=[(1, "e", {7: "x"}), (2, 404, None)], R_STATUS_MSG=ValueError("boom"))
+    span = ExportTraceServiceRequest.FromString(enc.encode_request([enc.encode_span(rec)])) \
+        .resource_spans[0].scope_spans[0].spans[0]
+    assert span.name == "123"
+    assert _attrs(span.attributes) == {"1": "v", "None": "w", "('t',)": 2**20, "ok": "x"}
+    assert span.events[0].attributes[0].key == "7" and span.events[1].name == "404"
+    assert span.status.message == "boom"

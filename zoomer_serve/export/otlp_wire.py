@@ -61,6 +61,8 @@ _CACHED_INT_LIMIT = 1 << 16  # int attribute values below it (counts, sizes, por
 _MAX_CACHE = 50_000  # attribute encodings kept; bounded so unique values cannot grow memory forever
 _MAX_CACHED_STR = 256  # longer strings are encoded each time: the cache's memory stays bounded by bytes too
 
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
 _FLAG_HAS_IS_REMOTE = 0x100
 _FLAG_IS_REMOTE = 0x200
 
@@ -98,13 +100,15 @@ def _ld_tag(tag_bytes: bytes, payload: bytes) -> bytes:
 def encode_any_value(value: Any) -> bytes:
     """Encode an attribute value as ``opentelemetry.proto.common.v1.AnyValue``.
 
-    bool, int (int64), float (double), str, bytes, and sequences of those (ArrayValue) are supported;
-    mappings become KeyValueList; anything else is encoded as its ``str()``.
+    bool, int (int64; an int outside int64 is its decimal string), float (double), str, bytes, and sequences of
+    those (ArrayValue) are supported; mappings become KeyValueList; anything else is encoded as its ``str()``.
     """
     if isinstance(value, bool):
         return b"\x10" + (b"\x01" if value else b"\x00")
     if isinstance(value, int):
-        return b"\x18" + varint(value)
+        if _INT64_MIN <= value <= _INT64_MAX:
+            return b"\x18" + varint(value)
+        return _ld(0x0A, str(value).encode())  # past int64 (a varint no reader takes): its decimal string
     if isinstance(value, float):
         return b"\x21" + _pack_d(value)
     if isinstance(value, str):
@@ -121,8 +125,13 @@ def encode_any_value(value: Any) -> bytes:
 
 
 def encode_key_value(key: str, value: Any) -> bytes:
-    """Encode one ``KeyValue`` message (without its enclosing tag)."""
-    return _ld(0x0A, key.encode("utf-8", "replace")) + _ld(0x12, encode_any_value(value))
+    """Encode one ``KeyValue`` message (without its enclosing tag); a key that is not a str is its ``str()``."""
+    return _ld(0x0A, _text(key)) + _ld(0x12, encode_any_value(value))
+
+
+def _text(value: Any) -> bytes:
+    """A key or name as UTF-8 (unencodable characters replaced); one that is not a str as its ``str()``."""
+    return (value if type(value) is str else str(value)).encode("utf-8", "replace")
 
 
 class SpanEncoder:
@@ -198,9 +207,11 @@ class SpanEncoder:
 
     def _int_attr(self, key: str, value: int) -> bytes:
         """``Span.attributes`` entry of an int value: the key's encoded prefix (cached) and the varint."""
+        if not _INT64_MIN <= value <= _INT64_MAX:
+            return _ld(0x4A, encode_key_value(key, value))
         prefix = self._key_cache.get(key)
         if prefix is None:
-            prefix = _ld(0x0A, key.encode("utf-8", "replace"))
+            prefix = _ld(0x0A, _text(key))
             if len(self._key_cache) < _MAX_CACHE:
                 self._key_cache[key] = prefix
         number = varint(value)  # AnyValue.int_value (field 3), at most 10 bytes: lengths fit one byte
@@ -211,7 +222,7 @@ class SpanEncoder:
         """``Span.name`` and ``Span.kind`` fields, cached per pair."""
         hit = self._name_cache.get((name, kind))
         if hit is None:
-            hit = _ld(0x2A, name.encode("utf-8", "replace")) + b"\x30" + varint(kind)
+            hit = _ld(0x2A, _text(name)) + b"\x30" + varint(kind)
             if len(self._name_cache) < _MAX_CACHE:
                 self._name_cache[(name, kind)] = hit
         return hit
@@ -245,7 +256,7 @@ class SpanEncoder:
         its name and kind are cached per (name, trace flags), at most :data:`_MAX_CACHE` of them; a record with a
         trace state or a name over :data:`_MAX_CACHED_STR` characters takes :meth:`encode_span`."""
         name = entry[PH_NAME]
-        if rec[R_TRACE_STATE] or len(name) > _MAX_CACHED_STR:
+        if rec[R_TRACE_STATE] or type(name) is not str or len(name) > _MAX_CACHED_STR:
             return self.encode_span(child_record(rec, entry))
         key = (name, rec[R_TRACE_FLAGS])
         parts = self._phase_cache.get(key)
@@ -301,7 +312,7 @@ class SpanEncoder:
         if events:
             dropped_events += max(0, len(events) - limits.event_count)
             for ev in events[:limits.event_count]:
-                body = b"\x09" + _pack_q(ev[EV_TIME_NS]) + _ld(0x12, ev[EV_NAME].encode("utf-8", "replace"))
+                body = b"\x09" + _pack_q(ev[EV_TIME_NS]) + _ld(0x12, _text(ev[EV_NAME]))
                 attrs, cut = self._key_values((ev[EV_ATTRS] or {}).items(), limits.event_attribute_count, 0x1A)
                 body += attrs + (b"\x20" + varint(cut) if cut else b"")  # Event.dropped_attributes_count (4)
                 parts.append(_ld(0x5A, body))
@@ -322,7 +333,7 @@ class SpanEncoder:
             body = b""
             msg = rec[R_STATUS_MSG]
             if msg:
-                body += _ld(0x12, msg.encode("utf-8", "replace"))
+                body += _ld(0x12, _text(msg))
             body += b"\x18" + varint(status)
             parts.append(_ld(0x7A, body))
         flags = rec[R_TRACE_FLAGS] | (_FLAG_HAS_IS_REMOTE | _FLAG_IS_REMOTE if rec[R_PARENT_REMOTE]

@@ -57,7 +57,7 @@ class ExportStats:
     of a helper that did not answer at shutdown. ``metric_points_exported`` / ``_rejected`` / ``_dropped``:
     metric data points the collector accepted, rejected in a partial success, or that an export lost for any
     reason (rejected included; the next export carries the cumulative totals again); ``last_error``: the last
-    export failure.
+    export failure (or record the encoder could not encode).
     """
 
     records: int = 0
@@ -240,6 +240,7 @@ class ExportWorker:
                 self._pending_bytes -= sum(map(len, pending[before:]))
                 del pending[before:]
                 self.stats.dropped_export += r.exported_spans(rec)
+                self.stats.last_error = f"could not encode a span record: {exc!r}"
                 logger.warning("zoomer-serve: could not encode a span record: %r", exc)
             if len(pending) >= max_spans or self._pending_bytes >= max_bytes:
                 self._flush(time.monotonic() + self.cfg.timeout_ms / 1000)
