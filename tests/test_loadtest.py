@@ -339,6 +339,23 @@ def test_loadtest_against_a_closed_port_fails_at_once_naming_the_host_and_runs_n
 
 
 @pytest.mark.slow
+def test_a_run_whose_requests_all_failed_exits_1_saying_so(tmp_path: Path) -> None:
+    """A gRPC server that serves no Ranker (every call UNIMPLEMENTED): 450 of 450 requests failed and the command
+    exited 0, where plain locust exits 1. Failures beyond the one call per user that locust's stop can cut off
+    fail the run."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        done = _loadtest("--host", f"127.0.0.1:{port}", "--no-profile", cwd=tmp_path)
+    finally:
+        server.stop(None).wait(5)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "requests failed, more than the 1 that the stop can cut off (one per user)" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
 def test_loadtest_with_a_closed_profiler_target_fails_at_once_naming_the_target(tmp_path: Path) -> None:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     port = server.add_insecure_port("127.0.0.1:0")

@@ -232,8 +232,8 @@ def locust_command(args: argparse.Namespace, options: LoadTestOptions, host: str
     argv = [sys.executable, "-c", LOCUST_BOOT, "-f", str(args.locustfile), "--headless", "--host", host,
             "--users", str(args.users), "--spawn-rate", f"{spawn_rate:g}", "--run-time", f"{args.run_time}s",
             "--only-summary", "--stop-timeout", "10", "--zoomer-quiet",
-            # failed requests are results (in the summary), not a failed run: locust would exit 1 for one call
-            # cut off by its own stop
+            # locust would exit 1 for one call cut off by its own stop: the run fails only for more failed
+            # requests than users (_failed_past_the_stop)
             "--exit-code-on-error", "0", *to_locust_args(plugin_options)]
     if args.locustfile.resolve() == DEFAULT_LOCUSTFILE.resolve():
         argv += ["--zoomer-transport", args.transport]
@@ -267,7 +267,21 @@ def _run_against(args: argparse.Namespace, options: LoadTestOptions, host: str, 
         print(f"zoomer-serve loadtest: stopped early by {stopping.signal_name}: "
               "the summary covers the load sent until then", file=sys.stderr)
         return stopping.exit_code
-    return 0 if locust_rc == 0 and profile_ok and stopped_ok else 1
+    failed = _failed_past_the_stop(summary, args.users)
+    if failed is not None:
+        print(f"zoomer-serve loadtest: {failed}", file=sys.stderr)
+    return 0 if locust_rc == 0 and profile_ok and stopped_ok and failed is None else 1
+
+
+def _failed_past_the_stop(summary: Any, users: int) -> str | None:
+    """Why the run failed by its requests, or None: more failed requests than ``users``, the most that locust's
+    own stop can cut off (one call in flight per user, which locust counts as failed and ``--exit-code-on-error 0``
+    lets pass)."""
+    total = summary.client[-1] if summary.client else None
+    if total is None or total.failures <= users:
+        return None
+    return (f"{total.failures} of {total.count} requests failed, more than the {users} that the stop can cut off "
+            "(one per user): see the failures in the table")
 
 
 def _run_locust(argv: list[str], env: dict[str, str], to_stderr: bool, limit_s: float, stopping: SignalStop) -> int:
