@@ -11,7 +11,7 @@ Span shape (semantic conventions for RPC, v1.40.0 stable names, as for gRPC):
   documented custom value).
 - ``rpc.response.status_code``: ``OK`` for a reply; for a declared (IDL ``throws``) exception, the
   exception's type name (``InvalidRequest``) and ``zoomer.rpc.business_error`` = that name (span status stays
-  UNSET: the reply is a normal one); for a ``TApplicationException`` sent as an EXCEPTION message, its type
+  UNSET: the reply is a normal one, and so do the phases the exception left, :func:`is_idl_exception`); for a ``TApplicationException`` sent as an EXCEPTION message, its type
   name (``INTERNAL_ERROR``, ``UNKNOWN_METHOD``, ...), also set as ``error.type``, span status ERROR.
 - an exception the processor does not answer (undeclared, a ``TTransportException`` from the handler's own
   downstream calls, an error in a oneway method, a reply that could not be written) has no status code:
@@ -52,7 +52,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from thriftpy2.contrib.tracking import track_method, track_thrift
-from thriftpy2.thrift import TApplicationException
+from thriftpy2.protocol.exc import TProtocolException
+from thriftpy2.thrift import TApplicationException, TException
 from thriftpy2.transport import TTransportException
 
 from interceptors.grpc_common import (
@@ -66,7 +67,13 @@ from interceptors.grpc_common import (
     method_filter,
 )
 from zoomer_serve.config import ZoomerConfig
-from zoomer_serve.recording import RequestRecorder, RequestSpan, internal_error, parse_traceparent
+from zoomer_serve.recording import (
+    RequestRecorder,
+    RequestSpan,
+    internal_error,
+    parse_traceparent,
+    register_quiet_exception,
+)
 from zoomer_serve.recording import records as r
 
 logger = logging.getLogger("zoomer_serve")
@@ -173,6 +180,18 @@ def register_protocol_error_metric(meter_provider: Any) -> None:
         PROTOCOL_ERRORS_METRIC, callbacks=[observe], unit="{error}",
         description="Thrift connections closed because their bytes were not a valid message")
     _metered_providers.add(meter_provider)
+
+
+def is_idl_exception(exc: BaseException) -> bool:
+    """An exception of the IDL (``exception Foo {...}``), which a handler raises to answer a declared ``throws``: a
+    normal reply, so the phases it leaves keep status UNSET as the request does (as gRPC's ``abort()``). Not the
+    Thrift framework's own (TApplicationException, transport and protocol errors). An IDL exception that the
+    method does not declare still makes its request ERROR; its phases then stay UNSET too."""
+    return isinstance(exc, TException) and not isinstance(
+        exc, (TApplicationException, TTransportException, TProtocolException))
+
+
+register_quiet_exception(is_idl_exception)
 
 
 def classify_failure(exc: BaseException, in_message: bool | None) -> str | None:

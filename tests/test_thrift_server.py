@@ -213,7 +213,7 @@ def test_n_calls_give_n_spans_with_the_grpc_shape(serve, telemetry, collector):
 
 @pytest.mark.slow
 def test_c10_handler_errors_of_every_kind(serve, telemetry, collector):
-    """C10: a declared exception is a normal reply (business error, not ERROR); a TApplicationException
+    """C10: a declared exception is a normal reply (business error, not ERROR, its phase neither); a TApplicationException
     reaches the client as an exception message (ERROR with its type); an undeclared exception and a transport
     error from a downstream call are ERROR, recorded before the server loop swallows them; a oneway call
     ends its span without a reply, and its error is ERROR; a clean disconnect between calls is no error."""
@@ -270,6 +270,9 @@ def test_c10_handler_errors_of_every_kind(serve, telemetry, collector):
     assert len([s for s in spans if s["kind"] == "SERVER"]) == 8
     phases = [s for s in spans if s["name"] == "echo.work"]
     assert len(phases) == 4 and {p["parent_span_id"] for p in phases} == {s["span_id"] for s in echo}
+    # the declared exception left its phase as it left the request, a normal reply: not ERROR (as gRPC's abort)
+    phase_status = {p["parent_span_id"]: p["status_code"] for p in phases}
+    assert [phase_status[s["span_id"]] for s in echo] == ["UNSET", "ERROR", "ERROR", "ERROR"]
 
 
 @pytest.mark.slow
