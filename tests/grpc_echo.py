@@ -3,6 +3,7 @@ handlers that take every status path, for the interceptor tests."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
@@ -14,6 +15,18 @@ from opentelemetry import trace
 from zoomer_serve import phase
 
 SERVICE = "test.Echo"
+
+
+DECO_BARRIER = threading.Barrier(2, timeout=10)  # "decothreads": two requests meet inside the decorated function
+
+
+@phase("sync_deco")
+def _deco_recurse(depth: int) -> int:
+    if depth:
+        return _deco_recurse(depth - 1)
+    DECO_BARRIER.wait()  # both requests' threads are inside both their phases now
+    time.sleep(0.05)
+    return 0
 
 
 def _unary(request: bytes, context: grpc.ServicerContext) -> bytes:
@@ -49,6 +62,9 @@ def _unary(request: bytes, context: grpc.ServicerContext) -> bytes:
         with phase("forward"):
             with phase("inner"):
                 time.sleep(0.001)
+        return b"ok"
+    if cmd == b"decothreads":  # a decorated function, re-entered once, whose inner call waits for another request
+        assert _deco_recurse(1) == 0
         return b"ok"
     if cmd == b"user_span":
         tracer_provider = _TRACER_PROVIDER[0]

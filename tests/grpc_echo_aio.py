@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -19,6 +20,35 @@ from grpc_health.v1.health import aio as health_aio
 from zoomer_serve import phase
 
 SERVICE = grpc_echo.SERVICE
+
+
+@phase("async_deco")
+async def _deco_sleep(seconds: float) -> None:
+    await asyncio.sleep(seconds)
+
+
+@phase("gen_deco")
+def _deco_gen(n: int) -> Iterator[int]:
+    for i in range(n):
+        time.sleep(0.05)
+        yield i
+
+
+@phase("agen_deco")
+async def _deco_agen(n: int) -> AsyncIterator[int]:
+    for i in range(n):
+        await asyncio.sleep(0.05)
+        yield i
+
+
+@phase("long")
+async def _deco_long() -> None:
+    await asyncio.sleep(0.15)
+
+
+@phase("short")
+async def _deco_short() -> None:
+    await asyncio.sleep(0.05)
 
 
 async def _unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -54,6 +84,14 @@ async def _unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         with phase("forward"):
             with phase("inner"):
                 await asyncio.sleep(0.001)
+        return b"ok"
+    if cmd == b"decorated":  # phases as decorators: a coroutine, a generator, an async generator
+        await _deco_sleep(0.2)
+        assert list(_deco_gen(3)) == [0, 1, 2]
+        assert [i async for i in _deco_agen(2)] == [0, 1]
+        return b"ok"
+    if cmd == b"decogather":  # two decorated coroutines of one request run at once; the shorter ends first
+        await asyncio.gather(_deco_long(), _deco_short())
         return b"ok"
     if cmd == b"user_span":
         with grpc_echo._TRACER_PROVIDER[0].get_tracer("test").start_as_current_span("user.work"):

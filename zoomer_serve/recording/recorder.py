@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
 from zoomer_serve.config import SpanLimits
@@ -32,6 +33,26 @@ Sink = Callable[[tuple[Any, ...]], None]
 F = TypeVar("F", bound=Callable[..., Any])
 
 _current: contextvars.ContextVar[RequestSpan | None] = contextvars.ContextVar("zoomer_request", default=None)
+
+
+class _PhaseNode:
+    """An open phase as the context sees it: its request, its span id, the phase it was entered under, and
+    whether it has ended (a phase ended from another context cannot reset this one: the next phase entered here
+    skips it)."""
+
+    __slots__ = ("request", "span_id", "outer", "ended")
+
+    def __init__(self, request: RequestSpan, span_id: int, outer: _PhaseNode | None) -> None:
+        self.request = request
+        self.span_id = span_id
+        self.outer = outer
+        self.ended = False
+
+
+# The innermost phase open in this thread or task, the parent of a phase entered under it. A context variable,
+# not a stack on the request: phases of one request that run at once (coroutines under asyncio.gather,
+# executor threads) each nest under their own caller's phase, not under each other.
+_phase_parent: contextvars.ContextVar[_PhaseNode | None] = contextvars.ContextVar("zoomer_phase", default=None)
 _time_ns = time.time_ns  # wall clock: where a span starts
 _mono_ns = time.monotonic_ns  # how long it lasts: an NTP step of the wall clock during a request changes nothing
 
@@ -54,7 +75,7 @@ class RequestSpan:
     __slots__ = (
         "_recorder", "trace_id", "span_id", "parent_id", "parent_remote", "trace_flags", "trace_state",
         "name", "kind", "start_ns", "attributes", "events", "links", "children", "status", "status_message",
-        "_open", "_tokens", "_phase_stack", "_flags", "otel_parent_context", "thread_joins", "home_thread",
+        "_open", "_tokens", "_flags", "otel_parent_context", "thread_joins", "home_thread",
         "mono_ns", "dropped_events", "dropped_links",
     )
 
@@ -89,7 +110,6 @@ class RequestSpan:
         self.status_message: str | None = None
         self._open = [True]  # list.pop() is atomic: the first end() wins
         self._tokens: list[Any] | None = None  # created by the first activate()
-        self._phase_stack: list[int] | None = None  # created by the first phase
         self.otel_parent_context: Any = None  # an OpenTelemetry Context carrying the caller's baggage
         self.thread_joins: tuple[ThreadJoin, ...] = ()  # see add_thread_join
         self.home_thread = 0  # the thread the joins were added on
@@ -547,7 +567,7 @@ class phase:
     :func:`register_quiet_exception`) and propagates unchanged.
     """
 
-    __slots__ = ("name", "_start_mono", "_request", "_range", "_attrs", "_joined")
+    __slots__ = ("name", "_start_mono", "_request", "_range", "_attrs", "_joined", "_node", "_token")
 
     def __init__(self, name: str, attributes: Mapping[str, Any] | None = None) -> None:
         self.name = name
@@ -556,6 +576,8 @@ class phase:
         self._range: Any = None
         self._joined: list[tuple[ThreadJoin, Any]] | None = None
         self._start_mono = 0
+        self._node: _PhaseNode | None = None
+        self._token: contextvars.Token[_PhaseNode | None] | None = None
 
     def __enter__(self) -> phase:
         req = self._request = _current.get()
@@ -571,9 +593,13 @@ class phase:
                 internal_error("phase.record_function", exc)
                 self._range = None
         if req is not None:
-            if req._phase_stack is None:
-                req._phase_stack = []
-            req._phase_stack.append(random_bits(64) or 1)  # new_span_id() without the call
+            outer = _phase_parent.get()
+            while outer is not None and outer.ended:
+                outer = outer.outer
+            if outer is not None and outer.request is not req:
+                outer = None
+            node = self._node = _PhaseNode(req, random_bits(64) or 1, outer)  # new_span_id() without the call
+            self._token = _phase_parent.set(node)
         self._start_mono = _mono_ns()
         return self
 
@@ -592,10 +618,19 @@ class phase:
         if req is None:
             return
         self._request = None
+        node, token = self._node, self._token
+        self._node = self._token = None
+        if node is None:  # entered outside the request (not possible through __enter__); nothing to record
+            return
+        node.ended = True
+        span_id = node.span_id
+        parent_id = node.outer.span_id if node.outer is not None else None
+        if token is not None:
+            try:
+                _phase_parent.reset(token)
+            except ValueError:  # ended in another context than it started in: ``ended`` makes later phases skip it
+                pass
         try:
-            stack = req._phase_stack or []
-            span_id = stack.pop()
-            parent_id = stack[-1] if stack else None
             base = req.start_ns - req.mono_ns  # req.time_at() of both readings without the calls
             if self._attrs is None and exc_type is None:  # a plain phase: its short form (add_phase, inlined)
                 if req._open:
@@ -620,7 +655,40 @@ class phase:
             internal_error("phase.exit", err)
 
     def __call__(self, func: F) -> F:
+        """Decorate ``func``: each call runs in a phase of its own (a new :class:`phase`, so concurrent and
+        re-entrant calls each get their own span). A coroutine function's phase times the awaited run (from
+        when the coroutine starts running to its return or raise, in the request of the task awaiting it); a
+        generator function's and an async generator function's from the first ``next()`` / ``__anext__()`` to
+        exhaustion, a raise or ``close()`` (a consumer's early close ends the phase normally, not as an error)."""
         name, attrs = self.name, self._attrs
+        if inspect.isasyncgenfunction(func):
+            return functools.wraps(func)(_async_gen_phase(name, attrs, func))  # type: ignore[return-value]
+        if inspect.iscoroutinefunction(func):
+
+            @functools.wraps(func)
+            async def coro_wrapper(*args: Any, **kwargs: Any) -> Any:
+                with phase(name, attrs):
+                    return await func(*args, **kwargs)
+
+            return coro_wrapper  # type: ignore[return-value]
+        if inspect.isgeneratorfunction(func):
+
+            @functools.wraps(func)
+            def gen_wrapper(*args: Any, **kwargs: Any) -> Any:
+                p = phase(name, attrs)
+                p.__enter__()
+                try:
+                    result = yield from func(*args, **kwargs)
+                except GeneratorExit:
+                    p.__exit__(None, None, None)
+                    raise
+                except BaseException as exc:
+                    p.__exit__(type(exc), exc, exc.__traceback__)
+                    raise
+                p.__exit__(None, None, None)
+                return result
+
+            return gen_wrapper  # type: ignore[return-value]
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -628,3 +696,39 @@ class phase:
                 return func(*args, **kwargs)
 
         return wrapper  # type: ignore[return-value]
+
+
+def _async_gen_phase(name: str, attrs: dict[str, Any] | None,
+                     func: Callable[..., AsyncGenerator[Any, Any]]) -> Callable[..., AsyncGenerator[Any, Any]]:
+    """``phase(name, attrs)`` around each run of the async generator function ``func``: from the first
+    ``__anext__()`` to exhaustion, a raise or ``aclose()``. ``asend()`` values and ``athrow()`` exceptions go on
+    to the inner generator (as ``yield from`` does for a sync one)."""
+
+    async def agen_wrapper(*args: Any, **kwargs: Any) -> AsyncGenerator[Any, Any]:
+        p = phase(name, attrs)
+        p.__enter__()
+        inner = func(*args, **kwargs)
+        try:
+            try:
+                item = await inner.__anext__()
+                while True:
+                    try:
+                        sent = yield item
+                    except GeneratorExit:
+                        await inner.aclose()
+                        raise
+                    except BaseException as exc:  # athrow(): into the inner generator
+                        item = await inner.athrow(exc)
+                    else:
+                        item = await inner.asend(sent)
+            except StopAsyncIteration:
+                pass
+        except GeneratorExit:
+            p.__exit__(None, None, None)
+            raise
+        except BaseException as exc:
+            p.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        p.__exit__(None, None, None)
+
+    return agen_wrapper
