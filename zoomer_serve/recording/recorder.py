@@ -557,7 +557,11 @@ def _is_quiet(exc: BaseException | None) -> bool:
 class phase:
     """Time a block of request work as a child span named ``name`` with attribute ``zoomer.phase``.
 
-    Usable as a context manager or a decorator. While a torch.profiler session runs, the block is also a
+    Usable as a context manager or a decorator (:meth:`__call__`: of a function, a coroutine function, whose
+    phase is the awaited run, or a generator or async generator function, whose phase is the iteration; each
+    call a phase of its own). A phase is the child of the phase open around it in the same task or thread (or
+    the one that started it, when its context was copied), else of the request span: coroutines of one request
+    gathered together are siblings. While a torch.profiler session runs, the block is also a
     ``torch.profiler.record_function`` range of the same name, so kernel profiles line up with phases. On a
     thread other than the request's own (an executor thread), the request's outermost phase there also enters
     the request's thread joins (:meth:`RequestSpan.add_thread_join`: its profiler range while a profiling
