@@ -16,6 +16,8 @@ environment. A bad value raises :class:`ConfigError` naming the variable and the
 | headers | ``OTEL_EXPORTER_OTLP_HEADERS`` / ``..._TRACES_HEADERS``, ``..._METRICS_HEADERS`` | none |
 | export timeout | ``OTEL_EXPORTER_OTLP_TIMEOUT`` / ``..._TRACES_TIMEOUT``, ``..._METRICS_TIMEOUT`` (ms) | 10000 ms |
 | compression | ``OTEL_EXPORTER_OTLP_COMPRESSION`` / ``..._TRACES_COMPRESSION``, ``..._METRICS_COMPRESSION``: ``gzip`` or ``none`` | none |
+| trusted certificate | ``OTEL_EXPORTER_OTLP_CERTIFICATE`` / ``..._TRACES_CERTIFICATE``, ``..._METRICS_CERTIFICATE``: a PEM file, the root of trust of ``https://`` endpoints (a collector's self-signed certificate, or its CA); checked at configuration time | the system's trusted CAs |
+| client certificate (mTLS) | ``OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE`` and ``OTEL_EXPORTER_OTLP_CLIENT_KEY`` / their ``..._TRACES_`` and ``..._METRICS_`` forms: PEM certificate chain and private key the exporter presents, both or neither | none |
 | sampler | ``OTEL_TRACES_SAMPLER``, ``OTEL_TRACES_SAMPLER_ARG`` | ``parentbased_always_on`` |
 | span queue | ``OTEL_BSP_MAX_QUEUE_SIZE`` | 2048 spans |
 | batch size | ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` | 512 spans |
@@ -41,6 +43,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import ssl
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -86,6 +89,9 @@ _METRICS_FIELDS = {
     "metrics_protocol": "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "metrics_headers": "OTEL_EXPORTER_OTLP_METRICS_HEADERS",
     "metrics_timeout_ms": "OTEL_EXPORTER_OTLP_METRICS_TIMEOUT",
     "metrics_compression": "OTEL_EXPORTER_OTLP_METRICS_COMPRESSION",
+    "metrics_certificate": "OTEL_EXPORTER_OTLP_METRICS_CERTIFICATE",
+    "metrics_client_key": "OTEL_EXPORTER_OTLP_METRICS_CLIENT_KEY",
+    "metrics_client_certificate": "OTEL_EXPORTER_OTLP_METRICS_CLIENT_CERTIFICATE",
 }
 """ExportConfig's metrics-only connection fields and the variables they are read from."""
 
@@ -95,13 +101,24 @@ class OtlpConnection:
     """How one signal's OTLP requests are sent (:meth:`ExportConfig.otlp`): ``endpoint``, the full URL (for
     ``http/protobuf`` with ``/v1/traces`` or ``/v1/metrics``); ``protocol``, ``grpc`` or ``http/protobuf``;
     ``headers`` sent with every request (HTTP headers or gRPC metadata); ``timeout_ms``, the time in ms one export
-    of the signal may take, retries included; ``compression``, ``gzip`` or ``none``."""
+    of the signal may take, retries included; ``compression``, ``gzip`` or ``none``; ``certificate``, the path
+    of the PEM file whose certificates are the root of trust of an ``https`` endpoint (None: the system's);
+    ``client_certificate`` and ``client_key``, the PEM certificate chain and private key presented to the server
+    (mTLS; both or None). The files are used for ``https`` endpoints only."""
 
     endpoint: str
     protocol: str
     headers: Mapping[str, str]
     timeout_ms: int
     compression: str
+    certificate: str | None = None
+    client_key: str | None = None
+    client_certificate: str | None = None
+
+    @property
+    def secure(self) -> bool:
+        """Whether the endpoint is ``https`` (TLS; the gRPC channel is secure)."""
+        return urllib.parse.urlparse(self.endpoint).scheme == "https"
 
 
 @dataclass
@@ -116,6 +133,12 @@ class ExportConfig:
     them sets both signals, as before). :meth:`from_env <ZoomerConfig.from_env>` fills the ``metrics_*`` fields
     from the metrics' own variables (else the general ones): a trace setting never reaches the metrics.
     :meth:`otlp` gives one signal's settings, resolved.
+
+    ``certificate``, ``client_key`` and ``client_certificate`` are paths of PEM files (TLS: the trusted
+    certificate, the client's key and certificate chain), the traces' and the metrics' where the matching
+    ``metrics_*`` field is None; a ``metrics_*`` field of ``""`` means none for the metrics. Each file is read
+    and checked when the config is made (a file that does not exist or holds no PEM certificate or key, or a
+    client key that does not match its certificate, is a ConfigError); the senders read them again.
 
     Raises:
         ConfigError: a field is out of range or not one of its values (the message names it and its variable).
@@ -147,6 +170,14 @@ class ExportConfig:
     metrics_headers: dict[str, str] | None = None
     metrics_timeout_ms: int | None = None
     metrics_compression: str | None = None
+    # -- TLS (OTEL_EXPORTER_OTLP_CERTIFICATE, _CLIENT_KEY, _CLIENT_CERTIFICATE): PEM file paths; the metrics_*
+    # ones are the metrics' (None: the field above; "": none) -------------------------------------------------
+    certificate: str | None = None
+    client_key: str | None = None
+    client_certificate: str | None = None
+    metrics_certificate: str | None = None
+    metrics_client_key: str | None = None
+    metrics_client_certificate: str | None = None
 
     def otlp(self, signal: str) -> OtlpConnection:
         """The connection settings of ``signal`` (``"traces"`` or ``"metrics"``).
@@ -156,7 +187,8 @@ class ExportConfig:
         """
         if signal == "traces":
             return OtlpConnection(self.traces_endpoint, self.protocol, dict(self.headers), self.timeout_ms,
-                                  self.compression)
+                                  self.compression, self.certificate or None, self.client_key or None,
+                                  self.client_certificate or None)
         if signal == "metrics":
             def either(own: Any, shared: Any) -> Any:
                 return shared if own is None else own
@@ -164,7 +196,10 @@ class ExportConfig:
             return OtlpConnection(self.metrics_endpoint, either(self.metrics_protocol, self.protocol),
                                   dict(either(self.metrics_headers, self.headers)),
                                   either(self.metrics_timeout_ms, self.timeout_ms),
-                                  either(self.metrics_compression, self.compression))
+                                  either(self.metrics_compression, self.compression),
+                                  either(self.metrics_certificate, self.certificate) or None,
+                                  either(self.metrics_client_key, self.client_key) or None,
+                                  either(self.metrics_client_certificate, self.client_certificate) or None)
         raise ValueError(f"an OTLP signal is one of {SIGNALS}, got {signal!r}")
 
     @property
@@ -207,6 +242,12 @@ class ExportConfig:
             if name == "metrics_timeout_ms" and not is_count(value, 1, INT_MAX):
                 raise ConfigError(f"ExportConfig.{name} ({variable}) must be an integer between 1 and {INT_MAX}, "
                                   f"got {value!r}")
+        for prefix, variable_prefix in (("", "OTEL_EXPORTER_OTLP_"), ("metrics_", "OTEL_EXPORTER_OTLP_METRICS_")):
+            names = [f"{prefix}{name}" for name in ("certificate", "client_key", "client_certificate")]
+            variables = [f"ExportConfig.{name} ({variable_prefix}{name.removeprefix(prefix).upper()})"
+                         for name in names]
+            otlp = self.otlp("metrics" if prefix else "traces")  # the metrics' files resolved, as they are used
+            check_tls_files(otlp.certificate, otlp.client_key, otlp.client_certificate, *variables)
         if self.max_request_bytes < MIN_REQUEST_BYTES:
             raise ConfigError(f"ZOOMER_EXPORT_MAX_REQUEST_BYTES must be >= {MIN_REQUEST_BYTES}, got "
                               f"{self.max_request_bytes}")
@@ -426,6 +467,44 @@ def check_url(url: str, variable: str) -> str:
     return url.strip()
 
 
+def _read_pem(path: str, variable: str, what: str) -> bytes:
+    """The bytes of the PEM file ``path`` (``what``: the kind of PEM block it must hold). Raises ConfigError naming
+    ``variable`` and the path when it cannot be read or holds no such block."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise ConfigError(f"{variable}={path!r}: cannot read the file ({exc.strerror or exc})") from None
+    if b"-----BEGIN " not in data or what.encode() not in data:
+        raise ConfigError(f"{variable}={path!r}: the file holds no PEM {what.lower() or 'block'}") from None
+    return data
+
+
+def check_tls_files(certificate: str | None, client_key: str | None, client_certificate: str | None,
+                    certificate_var: str, client_key_var: str, client_certificate_var: str) -> None:
+    """Check one signal's TLS files once, at configuration time: ``certificate`` a readable PEM file of
+    certificates (the trusted ones), ``client_key`` and ``client_certificate`` both or neither, readable, and a
+    private key matching its certificate chain. Raises ConfigError naming the variable and the path."""
+    if certificate:
+        _read_pem(certificate, certificate_var, "CERTIFICATE")
+        try:
+            ssl.create_default_context().load_verify_locations(cafile=certificate)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"{certificate_var}={certificate!r}: not a PEM certificate file ({exc})") from None
+    if bool(client_key) != bool(client_certificate):
+        missing = client_key_var if not client_key else client_certificate_var
+        raise ConfigError(f"a TLS client certificate needs both {client_certificate_var} and {client_key_var}; "
+                          f"{missing} is not set")
+    if client_key and client_certificate:
+        _read_pem(client_certificate, client_certificate_var, "CERTIFICATE")
+        _read_pem(client_key, client_key_var, "PRIVATE KEY")
+        try:
+            ssl.create_default_context().load_cert_chain(client_certificate, client_key)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"{client_certificate_var}={client_certificate!r} / {client_key_var}={client_key!r}: "
+                              f"cannot load the client certificate and key ({exc})") from None
+
+
 def _exporter(env: Mapping[str, str], variable: str) -> bool:
     """Whether ``variable`` (``OTEL_TRACES_EXPORTER`` or ``OTEL_METRICS_EXPORTER``, a comma-separated list in
     the spec) asks for the OTLP exporter: ``otlp`` (the default) True, ``none`` False. Raises ConfigError for
@@ -451,12 +530,19 @@ def _otlp_from_env(env: Mapping[str, str], signal: str) -> OtlpConnection:
     if compression not in ("none", "gzip"):
         raise ConfigError(f"{compression_var}={compression!r} is not supported; use 'gzip' or 'none'")
     headers_var, headers = _signal(env, signal, "HEADERS")
+    tls = {suffix: _signal(env, signal, suffix) for suffix in ("CERTIFICATE", "CLIENT_KEY", "CLIENT_CERTIFICATE")}
+    paths = {suffix: (value or "").strip() or None for suffix, (_, value) in tls.items()}
+    check_tls_files(paths["CERTIFICATE"], paths["CLIENT_KEY"], paths["CLIENT_CERTIFICATE"],
+                    tls["CERTIFICATE"][0], tls["CLIENT_KEY"][0], tls["CLIENT_CERTIFICATE"][0])
     return OtlpConnection(
         endpoint=_endpoint(env, signal, protocol),
         protocol=protocol,
         headers=_check_headers(parse_key_values(headers or "", headers_var), headers_var),
         timeout_ms=_int({timeout_var: timeout} if timeout else {}, timeout_var, 10_000),
         compression=compression,
+        certificate=paths["CERTIFICATE"],
+        client_key=paths["CLIENT_KEY"],
+        client_certificate=paths["CLIENT_CERTIFICATE"],
     )
 
 
@@ -473,6 +559,12 @@ def _export_from_env(env: Mapping[str, str]) -> ExportConfig:
         metrics_headers=dict(metrics.headers),
         metrics_timeout_ms=metrics.timeout_ms,
         metrics_compression=metrics.compression,
+        certificate=traces.certificate,
+        client_key=traces.client_key,
+        client_certificate=traces.client_certificate,
+        metrics_certificate=metrics.certificate or "",
+        metrics_client_key=metrics.client_key or "",
+        metrics_client_certificate=metrics.client_certificate or "",
         max_queue_size=_int(env, "OTEL_BSP_MAX_QUEUE_SIZE", 2048),
         max_export_batch_size=_int(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512),
         schedule_delay_ms=_int(env, "OTEL_BSP_SCHEDULE_DELAY", 5000),

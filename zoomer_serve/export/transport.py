@@ -19,6 +19,10 @@ deadline (``time.monotonic()``) and returns a :class:`SendResult`. It never rais
   to send them (``OTEL_EXPORTER_OTLP_HEADERS=authorization=Bearer%20<token>``).
 - Each signal is sent with its own connection settings (:meth:`zoomer_serve.config.ExportConfig.otlp`: endpoint,
   protocol, headers, timeout, compression): the traces' never go with the metrics, nor the metrics' with the traces.
+- TLS: an ``https`` endpoint is reached over TLS (a secure gRPC channel, HTTPS) whose root of trust is the
+  signal's ``certificate`` file (``OTEL_EXPORTER_OTLP_CERTIFICATE`` and its per-signal forms) when set, else the
+  system's trusted CAs; with ``client_certificate`` and ``client_key`` (``..._CLIENT_CERTIFICATE``,
+  ``..._CLIENT_KEY``) the exporter presents that certificate (mTLS). An ``http`` endpoint never uses them.
 - Accepted: ``partial_success`` of the response (``rejected_spans`` / ``rejected_data_points`` and
   ``error_message``) is returned in the result; such a response is never retried.
 """
@@ -30,6 +34,7 @@ import enum
 import gzip
 import http.client
 import re
+import ssl
 import threading
 import time
 import urllib.error
@@ -232,7 +237,7 @@ class GrpcSender(Sender):
         if url.hostname and ":" in url.hostname:
             target = f"[{url.hostname}]:{url.port or 4317}"
         if url.scheme == "https":
-            self._channel = grpc.secure_channel(target, grpc.ssl_channel_credentials())
+            self._channel = grpc.secure_channel(target, grpc_credentials(self.otlp))
         else:
             self._channel = grpc.insecure_channel(target)
         self._call = self._channel.unary_unary(_GRPC_METHODS[signal], request_serializer=None,
@@ -270,8 +275,41 @@ class GrpcSender(Sender):
         self._channel.close()
 
 
+def _read(path: str | None) -> bytes | None:
+    if not path:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def grpc_credentials(otlp: OtlpConnection) -> Any:
+    """The ``grpc.ChannelCredentials`` of a secure channel to ``otlp``'s endpoint: its ``certificate`` file as the
+    root certificates (else grpc's default roots), its client key and certificate chain when set (mTLS)."""
+    import grpc
+
+    return grpc.ssl_channel_credentials(root_certificates=_read(otlp.certificate),
+                                        private_key=_read(otlp.client_key),
+                                        certificate_chain=_read(otlp.client_certificate))
+
+
+def ssl_context(otlp: OtlpConnection) -> ssl.SSLContext | None:
+    """The TLS context of HTTPS requests to ``otlp``'s endpoint when it sets a certificate or a client
+    certificate: trusting the ``certificate`` file (else the system's CAs), presenting the client certificate
+    and key when set. None for an ``http`` endpoint or when neither is set (urllib's default context)."""
+    if not otlp.secure or not (otlp.certificate or otlp.client_certificate):
+        return None
+    ctx = ssl.create_default_context(cafile=otlp.certificate)
+    if otlp.client_certificate and otlp.client_key:
+        ctx.load_cert_chain(otlp.client_certificate, otlp.client_key)
+    return ctx
+
+
 class HttpSender(Sender):
     """OTLP/HTTP with ``Content-Type: application/x-protobuf`` (and gzip when configured)."""
+
+    def __init__(self, cfg: ExportConfig, stop: threading.Event, signal: str = "traces") -> None:
+        super().__init__(cfg, stop, signal)
+        self._context = ssl_context(self.otlp)
 
     def _attempt(self, payload: bytes, deadline: float) -> _Attempt:
         headers = {"Content-Type": "application/x-protobuf", **self.otlp.headers}
@@ -282,7 +320,7 @@ class HttpSender(Sender):
         req = urllib.request.Request(self.endpoint, data=body, headers=headers, method="POST")
         timeout = max(0.05, deadline - time.monotonic())
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
+            with urllib.request.urlopen(req, timeout=timeout, context=self._context) as resp:
                 return _Attempt(response=resp.read())
         except urllib.error.HTTPError as err:
             message = _status_message(err)
@@ -356,18 +394,44 @@ def sdk_span_exporter(cfg: ExportConfig) -> Any:
     return trace_exporter.OTLPSpanExporter(**_sdk_exporter_kwargs(otlp))
 
 
+def _session_keeping_verify() -> Any:
+    """A ``requests.Session`` whose own ``verify`` (the certificate file the SDK's OTLP/HTTP exporter sets on it)
+    is what every request verifies with: a plain session lets ``REQUESTS_CA_BUNDLE`` / ``CURL_CA_BUNDLE`` in the
+    environment replace it (requests' ``merge_environment_settings``), so the collector's certificate was not
+    trusted wherever those are set (as in many container images). Proxies still come from the environment."""
+    import requests
+
+    class _Session(requests.Session):
+        def merge_environment_settings(self, url: Any, proxies: Any, stream: Any, verify: Any,
+                                       cert: Any) -> dict[str, Any]:
+            settings: dict[str, Any] = super().merge_environment_settings(url, proxies, stream, verify, cert)
+            settings["verify"] = self.verify
+            return settings
+
+    return _Session()
+
+
 def _sdk_exporter_kwargs(otlp: OtlpConnection) -> dict[str, Any]:
-    """Constructor arguments shared by the SDK's OTLP exporters of both protocols, from one signal's settings."""
+    """Constructor arguments shared by the SDK's OTLP exporters of both protocols, from one signal's settings
+    (TLS: ``credentials`` for gRPC, ``certificate_file`` and the client's files for HTTP)."""
     kwargs: dict[str, Any] = {"endpoint": otlp.endpoint, "headers": dict(otlp.headers) or None,
                               "timeout": otlp.timeout_ms / 1000}
     gzip_on = otlp.compression == "gzip"
     if otlp.protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.exporter import Compression as GrpcCompression
 
-        kwargs["insecure"] = urllib.parse.urlparse(otlp.endpoint).scheme != "https"
+        kwargs["insecure"] = not otlp.secure
+        if otlp.secure:
+            kwargs["credentials"] = grpc_credentials(otlp)
         kwargs["compression"] = GrpcCompression.Gzip if gzip_on else None
     else:
         from opentelemetry.exporter.otlp.proto.http import Compression as HttpCompression
 
         kwargs["compression"] = HttpCompression.Gzip if gzip_on else HttpCompression.NoCompression
+        if otlp.secure and otlp.certificate:
+            kwargs["certificate_file"] = otlp.certificate
+            kwargs["session"] = _session_keeping_verify()
+        if otlp.secure and otlp.client_certificate and otlp.client_key:
+            kwargs["client_certificate_file"] = otlp.client_certificate
+            kwargs["client_key_file"] = otlp.client_key
     return kwargs

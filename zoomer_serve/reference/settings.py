@@ -67,6 +67,27 @@ SETTINGS: tuple[Setting, ...] = (
             "the same for spans only, read first"),
     Setting("OTEL_EXPORTER_OTLP_METRICS_COMPRESSION", _CORE, "", "from `OTEL_EXPORTER_OTLP_COMPRESSION`",
             "the same for metrics only, read first"),
+    Setting("OTEL_EXPORTER_OTLP_CERTIFICATE", _CORE, "path", "the system's trusted CAs",
+            "PEM file of the certificates trusted for `https://` endpoints (a collector's self-signed certificate "
+            "or its CA); a file that does not exist or holds no PEM certificate stops `configure()` "
+            "(`ConfigError`)"),
+    Setting("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", _CORE, "path", "from `OTEL_EXPORTER_OTLP_CERTIFICATE`",
+            "the same for spans only, read first"),
+    Setting("OTEL_EXPORTER_OTLP_METRICS_CERTIFICATE", _CORE, "path", "from `OTEL_EXPORTER_OTLP_CERTIFICATE`",
+            "the same for metrics only, read first"),
+    Setting("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", _CORE, "path", "none",
+            "PEM certificate chain the exporter presents to an `https://` endpoint (mTLS); needs "
+            "`OTEL_EXPORTER_OTLP_CLIENT_KEY`"),
+    Setting("OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE", _CORE, "path",
+            "from `OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE`", "the same for spans only, read first"),
+    Setting("OTEL_EXPORTER_OTLP_METRICS_CLIENT_CERTIFICATE", _CORE, "path",
+            "from `OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE`", "the same for metrics only, read first"),
+    Setting("OTEL_EXPORTER_OTLP_CLIENT_KEY", _CORE, "path", "none",
+            "PEM private key of the client certificate (mTLS); both or neither"),
+    Setting("OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY", _CORE, "path", "from `OTEL_EXPORTER_OTLP_CLIENT_KEY`",
+            "the same for spans only, read first"),
+    Setting("OTEL_EXPORTER_OTLP_METRICS_CLIENT_KEY", _CORE, "path", "from `OTEL_EXPORTER_OTLP_CLIENT_KEY`",
+            "the same for metrics only, read first"),
     Setting("OTEL_TRACES_SAMPLER", _CORE, "", "`parentbased_always_on`",
             "the sampler (OpenTelemetry's names: `always_on`, `always_off`, `traceidratio` and their "
             "`parentbased_` forms); unsampled requests still count in the RPC metrics"),
