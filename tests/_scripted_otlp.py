@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gzip
 import http.server
+import ssl
 import threading
 import time
 from collections.abc import Iterable
@@ -96,13 +97,15 @@ def _response(signal: str, reply: Reply) -> bytes:
 
 @dataclass
 class ScriptedOtlp:
-    """The receiver for ``protocol`` (``grpc`` or ``http/protobuf``); use as a context manager."""
+    """The receiver for ``protocol`` (``grpc`` or ``http/protobuf``); use as a context manager. ``mtls``: (server
+    certificate, server key, client CA) PEM paths: TLS that requires a client certificate signed by that CA."""
 
     protocol: str
     traces: Iterable[Reply] = ()
     metrics: Iterable[Reply] = ()
     max_request_bytes: int | None = None
     received: list[Received] = field(default_factory=list)
+    mtls: tuple[str, str, str] | None = None
 
     def __post_init__(self) -> None:
         self._scripts = {"traces": list(self.traces), "metrics": list(self.metrics)}
@@ -161,7 +164,12 @@ class ScriptedOtlp:
         server = grpc.server(ThreadPoolExecutor(max_workers=4), options=options, handlers=[
             grpc.method_handlers_generic_handler(service, {"Export": self._grpc_handler(signal)})
             for signal, service in _SERVICES.items()])
-        self.port = server.add_insecure_port("127.0.0.1:0")
+        if self.mtls is None:
+            self.port = server.add_insecure_port("127.0.0.1:0")
+        else:
+            cert, key, client_ca = (open(path, "rb").read() for path in self.mtls)
+            creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca, require_client_auth=True)
+            self.port = server.add_secure_port("127.0.0.1:0", creds)
         server.start()
         self._grpc = server
 
@@ -202,6 +210,11 @@ class ScriptedOtlp:
 
         server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         server.daemon_threads = True
+        if self.mtls is not None:
+            ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=self.mtls[2])
+            ctx.verify_mode = ssl.CERT_REQUIRED
+            ctx.load_cert_chain(self.mtls[0], self.mtls[1])
+            server.socket = ctx.wrap_socket(server.socket, server_side=True)
         self.port = server.server_address[1]
         threading.Thread(target=server.serve_forever, name="scripted-otlp-http", daemon=True).start()
         self._http = server

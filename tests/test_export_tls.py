@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from _collector_fixtures import raw_trace_request
-from _scripted_otlp import request_records
+from _scripted_otlp import ScriptedOtlp, request_records
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -186,3 +186,25 @@ def test_client_key_and_certificate_are_checked_and_go_together(tmp_path: Path) 
     traces_only = ZoomerConfig.from_env({"OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE": str(other),
                                          "OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY": str(other_key)}).export
     assert traces_only.otlp("traces").client_key == str(other_key) and traces_only.otlp("metrics").client_key is None
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_a_client_certificate_reaches_a_server_that_requires_one(tmp_path: Path, protocol: str) -> None:
+    """mTLS: a real OTLP receiver that requires a client certificate signed by its CA takes every span when
+    ``OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE`` / ``..._CLIENT_KEY`` name it (with the server's certificate
+    trusted), and refuses them all without it."""
+    server_cert, server_key = _self_signed(tmp_path, "server")
+    client_cert, client_key = _self_signed(tmp_path, "client")
+    with ScriptedOtlp(protocol, mtls=(str(server_cert), str(server_key), str(client_cert))) as receiver:
+        endpoint = f"https://127.0.0.1:{receiver.port}"
+        env = {"OTEL_EXPORTER_OTLP_PROTOCOL": protocol, "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+               "OTEL_EXPORTER_OTLP_TIMEOUT": "2000", "OTEL_BSP_SCHEDULE_DELAY": "50",
+               "ZOOMER_EXPORT_MODE": "thread", "OTEL_METRICS_EXPORTER": "none",
+               "OTEL_EXPORTER_OTLP_CERTIFICATE": str(server_cert)}
+        exported, error = _export(ZoomerConfig.from_env(env).export, 3)
+        assert exported == 0 and error, error
+        mtls = {**env, "OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE": str(client_cert),
+                "OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY": str(client_key)}
+        exported, error = _export(ZoomerConfig.from_env(mtls).export, N)
+        assert exported == N, error
+        assert sum(r.items for r in receiver.requests("traces")) == N
