@@ -476,7 +476,7 @@ def _read_pem(path: str, variable: str, what: str) -> bytes:
     except OSError as exc:
         raise ConfigError(f"{variable}={path!r}: cannot read the file ({exc.strerror or exc})") from None
     if b"-----BEGIN " not in data or what.encode() not in data:
-        raise ConfigError(f"{variable}={path!r}: the file holds no PEM {what.lower() or 'block'}") from None
+        raise ConfigError(f"{variable}={path!r}: the file holds no PEM {what.lower()}")
     return data
 
 
@@ -488,7 +488,7 @@ def check_tls_files(certificate: str | None, client_key: str | None, client_cert
     if certificate:
         _read_pem(certificate, certificate_var, "CERTIFICATE")
         try:
-            ssl.create_default_context().load_verify_locations(cafile=certificate)
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=certificate)
         except (OSError, ssl.SSLError) as exc:
             raise ConfigError(f"{certificate_var}={certificate!r}: not a PEM certificate file ({exc})") from None
     if bool(client_key) != bool(client_certificate):
@@ -499,7 +499,7 @@ def check_tls_files(certificate: str | None, client_key: str | None, client_cert
         _read_pem(client_certificate, client_certificate_var, "CERTIFICATE")
         _read_pem(client_key, client_key_var, "PRIVATE KEY")
         try:
-            ssl.create_default_context().load_cert_chain(client_certificate, client_key)
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(client_certificate, client_key)
         except (OSError, ssl.SSLError) as exc:
             raise ConfigError(f"{client_certificate_var}={client_certificate!r} / {client_key_var}={client_key!r}: "
                               f"cannot load the client certificate and key ({exc})") from None
