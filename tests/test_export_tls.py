@@ -61,11 +61,11 @@ def _env(collector: EmbeddedCollector, protocol: str, **more: str) -> dict[str, 
             "OTEL_METRICS_EXPORTER": "none", **more}
 
 
-def _export(cfg: ExportConfig, n: int) -> tuple[int, str]:
+def _export(cfg: ExportConfig, n: int, budget_s: float = 8.0) -> tuple[int, str]:
     worker = ExportWorker(cfg, {"service.name": "tls"})
     worker.start()
     worker.put(request_records(n))
-    stats = worker.shutdown(20.0)
+    stats = worker.shutdown(budget_s)
     return stats.exported, stats.last_error or ""
 
 
@@ -80,10 +80,14 @@ def _spans_received(collector: EmbeddedCollector, n: int) -> int:
 def test_spans_reach_a_tls_collector_that_the_certificate_variable_trusts(tmp_path: Path, protocol: str) -> None:
     """With ``OTEL_EXPORTER_OTLP_CERTIFICATE`` naming the collector's self-signed certificate, all N spans of
     zoomer-serve's sender and the OpenTelemetry SDK's span exporter are stored; without it the same export is
-    refused (certificate verify failed) and nothing is stored, as before."""
+    refused at once (certificate verify failed, not retried), the error naming the variable, and nothing is
+    stored."""
     with tls_collector(tmp_path) as (collector, cert):
+        started = time.monotonic()
         exported, error = _export(ZoomerConfig.from_env(_env(collector, protocol)).export, N)
         assert exported == 0 and "CERTIFICATE_VERIFY_FAILED" in error.upper().replace(" ", "_"), error
+        # not retried until the budget runs out: the error names the variable to set
+        assert "set OTEL_EXPORTER_OTLP_CERTIFICATE" in error and time.monotonic() - started < 5, error
         assert collector.stats()["spans_received"] == 0
 
         cfg = ZoomerConfig.from_env(_env(collector, protocol, OTEL_EXPORTER_OTLP_CERTIFICATE=str(cert))).export
@@ -201,7 +205,7 @@ def test_a_client_certificate_reaches_a_server_that_requires_one(tmp_path: Path,
                "OTEL_EXPORTER_OTLP_TIMEOUT": "2000", "OTEL_BSP_SCHEDULE_DELAY": "50",
                "ZOOMER_EXPORT_MODE": "thread", "OTEL_METRICS_EXPORTER": "none",
                "OTEL_EXPORTER_OTLP_CERTIFICATE": str(server_cert)}
-        exported, error = _export(ZoomerConfig.from_env(env).export, 3)
+        exported, error = _export(ZoomerConfig.from_env(env).export, 3, budget_s=2.0)  # refused: retried to the end
         assert exported == 0 and error, error
         mtls = {**env, "OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE": str(client_cert),
                 "OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY": str(client_key)}

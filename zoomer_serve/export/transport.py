@@ -22,7 +22,9 @@ deadline (``time.monotonic()``) and returns a :class:`SendResult`. It never rais
 - TLS: an ``https`` endpoint is reached over TLS (a secure gRPC channel, HTTPS) whose root of trust is the
   signal's ``certificate`` file (``OTEL_EXPORTER_OTLP_CERTIFICATE`` and its per-signal forms) when set, else the
   system's trusted CAs; with ``client_certificate`` and ``client_key`` (``..._CLIENT_CERTIFICATE``,
-  ``..._CLIENT_KEY``) the exporter presents that certificate (mTLS). An ``http`` endpoint never uses them.
+  ``..._CLIENT_KEY``) the exporter presents that certificate (mTLS). An ``http`` endpoint never uses them. A
+  server certificate that does not verify (``CERTIFICATE_VERIFY_FAILED``) fails at once, not retried: the error
+  says which variable names the certificate to trust.
 - Accepted: ``partial_success`` of the response (``rejected_spans`` / ``rejected_data_points`` and
   ``error_message``) is returned in the result; such a response is never retried.
 """
@@ -180,6 +182,21 @@ def credentials_refused(status: str, message: str, headers: Mapping[str, str], s
             "token (its ZOOMER_COLLECTOR_TOKEN)")
 
 
+_VERIFY_FAILED = "CERTIFICATE_VERIFY_FAILED"
+
+
+def certificate_not_trusted(detail: str, otlp: OtlpConnection, signal: str = "traces") -> str:
+    """The error of an export whose server certificate did not verify (``detail``: the TLS error), saying which
+    variable names the certificate to trust and, when one is set, that it does not verify this server."""
+    variable = f"OTEL_EXPORTER_OTLP_CERTIFICATE (or ..._{signal.upper()}_CERTIFICATE)"
+    if otlp.certificate:
+        advice = (f"the certificate file set by {variable}, {otlp.certificate}, does not verify it (the collector's "
+                  "certificate, or its CA, and its names must include the endpoint's host)")
+    else:
+        advice = f"set {variable} to the PEM file of the collector's certificate (or its CA)"
+    return f"the server's TLS certificate is not trusted ({detail}): {advice}"
+
+
 def _retry_info(err: Any) -> tuple[bool, float | None]:
     """(RetryInfo present, its delay in seconds or None when zero) from a grpc error's
     ``grpc-status-details-bin`` trailer (a ``google.rpc.Status``)."""
@@ -261,6 +278,9 @@ class GrpcSender(Sender):
             if code in (self._grpc.StatusCode.UNAUTHENTICATED, self._grpc.StatusCode.PERMISSION_DENIED):
                 self.last_error = credentials_refused(str(code), details, self.otlp.headers, self.signal)
                 return _Attempt()
+            if code == self._grpc.StatusCode.UNAVAILABLE and _VERIFY_FAILED in details:
+                self.last_error = certificate_not_trusted(f"{code}: {details}", self.otlp, self.signal)
+                return _Attempt()
             has_retry_info, delay = _retry_info(err)
             if code == self._grpc.StatusCode.RESOURCE_EXHAUSTED:
                 if _TOO_LARGE_TEXT.search(details):
@@ -334,7 +354,11 @@ class HttpSender(Sender):
             return _Attempt(retryable=err.code in _RETRYABLE_HTTP,
                             retry_after_s=retry_after_s(err.headers.get("Retry-After") if err.headers else None))
         except (urllib.error.URLError, OSError, TimeoutError) as err:
-            self.last_error = repr(getattr(err, "reason", err))
+            reason = getattr(err, "reason", err)
+            if isinstance(reason, ssl.SSLCertVerificationError):
+                self.last_error = certificate_not_trusted(repr(reason), self.otlp, self.signal)
+                return _Attempt()
+            self.last_error = repr(reason)
             return _Attempt(retryable=True)
         except http.client.HTTPException as err:  # a reply that is not HTTP, or cut short: retried as a refusal
             self.last_error = (f"not an OTLP/HTTP answer from {self.endpoint} ({type(err).__name__}: "
