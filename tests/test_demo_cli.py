@@ -261,11 +261,31 @@ def test_a_demo_killed_with_sigkill_leaves_no_child_running(tmp_path):
     assert len(children) >= 2
     proc.kill()
     proc.wait(timeout=30)
-    _, alive = psutil.wait_procs(children, timeout=180)
+    alive = _running(children, timeout_s=180)
     for child in alive:
         child.kill()
     proc.communicate(timeout=60)
     assert alive == []
+
+
+def _running(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Those of ``procs`` (not this process's children) still running after up to ``timeout_s``. An exited one
+    that its new parent has not reaped yet is a zombie: gone, not running (``psutil.wait_procs`` counted it alive,
+    and the container's init reaped one too late for it once)."""
+    deadline = time.monotonic() + timeout_s
+    running = list(procs)
+    while True:
+        running = [p for p in running if _is_running(p)]
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.2)
+
+
+def _is_running(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 @pytest.mark.parametrize(("max_requests", "batch", "calls"), [
