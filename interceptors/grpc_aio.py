@@ -366,7 +366,12 @@ class ZoomerAioServerInterceptor(ServerInterceptorCore, grpc.aio.ServerIntercept
             return _wrap_async_generator(tracer, behavior, request_streaming)
         if inspect.iscoroutinefunction(behavior):
             return _wrap_coroutine(tracer, behavior, request_streaming, response_streaming)
-        logger.warning("zoomer-serve: %s has a sync handler on a grpc.aio server; it is not traced", tracer.name)
+        if getattr(behavior, "__module__", "").endswith("_pb2_grpc"):  # the generated servicer's default
+            logger.warning("zoomer-serve: %s is not implemented by its servicer (the generated default answers "
+                           "UNIMPLEMENTED); it is not traced", tracer.name)
+        else:
+            logger.warning("zoomer-serve: %s has a sync handler on a grpc.aio server; it is not traced",
+                           tracer.name)
         return None
 
     def _wrap_serializer(self, tracer: ServerCallTracer, serializer: Callable[[Any], bytes] | None,

@@ -260,3 +260,43 @@ def test_demo_ranker_on_aio_server_same_spans_and_phases(telemetry, collector):
     assert all(p["parent_span_id"] == first_span["span_id"] for p in phases.values())
     stream_phases = [s for s in spans if s["trace_id"] == requests[2]["trace_id"] and s["name"] == "forward"]
     assert len(stream_phases) == 2
+
+
+@pytest.mark.parametrize("implemented", [False, True])
+def test_a_method_left_to_the_generated_servicer_is_named_unimplemented_not_sync(telemetry, caplog,
+                                                                                  implemented):
+    """A servicer that does not override a generated method leaves the generated default (a plain ``def`` that
+    answers UNIMPLEMENTED, C02): the client gets UNIMPLEMENTED, and the one warning says the method is not
+    implemented, not that it has "a sync handler". A real sync handler on the aio server is still called
+    one."""
+    from zoomer_serve.profiling import profiler_control_pb2, profiler_control_pb2_grpc
+
+    class Servicer(profiler_control_pb2_grpc.ProfilerControlServicer):
+        if implemented:
+            def Start(self, request, context):
+                context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+                raise RuntimeError("sync")
+
+    async def setup(server):
+        profiler_control_pb2_grpc.add_ProfilerControlServicer_to_server(Servicer(), server)
+
+    thread = grpc_echo_aio.AioServerThread([ZoomerAioServerInterceptor(excluded_methods=())], setup)
+    caplog.set_level("WARNING", logger="zoomer_serve")
+    try:
+        with grpc.insecure_channel(thread.target) as channel:
+            stub = profiler_control_pb2_grpc.ProfilerControlStub(channel)
+            for _ in range(2):
+                with pytest.raises(grpc.RpcError) as info:
+                    stub.Start(profiler_control_pb2.StartRequest(), timeout=10)
+                assert info.value.code() == (grpc.StatusCode.RESOURCE_EXHAUSTED if implemented
+                                             else grpc.StatusCode.UNIMPLEMENTED)
+    finally:
+        thread.stop(None)
+    warnings = [r.getMessage() for r in caplog.records
+                if r.name == "zoomer_serve" and "ProfilerControl/Start" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    if implemented:
+        assert "has a sync handler on a grpc.aio server; it is not traced" in warnings[0]
+    else:
+        assert "sync" not in warnings[0]
+        assert "is not implemented by its servicer" in warnings[0] and "UNIMPLEMENTED" in warnings[0]
