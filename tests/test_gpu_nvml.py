@@ -221,6 +221,30 @@ def test_no_driver_import_and_configure_work_without_future_warning(tmp_path):
     assert "FutureWarning" not in proc.stderr
 
 
+def test_configuring_again_does_not_repeat_the_gpu_warning(tmp_path):
+    """C09: a server whose interceptor configured zoomer-serve from the environment first, then calls
+    configure() in code, prints the GPU-off line once, not once per configure (and a third configure neither)."""
+    code = ("import logging\n"
+            "logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s %(message)s')\n"
+            "import zoomer_serve\n"
+            "from interceptors import ZoomerServerInterceptor\n"
+            "ZoomerServerInterceptor()\n"
+            "for _ in range(2):\n"
+            "    tel = zoomer_serve.configure(export_mode='none', set_global_providers=False)\n"
+            "    assert tel.gpu is None\n"
+            "zoomer_serve.shutdown(timeout_s=1)\n"
+            "print('OK')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZOOMER_", "OTEL_"))}
+    env["ZOOMER_EXPORT_MODE"] = "none"
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "OK"
+    gpu_lines = [line for line in proc.stderr.splitlines() if "GPU" in line]
+    assert len(gpu_lines) == 1 and "GPU telemetry off" in gpu_lines[0], proc.stderr
+
+
 def test_gpu_off_installs_nothing_and_logs_nothing(caplog):
     with caplog.at_level(logging.DEBUG, logger="zoomer_serve"):
         tel = zoomer_serve.configure(export_mode="none", set_global_providers=False,

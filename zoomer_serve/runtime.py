@@ -346,7 +346,7 @@ def _gpu_telemetry(cfg: ZoomerConfig, recorder: RequestRecorder, meter_provider:
     try:
         from zoomer_serve.telemetry import install_gpu_telemetry
 
-        return install_gpu_telemetry(cfg.gpu, recorder, meter_provider)
+        return install_gpu_telemetry(cfg.gpu, recorder, meter_provider, warn_once=True)
     except Exception as exc:
         logger.warning("zoomer-serve: GPU telemetry could not start, continuing without it: %r", exc)
         return None

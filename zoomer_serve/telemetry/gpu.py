@@ -172,24 +172,41 @@ def _uuid_key(uuid: str) -> str:
     return (rest if sep and head in ("GPU", "MIG") else uuid).lower()
 
 
+_warned: set[str] = set()
+
+
+def _warn(message: str) -> None:
+    logger.warning("zoomer-serve: %s", message)
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        _warn(message)
+
+
 def install_gpu_telemetry(config: GpuTelemetryConfig, recorder: RequestRecorder, meter_provider: Any = None, *,
-                          memory_source: CudaMemorySource | None = None, nvml: Any = None) -> GpuTelemetry | None:
+                          memory_source: CudaMemorySource | None = None, nvml: Any = None,
+                          warn_once: bool = False) -> GpuTelemetry | None:
     """Install GPU telemetry on ``recorder`` (request observer) and ``meter_provider`` (metrics).
 
     ``memory_source`` / ``nvml``: the two seams (default: torch.cuda and ``import pynvml``). Returns None
-    (after one warning, or silently for ``mode="off"``) when neither CUDA nor NVML is usable.
+    (after one warning, or silently for ``mode="off"``) when neither CUDA nor NVML is usable. ``warn_once``:
+    a warning this process already logged is not logged again (``configure()`` sets it, since a server may
+    configure more than once: from the environment when its interceptor is made, then in code).
     """
+    warn = _warn_once if warn_once else _warn
     if config.mode == "off":
         return None
     source, cuda_reason = (memory_source, "") if memory_source is not None else _default_memory_source()
     sampler, nvml_reason = _open_sampler(nvml)
     if source is None and sampler is None:
-        logger.warning("zoomer-serve: GPU telemetry off: %s; %s", cuda_reason, nvml_reason)
+        warn(f"GPU telemetry off: {cuda_reason}; {nvml_reason}")
         return None
     if source is None:
-        logger.warning("zoomer-serve: per-request GPU memory off (%s); NVML hardware metrics on", cuda_reason)
+        warn(f"per-request GPU memory off ({cuda_reason}); NVML hardware metrics on")
     elif sampler is None:
-        logger.warning("zoomer-serve: GPU hardware metrics off (%s); per-request GPU memory on", nvml_reason)
+        warn(f"GPU hardware metrics off ({nvml_reason}); per-request GPU memory on")
     meter = meter_provider.get_meter(METER_NAME) if meter_provider is not None else None
     gpu = GpuTelemetry(config, recorder, source=source, sampler=sampler, _want_history=config.history)
     if sampler is not None and meter is not None:
