@@ -679,18 +679,8 @@ class phase:
 
             @functools.wraps(func)
             def gen_wrapper(*args: Any, **kwargs: Any) -> Any:
-                p = phase(name, attrs)
-                p.__enter__()
-                try:
-                    result = yield from func(*args, **kwargs)
-                except GeneratorExit:
-                    p.__exit__(None, None, None)
-                    raise
-                except BaseException as exc:
-                    p.__exit__(type(exc), exc, exc.__traceback__)
-                    raise
-                p.__exit__(None, None, None)
-                return result
+                with _IterationPhase(name, attrs):
+                    return (yield from func(*args, **kwargs))
 
             return gen_wrapper  # type: ignore[return-value]
 
@@ -702,6 +692,18 @@ class phase:
         return wrapper  # type: ignore[return-value]
 
 
+class _IterationPhase(phase):
+    """The phase of a decorated generator's or async generator's run: a consumer's ``close()`` /
+    ``aclose()`` (GeneratorExit) ends it normally, not as an error."""
+
+    __slots__ = ()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None and issubclass(exc_type, GeneratorExit):
+            exc_type = exc = tb = None
+        super().__exit__(exc_type, exc, tb)
+
+
 def _async_gen_phase(name: str, attrs: dict[str, Any] | None,
                      func: Callable[..., AsyncGenerator[Any, Any]]) -> Callable[..., AsyncGenerator[Any, Any]]:
     """``phase(name, attrs)`` around each run of the async generator function ``func``: from the first
@@ -709,10 +711,8 @@ def _async_gen_phase(name: str, attrs: dict[str, Any] | None,
     to the inner generator (as ``yield from`` does for a sync one)."""
 
     async def agen_wrapper(*args: Any, **kwargs: Any) -> AsyncGenerator[Any, Any]:
-        p = phase(name, attrs)
-        p.__enter__()
-        inner = func(*args, **kwargs)
-        try:
+        with _IterationPhase(name, attrs):
+            inner = func(*args, **kwargs)
             try:
                 item = await inner.__anext__()
                 while True:
@@ -727,12 +727,5 @@ def _async_gen_phase(name: str, attrs: dict[str, Any] | None,
                         item = await inner.asend(sent)
             except StopAsyncIteration:
                 pass
-        except GeneratorExit:
-            p.__exit__(None, None, None)
-            raise
-        except BaseException as exc:
-            p.__exit__(type(exc), exc, exc.__traceback__)
-            raise
-        p.__exit__(None, None, None)
 
     return agen_wrapper
