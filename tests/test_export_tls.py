@@ -171,6 +171,28 @@ def test_a_certificate_file_that_is_missing_or_not_pem_is_a_config_error(tmp_pat
         ExportConfig(certificate=str(missing))
 
 
+def test_tls_files_are_checked_once_by_export_config_naming_where_each_path_came_from(tmp_path: Path) -> None:
+    """One check (ExportConfig's) for the environment and for code: a path read from the environment is named by
+    its variable, also in the config the export helper rebuilds from the spec it is sent; one set in code by its
+    field; the metrics' path taken from the shared field by that field."""
+    from dataclasses import asdict, replace
+
+    cert, _ = _self_signed(tmp_path)
+    cfg = ZoomerConfig.from_env({"OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE": str(cert)}).export
+    assert cfg.read_from["certificate"] == "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE"
+    assert cfg.read_from["metrics_certificate"] == "OTEL_EXPORTER_OTLP_CERTIFICATE"  # (unset: none)
+    assert ExportConfig(**asdict(cfg)) == cfg  # as the helper process rebuilds it
+    cert.unlink()
+    with pytest.raises(ConfigError, match=f"^OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE='{cert}': cannot read"):
+        ExportConfig(**asdict(cfg))
+    with pytest.raises(ConfigError, match=r"^ExportConfig.certificate \(OTEL_EXPORTER_OTLP_CERTIFICATE\)="):
+        replace(cfg, certificate=str(tmp_path / "other.pem"), read_from={})
+    with pytest.raises(ConfigError, match=r"^ExportConfig.certificate \(OTEL_EXPORTER_OTLP_CERTIFICATE\)="):
+        ExportConfig(certificate=str(cert), metrics_certificate=None)  # the metrics' file is the shared field's
+    with pytest.raises(ConfigError, match=r"^ExportConfig.metrics_certificate \(OTEL_EXPORTER_OTLP_METRICS_"):
+        ExportConfig(metrics_certificate=str(cert))
+
+
 def test_client_key_and_certificate_are_checked_and_go_together(tmp_path: Path) -> None:
     """mTLS: ``..._CLIENT_KEY`` and ``..._CLIENT_CERTIFICATE`` name a matching PEM key and certificate, both or
     neither (per signal, like the others); a missing file names its variable."""

@@ -45,7 +45,7 @@ import os
 import re
 import ssl
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -75,25 +75,47 @@ def is_count(value: Any, low: int, high: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
-_EXPORT_INTEGERS = {
-    "timeout_ms": "OTEL_EXPORTER_OTLP_TIMEOUT", "max_queue_size": "OTEL_BSP_MAX_QUEUE_SIZE",
-    "max_export_batch_size": "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "schedule_delay_ms": "OTEL_BSP_SCHEDULE_DELAY",
-    "metric_export_interval_ms": "OTEL_METRIC_EXPORT_INTERVAL",
-}
-"""ExportConfig's integer fields (ms or spans, 1 to INT_MAX like the variables they are read from) and those
-variables."""
-
 SIGNALS = ("traces", "metrics")
+COMPRESSIONS = ("gzip", "none")
 
-_METRICS_FIELDS = {
-    "metrics_protocol": "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "metrics_headers": "OTEL_EXPORTER_OTLP_METRICS_HEADERS",
-    "metrics_timeout_ms": "OTEL_EXPORTER_OTLP_METRICS_TIMEOUT",
-    "metrics_compression": "OTEL_EXPORTER_OTLP_METRICS_COMPRESSION",
-    "metrics_certificate": "OTEL_EXPORTER_OTLP_METRICS_CERTIFICATE",
-    "metrics_client_key": "OTEL_EXPORTER_OTLP_METRICS_CLIENT_KEY",
-    "metrics_client_certificate": "OTEL_EXPORTER_OTLP_METRICS_CLIENT_CERTIFICATE",
+
+@dataclass(frozen=True)
+class _Rule:
+    """What an ExportConfig field must hold: ``ok`` tells whether a value does, ``need`` says it in words."""
+
+    ok: Callable[[Any], bool]
+    need: str
+
+
+def _one_of(values: tuple[str, ...]) -> _Rule:
+    return _Rule(lambda value: value in values, f"one of {values}")
+
+
+def _count(low: int) -> _Rule:
+    return _Rule(lambda value: is_count(value, low, INT_MAX), f"an integer between {low} and {INT_MAX}")
+
+
+_TLS = ("certificate", "client_key", "client_certificate")
+
+_EXPORT_FIELDS: dict[str, tuple[str, _Rule | None]] = {
+    "protocol": ("OTEL_EXPORTER_OTLP_PROTOCOL", _one_of(PROTOCOLS)),
+    "compression": ("OTEL_EXPORTER_OTLP_COMPRESSION", _one_of(COMPRESSIONS)),
+    "timeout_ms": ("OTEL_EXPORTER_OTLP_TIMEOUT", _count(1)),
+    "metrics_protocol": ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", _one_of(PROTOCOLS)),
+    "metrics_compression": ("OTEL_EXPORTER_OTLP_METRICS_COMPRESSION", _one_of(COMPRESSIONS)),
+    "metrics_timeout_ms": ("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", _count(1)),
+    "max_queue_size": ("OTEL_BSP_MAX_QUEUE_SIZE", _count(1)),
+    "max_export_batch_size": ("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", _count(1)),
+    "schedule_delay_ms": ("OTEL_BSP_SCHEDULE_DELAY", _count(1)),
+    "metric_export_interval_ms": ("OTEL_METRIC_EXPORT_INTERVAL", _count(1)),
+    "max_request_bytes": ("ZOOMER_EXPORT_MAX_REQUEST_BYTES", _count(MIN_REQUEST_BYTES)),
+    "mode": ("ZOOMER_EXPORT_MODE", _one_of(EXPORT_MODES)),
+    **{name: (f"OTEL_EXPORTER_OTLP_{name.upper()}", None) for name in _TLS},
+    **{f"metrics_{name}": (f"OTEL_EXPORTER_OTLP_METRICS_{name.upper()}", None) for name in _TLS},
 }
-"""ExportConfig's metrics-only connection fields and the variables they are read from."""
+"""ExportConfig's checked fields: (the variable each is read from, what its value must be). A ``metrics_*`` field
+may also be None (the field of the same name applies). The TLS files have no rule of their own: they are checked
+together, per signal (:func:`check_tls_files`)."""
 
 
 @dataclass(frozen=True)
@@ -140,8 +162,13 @@ class ExportConfig:
     and checked when the config is made (a file that does not exist or holds no PEM certificate or key, or a
     client key that does not match its certificate, is a ConfigError); the senders read them again.
 
+    ``read_from`` maps a field to the environment variable :meth:`from_env <ZoomerConfig.from_env>` read it from
+    (the per-signal one, or the general one); an error about that field names the variable, and an error about a
+    field set in code names the field and its variable. One check serves both (``__post_init__``).
+
     Raises:
-        ConfigError: a field is out of range or not one of its values (the message names it and its variable).
+        ConfigError: a field is out of range or not one of its values, or a TLS file is unusable (the message
+            names the field or the variable, and the value).
     """
 
     protocol: str = "grpc"
@@ -178,6 +205,9 @@ class ExportConfig:
     metrics_certificate: str | None = None
     metrics_client_key: str | None = None
     metrics_client_certificate: str | None = None
+    # -- where the fields above came from: {field: the environment variable read}, filled by from_env; an error
+    # about a field names that variable (else ExportConfig.<field> and the variable it would be read from) ----
+    read_from: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def otlp(self, signal: str) -> OtlpConnection:
         """The connection settings of ``signal`` (``"traces"`` or ``"metrics"``).
@@ -202,6 +232,16 @@ class ExportConfig:
                                   either(self.metrics_client_certificate, self.client_certificate) or None)
         raise ValueError(f"an OTLP signal is one of {SIGNALS}, got {signal!r}")
 
+    def _label(self, name: str) -> str:
+        """How an error names field ``name``: the variable from_env read it from, else the field and its
+        variable."""
+        return self.read_from.get(name) or f"ExportConfig.{name} ({_EXPORT_FIELDS[name][0]})"
+
+    def _tls_field(self, signal: str, name: str) -> str:
+        """The field that gives ``signal`` its TLS file ``name``: the metrics' own unless it is None."""
+        own = f"metrics_{name}"
+        return own if signal == "metrics" and getattr(self, own) is not None else name
+
     @property
     def export_budget_ms(self) -> int:
         """The longer of the two signals' export timeouts (ms): the default budget of a flush and of shutdown."""
@@ -220,37 +260,14 @@ class ExportConfig:
         return self.mode != "none" and self.metrics
 
     def __post_init__(self) -> None:
-        if self.protocol not in PROTOCOLS:
-            raise ConfigError(f"OTLP protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
-        if self.mode not in EXPORT_MODES:
-            raise ConfigError(f"ZOOMER_EXPORT_MODE must be one of {EXPORT_MODES}, got {self.mode!r}")
-        if self.compression not in ("none", "gzip"):
-            raise ConfigError(f"OTLP compression must be 'gzip' or 'none', got {self.compression!r}")
-        for name, variable in _EXPORT_INTEGERS.items():
+        for name, (_, rule) in _EXPORT_FIELDS.items():
             value = getattr(self, name)
-            if not is_count(value, 1, INT_MAX):
-                raise ConfigError(f"ExportConfig.{name} ({variable}) must be an integer between 1 and {INT_MAX}, "
-                                  f"got {value!r}")
-        for name, variable in _METRICS_FIELDS.items():
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if name == "metrics_protocol" and value not in PROTOCOLS:
-                raise ConfigError(f"ExportConfig.{name} ({variable}) must be one of {PROTOCOLS}, got {value!r}")
-            if name == "metrics_compression" and value not in ("none", "gzip"):
-                raise ConfigError(f"ExportConfig.{name} ({variable}) must be 'gzip' or 'none', got {value!r}")
-            if name == "metrics_timeout_ms" and not is_count(value, 1, INT_MAX):
-                raise ConfigError(f"ExportConfig.{name} ({variable}) must be an integer between 1 and {INT_MAX}, "
-                                  f"got {value!r}")
-        for prefix, variable_prefix in (("", "OTEL_EXPORTER_OTLP_"), ("metrics_", "OTEL_EXPORTER_OTLP_METRICS_")):
-            names = [f"{prefix}{name}" for name in ("certificate", "client_key", "client_certificate")]
-            variables = [f"ExportConfig.{name} ({variable_prefix}{name.removeprefix(prefix).upper()})"
-                         for name in names]
-            otlp = self.otlp("metrics" if prefix else "traces")  # the metrics' files resolved, as they are used
-            check_tls_files(otlp.certificate, otlp.client_key, otlp.client_certificate, *variables)
-        if self.max_request_bytes < MIN_REQUEST_BYTES:
-            raise ConfigError(f"ZOOMER_EXPORT_MAX_REQUEST_BYTES must be >= {MIN_REQUEST_BYTES}, got "
-                              f"{self.max_request_bytes}")
+            if rule is not None and not (value is None and name.startswith("metrics_")) and not rule.ok(value):
+                raise ConfigError(f"{self._label(name)} must be {rule.need}, got {value!r}")
+        for signal in SIGNALS:
+            otlp = self.otlp(signal)  # the metrics' files resolved, as they are used
+            check_tls_files(otlp.certificate, otlp.client_key, otlp.client_certificate,
+                            *(self._label(self._tls_field(signal, name)) for name in _TLS))
         if self.max_export_batch_size > self.max_queue_size:
             raise ConfigError("OTEL_BSP_MAX_EXPORT_BATCH_SIZE must not exceed OTEL_BSP_MAX_QUEUE_SIZE "
                               f"({self.max_export_batch_size} > {self.max_queue_size})")
@@ -517,9 +534,11 @@ def _exporter(env: Mapping[str, str], variable: str) -> bool:
     return names == {"otlp"}
 
 
-def _otlp_from_env(env: Mapping[str, str], signal: str) -> OtlpConnection:
+def _otlp_from_env(env: Mapping[str, str], signal: str) -> tuple[OtlpConnection, dict[str, str]]:
     """The connection settings of ``signal`` (``TRACES`` or ``METRICS``): each the signal's own variable when set,
-    else the general one, else the default. Raises ConfigError naming the variable a bad value came from."""
+    else the general one, else the default; and the variable each TLS file came from (``certificate``,
+    ``client_key``, ``client_certificate``: the files are checked once, by ExportConfig, naming it). Raises
+    ConfigError naming the variable a bad value came from."""
     protocol_var, protocol = _signal(env, signal, "PROTOCOL")
     protocol = (protocol or "grpc").strip().lower()  # the spec: enum values are read case-insensitively
     if protocol not in PROTOCOLS:
@@ -527,27 +546,24 @@ def _otlp_from_env(env: Mapping[str, str], signal: str) -> OtlpConnection:
     timeout_var, timeout = _signal(env, signal, "TIMEOUT")
     compression_var, compression = _signal(env, signal, "COMPRESSION")
     compression = (compression or "none").strip().lower()
-    if compression not in ("none", "gzip"):
+    if compression not in COMPRESSIONS:
         raise ConfigError(f"{compression_var}={compression!r} is not supported; use 'gzip' or 'none'")
     headers_var, headers = _signal(env, signal, "HEADERS")
-    tls = {suffix: _signal(env, signal, suffix) for suffix in ("CERTIFICATE", "CLIENT_KEY", "CLIENT_CERTIFICATE")}
-    paths = {suffix: (value or "").strip() or None for suffix, (_, value) in tls.items()}
-    check_tls_files(paths["CERTIFICATE"], paths["CLIENT_KEY"], paths["CLIENT_CERTIFICATE"],
-                    tls["CERTIFICATE"][0], tls["CLIENT_KEY"][0], tls["CLIENT_CERTIFICATE"][0])
-    return OtlpConnection(
+    tls = {name: _signal(env, signal, name.upper()) for name in _TLS}
+    paths = {name: (value or "").strip() or None for name, (_, value) in tls.items()}
+    connection = OtlpConnection(
         endpoint=_endpoint(env, signal, protocol),
         protocol=protocol,
         headers=_check_headers(parse_key_values(headers or "", headers_var), headers_var),
         timeout_ms=_int({timeout_var: timeout} if timeout else {}, timeout_var, 10_000),
         compression=compression,
-        certificate=paths["CERTIFICATE"],
-        client_key=paths["CLIENT_KEY"],
-        client_certificate=paths["CLIENT_CERTIFICATE"],
+        **paths,
     )
+    return connection, {name: variable for name, (variable, _) in tls.items()}
 
 
 def _export_from_env(env: Mapping[str, str]) -> ExportConfig:
-    traces, metrics = _otlp_from_env(env, "TRACES"), _otlp_from_env(env, "METRICS")
+    (traces, traces_tls), (metrics, metrics_tls) = _otlp_from_env(env, "TRACES"), _otlp_from_env(env, "METRICS")
     return ExportConfig(
         protocol=traces.protocol,
         traces_endpoint=traces.endpoint,
@@ -575,4 +591,5 @@ def _export_from_env(env: Mapping[str, str]) -> ExportConfig:
         max_request_bytes=envvars.integer(env, "ZOOMER_EXPORT_MAX_REQUEST_BYTES", DEFAULT_MAX_REQUEST_BYTES,
                                           ConfigError, minimum=MIN_REQUEST_BYTES),
         semconv_rpc=rpc_opt_in(env.get("OTEL_SEMCONV_STABILITY_OPT_IN")),
+        read_from={**traces_tls, **{f"metrics_{name}": variable for name, variable in metrics_tls.items()}},
     )
