@@ -143,7 +143,11 @@ def test_sdk_disabled_records_nothing(monkeypatch):
 
 @pytest.mark.parametrize(("env", "needle"), [
     ({"OTEL_EXPORTER_OTLP_PROTOCOL": "thrift"}, "OTEL_EXPORTER_OTLP_PROTOCOL"),
-    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "localhost:4317"}, "OTEL_EXPORTER_OTLP_ENDPOINT"),
+    # a scheme-less gRPC endpoint is host:port (OTEL_EXPORTER_OTLP_INSECURE; tests/test_export_tls.py), never bare
+    # and never OTLP/HTTP's
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "localhost"}, "OTEL_EXPORTER_OTLP_ENDPOINT"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "localhost:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"},
+     "OTEL_EXPORTER_OTLP_ENDPOINT"),
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://h:notaport"}, "invalid port"),
     ({"OTEL_TRACES_SAMPLER": "sometimes"}, "OTEL_TRACES_SAMPLER"),
     ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "2"}, "OTEL_TRACES_SAMPLER_ARG"),

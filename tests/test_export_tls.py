@@ -29,7 +29,7 @@ from zoomer_serve.collector import EmbeddedCollector
 from zoomer_serve.collector.security import ReceiverSecurity
 from zoomer_serve.config import ConfigError, ExportConfig, ZoomerConfig
 from zoomer_serve.export import ExportWorker
-from zoomer_serve.export.transport import Outcome, make_sender, sdk_span_exporter
+from zoomer_serve.export.transport import Outcome, make_sender, sdk_metric_exporter, sdk_span_exporter
 
 N = 7
 
@@ -234,3 +234,149 @@ def test_a_client_certificate_reaches_a_server_that_requires_one(tmp_path: Path,
         exported, error = _export(ZoomerConfig.from_env(mtls).export, N)
         assert exported == N, error
         assert sum(r.items for r in receiver.requests("traces")) == N
+
+
+# -- OTEL_EXPORTER_OTLP_INSECURE: a gRPC endpoint without a scheme -----------------------------------------------
+
+@contextmanager
+def plain_collector(tmp_path: Path) -> Iterator[EmbeddedCollector]:
+    """A real embedded collector whose receivers speak plaintext only."""
+    with EmbeddedCollector(tmp_path / "plain.duckdb", grpc_port=0, http_port=0) as collector:
+        yield collector
+
+
+def _grpc_env(endpoint: str, **more: str) -> dict[str, str]:
+    return {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+            "OTEL_EXPORTER_OTLP_TIMEOUT": "3000", "OTEL_BSP_SCHEDULE_DELAY": "50", "ZOOMER_EXPORT_MODE": "thread",
+            "OTEL_METRICS_EXPORTER": "none", **more}
+
+
+def _sdk_spans(cfg: ExportConfig, n: int) -> None:
+    """``n`` spans through the OpenTelemetry SDK's exporter that zoomer-serve configures from ``cfg``."""
+    provider = TracerProvider(resource=Resource.create({"service.name": "insecure-sdk"}))
+    provider.add_span_processor(SimpleSpanProcessor(sdk_span_exporter(cfg)))
+    for i in range(n):
+        with provider.get_tracer("t").start_as_current_span(f"sdk-{i}"):
+            pass
+    provider.shutdown()
+
+
+def _sdk_metric_points(cfg: ExportConfig) -> None:
+    """One counter point through the OpenTelemetry SDK's metric exporter that zoomer-serve configures."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+    reader = PeriodicExportingMetricReader(sdk_metric_exporter(cfg), export_interval_millis=3_600_000)
+    provider = MeterProvider(metric_readers=[reader], resource=Resource.create({"service.name": "insecure-sdk"}))
+    provider.get_meter("t").create_counter("insecure.test").add(1)
+    provider.shutdown()
+
+
+@pytest.mark.parametrize("insecure", ["false", None])
+def test_a_scheme_less_grpc_endpoint_is_tls_unless_insecure_is_true(tmp_path: Path, insecure: str | None) -> None:
+    """``OTEL_EXPORTER_OTLP_ENDPOINT=127.0.0.1:<port>`` (no scheme) with ``OTEL_EXPORTER_OTLP_INSECURE=false``, or
+    unset (the spec's default, as the OpenTelemetry Python SDK does), is TLS: with the collector's certificate
+    every span of zoomer-serve's sender (N) and of the SDK's exporter (3) is stored over TLS, and the SDK's metric
+    point too. It was a ConfigError (not an http:// or https:// URL)."""
+    with tls_collector(tmp_path) as (collector, cert):
+        more = {"OTEL_EXPORTER_OTLP_CERTIFICATE": str(cert)}
+        if insecure is not None:
+            more["OTEL_EXPORTER_OTLP_INSECURE"] = insecure
+        cfg = ZoomerConfig.from_env(_grpc_env(f"127.0.0.1:{collector.grpc_port}", **more)).export
+        assert cfg.otlp("traces").secure and cfg.otlp("metrics").secure
+        exported, error = _export(cfg, N)
+        assert exported == N, error
+        _sdk_spans(cfg, 3)
+        assert _spans_received(collector, N + 3) == N + 3
+        _sdk_metric_points(cfg)
+        assert collector.stats()["metric_points_received"] >= 1
+
+
+def test_insecure_true_sends_plaintext_to_a_scheme_less_endpoint(tmp_path: Path) -> None:
+    """``OTEL_EXPORTER_OTLP_INSECURE=true`` (any case) with a scheme-less gRPC endpoint: plaintext, every span of
+    zoomer-serve's sender, of the SDK's exporter and the SDK's metric point stored by a plaintext collector; the
+    same endpoint without it (TLS, the default) stores nothing."""
+    with plain_collector(tmp_path) as collector:
+        endpoint = f"127.0.0.1:{collector.grpc_port}"
+        tls = ZoomerConfig.from_env(_grpc_env(endpoint, OTEL_EXPORTER_OTLP_TIMEOUT="1000")).export
+        exported, error = _export(tls, 2, budget_s=1.5)
+        assert exported == 0 and error, error
+        assert collector.stats()["spans_received"] == 0
+
+        cfg = ZoomerConfig.from_env(_grpc_env(endpoint, OTEL_EXPORTER_OTLP_INSECURE=" True ")).export
+        assert not cfg.otlp("traces").secure and not cfg.otlp("metrics").secure
+        exported, error = _export(cfg, N)
+        assert exported == N, error
+        _sdk_spans(cfg, 3)
+        assert _spans_received(collector, N + 3) == N + 3
+        _sdk_metric_points(cfg)
+        assert collector.stats()["metric_points_received"] >= 1
+
+
+def test_insecure_reaches_the_export_helper_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through ``configure()`` with the export helper process (as a server runs): a scheme-less endpoint with
+    ``OTEL_EXPORTER_OTLP_TRACES_INSECURE=true`` sends every span in plaintext to the plaintext collector."""
+    with plain_collector(tmp_path) as collector:
+        for name, value in _grpc_env(f"127.0.0.1:{collector.grpc_port}",
+                                     OTEL_EXPORTER_OTLP_TRACES_INSECURE="true").items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setenv("ZOOMER_EXPORT_MODE", "process")
+        zoomer_serve.configure(service_name="insecure-helper", set_global_providers=False)
+        recorder = zoomer_serve.get_recorder()
+        for i in range(N):
+            span = recorder.start("svc.S/M", attributes={"rpc.method": "svc.S/M", "rpc.system.name": "grpc", "i": i})
+            span.end()
+        assert zoomer_serve.shutdown(timeout_s=10) is not None
+        assert _spans_received(collector, N) == N
+
+
+def test_a_scheme_wins_over_insecure(tmp_path: Path) -> None:
+    """The spec: insecure applies only to an endpoint without a scheme. ``http://`` with ``INSECURE=false`` is
+    plaintext (all N stored by the plaintext collector; the OpenTelemetry Python SDK alone would use TLS there),
+    ``https://`` with ``INSECURE=true`` is TLS (all N stored by the TLS collector)."""
+    with plain_collector(tmp_path) as collector:
+        cfg = ZoomerConfig.from_env(_grpc_env(f"http://127.0.0.1:{collector.grpc_port}",
+                                              OTEL_EXPORTER_OTLP_INSECURE="false")).export
+        assert not cfg.otlp("traces").secure
+        exported, error = _export(cfg, N)
+        assert exported == N, error
+        _sdk_spans(cfg, 3)
+        assert _spans_received(collector, N + 3) == N + 3
+    with tls_collector(tmp_path) as (collector, cert):
+        cfg = ZoomerConfig.from_env(_grpc_env(f"https://127.0.0.1:{collector.grpc_port}",
+                                              OTEL_EXPORTER_OTLP_INSECURE="true",
+                                              OTEL_EXPORTER_OTLP_CERTIFICATE=str(cert))).export
+        assert cfg.otlp("traces").secure
+        exported, error = _export(cfg, N)
+        assert exported == N, error
+        _sdk_spans(cfg, 3)
+        assert _spans_received(collector, N + 3) == N + 3
+
+
+def test_insecure_is_per_signal_and_a_bad_value_names_its_variable() -> None:
+    """``..._TRACES_INSECURE`` / ``..._METRICS_INSECURE`` are read first for their signal only; a value other than
+    true or false (any case; empty is unset) is a ConfigError naming the variable; a scheme-less endpoint needs a
+    port and the grpc protocol (OTLP/HTTP endpoints are URLs)."""
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "collector:4317", "OTEL_EXPORTER_OTLP_INSECURE": "FALSE",
+           "OTEL_EXPORTER_OTLP_TRACES_INSECURE": "true"}
+    exp = ZoomerConfig.from_env(env).export
+    assert (exp.otlp("traces").endpoint, exp.otlp("metrics").endpoint) == \
+        ("http://collector:4317", "https://collector:4317")
+    exp = ZoomerConfig.from_env({**env, "OTEL_EXPORTER_OTLP_TRACES_INSECURE": "",
+                                 "OTEL_EXPORTER_OTLP_METRICS_INSECURE": "true"}).export
+    assert (exp.otlp("traces").secure, exp.otlp("metrics").secure) == (True, False)
+    exp = ZoomerConfig.from_env({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "[::1]:4317",
+                                 "OTEL_EXPORTER_OTLP_INSECURE": "true"}).export
+    assert exp.otlp("traces").endpoint == "http://[::1]:4317"
+    for variable in ("OTEL_EXPORTER_OTLP_INSECURE", "OTEL_EXPORTER_OTLP_TRACES_INSECURE",
+                     "OTEL_EXPORTER_OTLP_METRICS_INSECURE"):
+        for bad in ("yes", "1", "on"):
+            with pytest.raises(ConfigError, match=f"{variable}='{bad}'.*true or false"):
+                ZoomerConfig.from_env({variable: bad})
+    with pytest.raises(ConfigError, match="OTEL_EXPORTER_OTLP_ENDPOINT.*port"):
+        ZoomerConfig.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "collector"})
+    with pytest.raises(ConfigError, match="OTEL_EXPORTER_OTLP_TRACES_ENDPOINT.*port"):
+        ZoomerConfig.from_env({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "collector:http"})
+    with pytest.raises(ConfigError, match="OTEL_EXPORTER_OTLP_ENDPOINT"):
+        ZoomerConfig.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "collector:4318",
+                               "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})

@@ -11,7 +11,8 @@ environment. A bad value raises :class:`ConfigError` naming the variable and the
 | --- | --- | --- |
 | service name | ``OTEL_SERVICE_NAME`` | ``zoomer-serve`` (also read from ``OTEL_RESOURCE_ATTRIBUTES``) |
 | resource attributes | ``OTEL_RESOURCE_ATTRIBUTES`` (``k=v,k2=v2``, percent-encoded values) | none |
-| OTLP endpoint | ``OTEL_EXPORTER_OTLP_ENDPOINT`` (a base URL for ``http/protobuf``) / ``..._TRACES_ENDPOINT``, ``..._METRICS_ENDPOINT`` (full URLs) | ``http://localhost:4317`` (grpc), ``http://localhost:4318`` (http) |
+| OTLP endpoint | ``OTEL_EXPORTER_OTLP_ENDPOINT`` (a base URL for ``http/protobuf``) / ``..._TRACES_ENDPOINT``, ``..._METRICS_ENDPOINT`` (full URLs); for ``grpc`` also ``host:port`` without a scheme | ``http://localhost:4317`` (grpc), ``http://localhost:4318`` (http) |
+| insecure | ``OTEL_EXPORTER_OTLP_INSECURE`` / ``..._TRACES_INSECURE``, ``..._METRICS_INSECURE``: ``true`` or ``false``, for a gRPC endpoint without a scheme only: ``true`` plaintext (``http://host:port``), ``false`` TLS (``https://host:port``); a scheme wins | ``false`` |
 | protocol | ``OTEL_EXPORTER_OTLP_PROTOCOL`` / ``..._TRACES_PROTOCOL``, ``..._METRICS_PROTOCOL``: ``grpc`` or ``http/protobuf`` | ``grpc`` |
 | headers | ``OTEL_EXPORTER_OTLP_HEADERS`` / ``..._TRACES_HEADERS``, ``..._METRICS_HEADERS`` | none |
 | export timeout | ``OTEL_EXPORTER_OTLP_TIMEOUT`` / ``..._TRACES_TIMEOUT``, ``..._METRICS_TIMEOUT`` (ms) | 10000 ms |
@@ -148,7 +149,9 @@ class ExportConfig:
     """Where and how spans and metrics leave the process.
 
     ``traces_endpoint`` is the full URL the trace exporter uses (for ``http/protobuf`` it includes
-    ``/v1/traces``); ``metrics_endpoint`` likewise. Times are in ms, sizes in spans.
+    ``/v1/traces``); ``metrics_endpoint`` likewise. Its scheme says whether the connection is TLS
+    (``https``): :meth:`from_env <ZoomerConfig.from_env>` gives a gRPC endpoint set without a scheme one, by
+    ``OTEL_EXPORTER_OTLP_INSECURE``. Times are in ms, sizes in spans.
 
     ``protocol``, ``headers``, ``timeout_ms`` and ``compression`` are the traces' connection settings, and the
     metrics' too where the matching ``metrics_*`` field is None (so an ExportConfig built in code with only
@@ -455,17 +458,52 @@ def _signal(env: Mapping[str, str], signal: str, suffix: str) -> tuple[str, str 
     return general, env.get(general)
 
 
-def _endpoint(env: Mapping[str, str], signal: str, protocol: str) -> str:
-    specific = env.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT")
-    if specific:
-        return check_url(specific, f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT")
+def _endpoint(env: Mapping[str, str], signal: str, protocol: str, insecure: bool) -> str:
+    """``signal``'s endpoint URL: its own variable's as is, else ``OTEL_EXPORTER_OTLP_ENDPOINT`` (for
+    ``http/protobuf`` with ``/v1/<signal>`` appended), else the default. A gRPC endpoint without a scheme gets
+    ``http://`` when ``insecure`` (:func:`_insecure`), else ``https://``."""
+    specific = f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT"
+    if env.get(specific):
+        return _url(env[specific], specific, protocol, insecure)
     base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     if not base:
         base = "http://localhost:4317" if protocol == "grpc" else "http://localhost:4318"
-    base = check_url(base, "OTEL_EXPORTER_OTLP_ENDPOINT")
+    base = _url(base, "OTEL_EXPORTER_OTLP_ENDPOINT", protocol, insecure)
     if protocol == "grpc":
         return base
     return base.rstrip("/") + "/v1/" + signal.lower()
+
+
+def _url(value: str, variable: str, protocol: str, insecure: bool) -> str:
+    """``value`` of ``variable`` as a checked http:// or https:// URL. For gRPC, ``host:port`` without a scheme
+    (the form gRPC clients take) is allowed: ``https://host:port`` (TLS), or ``http://host:port`` (plaintext)
+    when ``insecure``. Raises ConfigError naming ``variable``."""
+    if protocol != "grpc" or "://" in value:
+        return check_url(value, variable)
+    target = value.strip().rstrip("/")
+    url = f"{'http' if insecure else 'https'}://{target}"
+    parsed = urllib.parse.urlsplit(url)
+    try:
+        port = parsed.port
+    except ValueError:
+        port = None
+    if not parsed.hostname or port is None or parsed.path or parsed.query or parsed.fragment:
+        raise ConfigError(f"{variable}={value!r}: a gRPC endpoint without a scheme must be host:port (or use an "
+                          "http:// or https:// URL)")
+    return url
+
+
+def _insecure(env: Mapping[str, str], signal: str) -> bool:
+    """``OTEL_EXPORTER_OTLP_<signal>_INSECURE``, else ``OTEL_EXPORTER_OTLP_INSECURE``: whether a gRPC endpoint
+    without a scheme is plaintext (``true``) or TLS (``false``, the default); read case-insensitively, empty is
+    unset. An endpoint with a scheme ignores it (the scheme says), and OTLP/HTTP endpoints have one; it is checked
+    all the same. Raises ConfigError naming the variable for any other value."""
+    variable, raw = _signal(env, signal, "INSECURE")
+    value = (raw or "").strip().lower()
+    if value not in ("", "true", "false"):
+        raise ConfigError(f"{variable}={raw!r} must be true or false (true: plaintext gRPC to an endpoint "
+                          "without a scheme)")
+    return value == "true"
 
 
 def check_url(url: str, variable: str) -> str:
@@ -552,7 +590,7 @@ def _otlp_from_env(env: Mapping[str, str], signal: str) -> tuple[OtlpConnection,
     tls = {name: _signal(env, signal, name.upper()) for name in _TLS}
     paths = {name: (value or "").strip() or None for name, (_, value) in tls.items()}
     connection = OtlpConnection(
-        endpoint=_endpoint(env, signal, protocol),
+        endpoint=_endpoint(env, signal, protocol, _insecure(env, signal)),
         protocol=protocol,
         headers=_check_headers(parse_key_values(headers or "", headers_var), headers_var),
         timeout_ms=_int({timeout_var: timeout} if timeout else {}, timeout_var, 10_000),

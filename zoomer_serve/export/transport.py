@@ -22,7 +22,9 @@ deadline (``time.monotonic()``) and returns a :class:`SendResult`. It never rais
 - TLS: an ``https`` endpoint is reached over TLS (a secure gRPC channel, HTTPS) whose root of trust is the
   signal's ``certificate`` file (``OTEL_EXPORTER_OTLP_CERTIFICATE`` and its per-signal forms) when set, else the
   system's trusted CAs; with ``client_certificate`` and ``client_key`` (``..._CLIENT_CERTIFICATE``,
-  ``..._CLIENT_KEY``) the exporter presents that certificate (mTLS). An ``http`` endpoint never uses them. A
+  ``..._CLIENT_KEY``) the exporter presents that certificate (mTLS). An ``http`` endpoint never uses them (a
+  gRPC endpoint set without a scheme is already ``https`` or, by ``OTEL_EXPORTER_OTLP_INSECURE=true``,
+  ``http``: :mod:`zoomer_serve.config`). A
   server certificate that does not verify (``CERTIFICATE_VERIFY_FAILED``) fails at once, not retried: the error
   says which variable names the certificate to trust.
 - Accepted: ``partial_success`` of the response (``rejected_spans`` / ``rejected_data_points`` and
@@ -444,7 +446,8 @@ def _sdk_exporter_kwargs(otlp: OtlpConnection) -> dict[str, Any]:
     if otlp.protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.exporter import Compression as GrpcCompression
 
-        kwargs["insecure"] = not otlp.secure
+        kwargs["insecure"] = not otlp.secure  # the endpoint's scheme says (so the SDK never reads
+        # OTEL_EXPORTER_OTLP_INSECURE itself: it would make http:// TLS with INSECURE=false)
         if otlp.secure:
             kwargs["credentials"] = grpc_credentials(otlp)
         kwargs["compression"] = GrpcCompression.Gzip if gzip_on else None

@@ -40,7 +40,8 @@ SETTINGS: tuple[Setting, ...] = (
             "`true` turns everything off (any other value is false; one other than `false` logs a warning)"),
     Setting("OTEL_EXPORTER_OTLP_ENDPOINT", _CORE, "URL", "`http://localhost:4317` (grpc), "
             "`http://localhost:4318` (http/protobuf)",
-            "where spans and metrics go; for `http/protobuf` a base URL (`/v1/traces`, `/v1/metrics` appended)"),
+            "where spans and metrics go; for `http/protobuf` a base URL (`/v1/traces`, `/v1/metrics` appended); "
+            "for `grpc` also `host:port` without a scheme (TLS unless `OTEL_EXPORTER_OTLP_INSECURE=true`)"),
     Setting("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", _CORE, "URL", "from `OTEL_EXPORTER_OTLP_ENDPOINT`",
             "the full URL for spans only"),
     Setting("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", _CORE, "URL", "from `OTEL_EXPORTER_OTLP_ENDPOINT`",
@@ -66,6 +67,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", _CORE, "", "from `OTEL_EXPORTER_OTLP_COMPRESSION`",
             "the same for spans only, read first"),
     Setting("OTEL_EXPORTER_OTLP_METRICS_COMPRESSION", _CORE, "", "from `OTEL_EXPORTER_OTLP_COMPRESSION`",
+            "the same for metrics only, read first"),
+    Setting("OTEL_EXPORTER_OTLP_INSECURE", _CORE, "", "`false`",
+            "for a gRPC endpoint without a scheme (`host:port`): `true` plaintext, `false` TLS; an `http://` or "
+            "`https://` endpoint ignores it (the scheme says); any value but `true` or `false` (any case) stops "
+            "`configure()` (`ConfigError`)"),
+    Setting("OTEL_EXPORTER_OTLP_TRACES_INSECURE", _CORE, "", "from `OTEL_EXPORTER_OTLP_INSECURE`",
+            "the same for spans only, read first"),
+    Setting("OTEL_EXPORTER_OTLP_METRICS_INSECURE", _CORE, "", "from `OTEL_EXPORTER_OTLP_INSECURE`",
             "the same for metrics only, read first"),
     Setting("OTEL_EXPORTER_OTLP_CERTIFICATE", _CORE, "path", "the system's trusted CAs",
             "PEM file of the certificates trusted for `https://` endpoints (a collector's self-signed certificate "
