@@ -38,13 +38,15 @@ pytest_plugins = ("_object_storage",)  # the s3 fixture
 def _send(collector: EmbeddedCollector, transport: str, service: str, n: int) -> None:
     provider = tracer_provider(collector, transport, service=service)
     tracer = provider.get_tracer("t")
-    from opentelemetry.trace import SpanKind
+    from opentelemetry.trace import SpanKind, StatusCode
 
     for i in range(n):
         with tracer.start_as_current_span("Predict", kind=SpanKind.SERVER,
                                           attributes={"rpc.method": f"{service}.v1.Svc/Predict",
-                                                      "rpc.response.status_code": "OK" if i % 10 else "INTERNAL"}):
-            pass
+                                                      "rpc.response.status_code": "OK" if i % 10 else "INTERNAL"}
+                                          ) as span:
+            if i % 10 == 0:  # a server error: ERROR, as the RPC conventions have an instrumentation mark it
+                span.set_status(StatusCode.ERROR, "INTERNAL")
     assert provider.force_flush(30_000)
     provider.shutdown()
 

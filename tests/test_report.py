@@ -72,8 +72,8 @@ def _request(tracer: trace.Tracer, exp: Expected, service: str, method: str, sta
         span.set_status(Status(StatusCode.ERROR, "failed"))
     span.end(end_time=start + duration)
     label = rpc_status if rpc_status is not None else ("ERROR" if span_error else "UNSET")
-    error = span_error or (rpc_status is not None and rpc_status != "OK")
-    exp.add(service, method, start, duration, label, error, format(span.get_span_context().trace_id, "032x"))
+    # an error is what the instrumentation marked so (span status ERROR), not any status code but OK
+    exp.add(service, method, start, duration, label, span_error, format(span.get_span_context().trace_id, "032x"))
 
 
 def _noise(tracer: trace.Tracer) -> None:
@@ -140,7 +140,7 @@ def test_per_method_counts_rates_errors_and_percentiles(filled_store: tuple[Path
     assert [(m.service_name, m.method) for m in report.methods] == [
         ("dup", "raw-0"), ("embedder", "Predict"), ("ranker", "Predict"), ("ranker", "Rank")]
     assert report.total_requests == 40 + 15 + 5 + 1
-    assert report.total_errors == 4 + 1
+    assert report.total_errors == 1 + 1  # span status ERROR: Predict's INTERNAL, Rank's one; not INVALID_ARGUMENT
     for m in report.methods:
         key = (m.service_name, m.method)
         durations = np.array(exp.durations_ns[key], dtype=np.float64)
@@ -158,8 +158,7 @@ def test_per_method_counts_rates_errors_and_percentiles(filled_store: tuple[Path
     assert next(m for m in report.methods if m.service_name == "dup").rate_per_s is None  # one request, 1 ms
     predict = next(m for m in report.methods if m.method == "Predict" and m.service_name == "ranker")
     assert predict.status_counts == {"OK": 36, "INVALID_ARGUMENT": 3, "INTERNAL": 1}
-    assert predict.error_rate == pytest.approx(0.1)
-    assert predict.server_error_count == 1  # only INTERNAL set the span status to ERROR
+    assert (predict.error_count, predict.error_rate) == (1, pytest.approx(0.025))  # INTERNAL, ERROR; 3 UNSET
     rank = next(m for m in report.methods if m.method == "Rank")
     assert rank.status_counts == {"UNSET": 14, "ERROR": 1} and rank.phases == []
     assert rank.unattributed_share is None
@@ -215,9 +214,9 @@ def test_rendered_tables(filled_store: tuple[Path, Expected]) -> None:
     buffer = io.StringIO()
     render_report(build_report(store, slowest=3), Console(file=buffer, width=250, color_system=None))
     text = buffer.getvalue()
-    assert "61 requests, 5 errors" in text
+    assert "61 requests, 2 errors" in text
     for needle in ("Predict", "Rank", "INVALID_ARGUMENT 3", "forward", "60.0%", "(outside phases)",
-                   "Slowest 3 traces", "10.0%"):
+                   "Slowest 3 traces", "2.5%", "errors: span status ERROR"):
         assert needle in text, needle
 
 

@@ -130,3 +130,21 @@ def method_sql(alias: str = "") -> str:
     service = f"({alias}attributes->>'$.\"{RPC_SERVICE}\"')"
     return (f"CASE WHEN {service} IS NOT NULL AND {method} IS NOT NULL AND strpos({method}, '/') = 0 "
             f"THEN {service} || '/' || {method} ELSE coalesce({method}, {alias}name) END")
+
+
+def status_sql(alias: str = "") -> str:
+    """The SQL expression (DuckDB, over a store's ``spans``) that labels a request's outcome for per-code
+    breakdowns: ``rpc.response.status_code`` (``OK``, ``INVALID_ARGUMENT``, a Thrift exception's name), else its
+    name under the opt-in (``rpc.status_code``), else the span status (``UNSET`` / ``OK`` / ``ERROR``)."""
+    return (f"coalesce({alias}attributes->>'$.\"{RPC_RESPONSE_STATUS_CODE}\"', "
+            f"{alias}attributes->>'$.\"{RPC_STATUS_CODE}\"', {alias}status_code)")
+
+
+def error_sql(alias: str = "") -> str:
+    """The SQL expression (DuckDB, over a store's ``spans``) that is true for a failed request: span status
+    ERROR, as the instrumentation that wrote the span decided it. The status code is not judged again: by these
+    conventions a gRPC server span is ERROR only for the server-error codes (zoomer-serve's
+    ``interceptors.grpc_common.SERVER_ERROR_CODES``: UNKNOWN, DEADLINE_EXCEEDED, UNIMPLEMENTED, INTERNAL,
+    UNAVAILABLE, DATA_LOSS); INVALID_ARGUMENT, NOT_FOUND and the like, and a Thrift exception declared in the
+    IDL, leave it UNSET (they show in :func:`status_sql`'s breakdown, not as errors)."""
+    return f"coalesce({alias}status_code = 'ERROR', false)"

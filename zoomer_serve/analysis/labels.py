@@ -105,7 +105,6 @@ PHASE_POSTPROCESS = "postprocess"
 SERVICE_INSTANCE_ID = "service.instance.id"
 RPC_METHOD = "rpc.method"
 RPC_STATUS = "rpc.response.status_code"
-RPC_STATUS_NEXT = "rpc.status_code"  # its name under OTEL_SEMCONV_STABILITY_OPT_IN=rpc (zoomer_serve.semconv)
 ERROR_TYPE = "error.type"
 
 

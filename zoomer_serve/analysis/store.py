@@ -31,7 +31,7 @@ from zoomer_serve.artifacts.storage import StorageError
 from zoomer_serve.batching.names import QUEUE_PHASE
 from zoomer_serve.collector.parquet import open_source
 from zoomer_serve.collector.store import StoreError
-from zoomer_serve.semconv import method_sql
+from zoomer_serve.semconv import error_sql, method_sql, status_sql
 
 NS_PER_MS = 1e6
 
@@ -66,10 +66,7 @@ _REQUESTS_SQL = _UNIQUE + f"""
 SELECT trace_id, span_id, {method_sql()} AS method,
        coalesce(service_name, 'unknown_service') AS service,
        coalesce(service_instance_id, '') AS instance, start_ns, duration_ns,
-       coalesce(attributes->>'$."{L.RPC_STATUS}"', attributes->>'$."{L.RPC_STATUS_NEXT}"', status_code) AS status,
-       (status_code = 'ERROR' OR coalesce(upper(coalesce(attributes->>'$."{L.RPC_STATUS}"',
-                                                         attributes->>'$."{L.RPC_STATUS_NEXT}"'))
-                                          NOT IN ('OK', '0'), false)) AS is_error,
+       {status_sql()} AS status, {error_sql()} AS is_error,
        CAST(attributes AS VARCHAR) AS attributes,
        (coalesce(attributes->>'$."{L.ERROR_TYPE}"', '') LIKE '%{L.OOM_ERROR_MARKER}%'
         OR coalesce(status_message, '') LIKE '%{L.OOM_ERROR_MARKER}%'
@@ -164,7 +161,9 @@ class StoreData:
         path: the store file, or the Parquet dataset's folder (a URL stays a string).
         requests: one row per request span: ``trace_id``, ``span_id``, ``method``, ``service``,
             ``instance`` (``service.instance.id``, "" when absent), ``start_ns``, ``duration_ms``,
-            ``status``, ``is_error``, ``oom`` (failed with CUDA out-of-memory), ``attributes`` (JSON text).
+            ``status`` (the status code, :func:`~zoomer_serve.semconv.status_sql`), ``is_error`` (span status
+            ERROR, :func:`~zoomer_serve.semconv.error_sql`), ``oom`` (failed with CUDA out-of-memory),
+            ``attributes`` (JSON text).
         phases: one row per phase span directly under a request: ``request`` (row index in
             ``requests``), ``phase``, ``start_ns``, ``duration_ms``.
         memory: GPU memory samples from span attributes: ``time_ns``, ``instance``, ``trace_id``,

@@ -16,7 +16,7 @@ import duckdb
 
 from zoomer_serve.analysis import labels as L
 from zoomer_serve.fleet.aggregate import FleetAggregator
-from zoomer_serve.semconv import method_sql
+from zoomer_serve.semconv import error_sql, method_sql
 
 HEATMAP_BUCKETS = 48
 LATENCY_BUCKETS_PER_DOUBLING = 8
@@ -48,7 +48,7 @@ _REQ = f"""
 WITH req AS (
     SELECT coalesce(service_name, 'unknown_service') AS service, coalesce(service_instance_id, '') AS instance,
            {method_sql()} AS method, start_ns, duration_ns,
-           status_code = 'ERROR' AS is_error,
+           {error_sql()} AS is_error,
            coalesce(TRY_CAST(attributes->>'$."{{retries}}"' AS DOUBLE), 0) AS retries,
            CAST(resource_attributes AS VARCHAR) AS resource
     FROM spans WHERE kind = 'SERVER' AND start_ns >= ?

@@ -24,7 +24,7 @@ from zoomer_serve.report.model import (
     ServiceBatching,
     SlowTrace,
 )
-from zoomer_serve.semconv import method_sql
+from zoomer_serve.semconv import error_sql, method_sql, status_sql
 
 NS_PER_MS = 1_000_000.0
 NS_PER_S = 1_000_000_000.0
@@ -37,7 +37,8 @@ class ReportError(RuntimeError):
     """The store cannot be read as a zoomer store (not a DuckDB file, locked, no ``spans`` table)."""
 
 
-# Unique spans, then request spans with their method / status labels and error flag.
+# Unique spans, then request spans with their method / status labels and error flag (span status ERROR, as the
+# recorder set it: zoomer_serve.semconv.error_sql).
 _REQUESTS_CTE = f"""
 WITH uspans AS (
     SELECT * FROM spans
@@ -47,13 +48,8 @@ req AS (
     SELECT trace_id, span_id, start_ns, end_ns, duration_ns,
            coalesce(service_name, 'unknown_service') AS service_name,
            {method_sql()} AS method,
-           coalesce(attributes->>'$."rpc.response.status_code"', attributes->>'$."rpc.status_code"', status_code)
-               AS status,
-           status_code = 'ERROR' AS is_server_error,
-           (status_code = 'ERROR'
-            OR coalesce(upper(coalesce(attributes->>'$."rpc.response.status_code"',
-                                       attributes->>'$."rpc.status_code"')) NOT IN ('OK', '0'), false)
-           ) AS is_error
+           {status_sql()} AS status,
+           {error_sql()} AS is_error
     FROM uspans WHERE kind = 'SERVER'
 )
 """
@@ -62,8 +58,7 @@ _METHODS_SQL = _REQUESTS_CTE + """
 SELECT service_name, method, count(*) AS n, min(start_ns), max(end_ns),
        count(*) FILTER (WHERE is_error) AS errors,
        quantile_cont(duration_ns, [0.5, 0.9, 0.99]) AS q,
-       max(duration_ns), avg(duration_ns), sum(duration_ns),
-       count(*) FILTER (WHERE is_server_error) AS server_errors
+       max(duration_ns), avg(duration_ns), sum(duration_ns)
 FROM req GROUP BY service_name, method ORDER BY service_name, method
 """
 
@@ -180,7 +175,7 @@ def _batching(con: duckdb.DuckDBPyConnection) -> tuple[dict[tuple[str, str], Bat
 
 def _method_stats(row: tuple[Any, ...], statuses: dict[str, int], phases: list[PhaseStats],
                   batching: BatchingStats | None = None) -> MethodStats:
-    service, method, n, first_ns, last_ns, errors, q, max_ns, mean_ns, _, server_errors = row
+    service, method, n, first_ns, last_ns, errors, q, max_ns, mean_ns, _ = row
     window_s = (last_ns - first_ns) / NS_PER_S
     return MethodStats(
         service_name=service,
@@ -189,7 +184,6 @@ def _method_stats(row: tuple[Any, ...], statuses: dict[str, int], phases: list[P
         rate_per_s=n / window_s if window_s >= MIN_RATE_WINDOW_S else None,
         error_count=int(errors),
         error_rate=errors / n,
-        server_error_count=int(server_errors),
         status_counts=statuses,
         p50_ms=q[0] / NS_PER_MS,
         p90_ms=q[1] / NS_PER_MS,

@@ -78,12 +78,14 @@ class MethodStats:
         count: requests.
         rate_per_s: requests per second over this method's first-start to last-end window (None when the
             window is shorter than ``build.MIN_RATE_WINDOW_S``, 1 s: a rate needs a time span).
-        error_count / error_rate: requests that did not succeed: span status ERROR, or an
-            ``rpc.response.status_code`` that is present and not "OK" / "0" (client errors such as
-            INVALID_ARGUMENT count); rate = error_count / count.
-        server_error_count: the subset with span status ERROR (by the RPC semantic conventions, server-side
-            failures only: UNKNOWN, INTERNAL, UNAVAILABLE, ...).
-        status_counts: requests per status (``rpc.response.status_code``, else the span status code).
+        error_count / error_rate: requests whose span status is ERROR, as the instrumentation that recorded
+            them set it (:func:`zoomer_serve.semconv.error_sql`); rate = error_count / count. By the RPC
+            semantic conventions only server failures are ERROR on a server span (gRPC UNKNOWN,
+            DEADLINE_EXCEEDED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE, DATA_LOSS; a Thrift TApplicationException
+            or an undeclared exception): INVALID_ARGUMENT, NOT_FOUND, CANCELLED ... and Thrift exceptions
+            declared in the IDL are not errors; they are counted in ``status_counts``.
+        status_counts: requests per status code, every code (``rpc.response.status_code``, else the span
+            status code: :func:`zoomer_serve.semconv.status_sql`).
         p50_ms / p90_ms / p99_ms: latency percentiles, ms (linear interpolation between samples).
         max_ms / mean_ms: ms.
         phases: phase breakdown, largest share first.
@@ -97,7 +99,6 @@ class MethodStats:
     rate_per_s: float | None
     error_count: int
     error_rate: float
-    server_error_count: int
     status_counts: dict[str, int]
     p50_ms: float
     p90_ms: float
@@ -126,7 +127,7 @@ class Report:
 
     Attributes:
         store_path: the DuckDB store read.
-        total_requests / total_errors: over all methods.
+        total_requests / total_errors: over all methods (errors as ``MethodStats.error_count``).
         window_start_ns / window_end_ns: first request start and last request end, Unix epoch ns (None
             when there are no requests).
         methods: per (service, method), sorted by service then method.

@@ -44,12 +44,18 @@ def _table(title: str, columns: list[tuple[str, JustifyMethod]], fold: tuple[str
     return table
 
 
+ERRORS_CAPTION = ("errors: span status ERROR (server failures such as INTERNAL or UNAVAILABLE); client errors "
+                  "such as INVALID_ARGUMENT and declared Thrift exceptions are not, see the Status codes table")
+
+
 def methods_table(report: Report) -> Table:
-    """Per service and method: count, rate, errors, latency percentiles (ms)."""
+    """Per service and method: count, rate, errors (span status ERROR: :attr:`MethodStats.error_count`), latency
+    percentiles (ms)."""
     numeric = ("reqs", "req/s", "errors", "err%", "p50", "p90", "p99", "max")
     table = _table("Requests (SERVER spans), latency in ms",
                    [("service", LEFT), ("method", LEFT)] + [(n, RIGHT) for n in numeric],
                    fold=("service", "method"))
+    table.caption, table.caption_justify = ERRORS_CAPTION, "left"
     for m in report.methods:
         rate = "-" if m.rate_per_s is None else f"{m.rate_per_s:.1f}"
         table.add_row(Text(m.service_name), Text(m.method), str(m.count), rate, str(m.error_count),
@@ -58,7 +64,8 @@ def methods_table(report: Report) -> Table:
 
 
 def statuses_table(report: Report) -> Table:
-    """Requests per status code (``rpc.response.status_code``, else the span status), per method."""
+    """Requests per status code (``rpc.response.status_code``, else the span status), per method: every code,
+    errors or not."""
     table = _table("Status codes", [("service", LEFT), ("method", LEFT), ("requests by status", LEFT)],
                    fold=("service", "method", "requests by status"))
     for m in report.methods:
