@@ -130,8 +130,19 @@ class Telemetry:
 
     def force_flush(self, timeout_s: float | None = None) -> bool:
         """Export everything recorded so far (spans, the RPC metrics, and the SDK providers' data) and wait for
-        it, within ``timeout_s`` (default: the export timeout); True when all of it was sent or counted as
-        dropped in time. Telemetry keeps running.
+        it, within ``timeout_s`` seconds (default: the export timeout). Telemetry keeps running.
+
+        Returns True when the flush succeeded, as OpenTelemetry's ``force_flush`` means it: every span recorded
+        since the previous ``force_flush`` (or since :func:`configure`) was accepted by the collector, and so
+        were the RPC metric points sent now, within ``timeout_s``. False when the collector refused spans (an
+        error answer), rejected some (an OTLP partial success with ``rejected_spans`` > 0: those spans are not
+        stored; a partial success that rejects none, a warning message only, is a success), or spans were
+        dropped on the way (a full queue, too large, a helper process that died), or when the time ran out.
+        Losses are counted and logged either way (:class:`~zoomer_serve.export.ExportStats`,
+        ``otel.sdk.exporter.span.exported``); a False is about that period only, the next flush answers for
+        what comes after. The SDK providers (spans and metrics made with the OpenTelemetry API) add their own
+        ``force_flush`` answer: their batch processors say whether they finished in time, not whether the
+        collector took the data. Once shut down: True (nothing left to flush).
 
         Raises:
             ValueError: ``timeout_s`` is not a finite number of seconds >= 0.
@@ -424,8 +435,13 @@ def shutdown(timeout_s: float | None = None) -> ExportStats | None:
 
 
 def force_flush(timeout_s: float | None = None) -> bool:
-    """Export what the active telemetry recorded so far and wait for it (see :meth:`Telemetry.force_flush`);
-    True when nothing is active."""
+    """Export what the active telemetry recorded so far and wait for it; True when the flush succeeded (every
+    span since the previous flush stored by the collector), False when any was refused, rejected or dropped or
+    the time ran out (see :meth:`Telemetry.force_flush`); True when nothing is active.
+
+    Raises:
+        ValueError: ``timeout_s`` is not a finite number of seconds >= 0.
+    """
     _check_timeout(timeout_s, "force_flush")
     active = _active
     return active.force_flush(timeout_s) if active is not None else True

@@ -8,7 +8,8 @@ It runs an :class:`~zoomer_serve.export.worker.ExportWorker` on the records that
 - ``{"event": "progress", ...counters}`` when its counters changed, at most once a second (the server uses the
   last one to count what a helper that died took with it). The export thread writes it between two turns of its
   loop, within about a second of the turn that changed them: no thread of its own wakes every second;
-- ``{"event": "flushed", "seq": N}`` after a ``FLUSH`` frame's records were sent (or failed);
+- ``{"event": "flushed", "seq": N, "ok": B}`` after a ``FLUSH`` frame's records were sent (or failed); ``ok`` is
+  :meth:`ExportWorker.flush`'s answer (False when anything was lost since the previous flush);
 - ``{"event": "stats", ...counters}`` last, after everything was flushed or the budget ran out.
 
 Its lifetime follows the server's, not the server's signals: it runs in a session of its own (Ctrl+C and
@@ -124,8 +125,8 @@ class Helper:
             self.worker.parent_counters = dict(counters)
             self.worker.put(batch)
         elif kind == frames.FLUSH:
-            self.worker.flush(self.budget_s)
-            self.out.emit({"event": "flushed", "seq": body})
+            ok = self.worker.flush(self.budget_s)
+            self.out.emit({"event": "flushed", "seq": body, "ok": ok})
         else:
             self.budget_s = float(body)
             return True

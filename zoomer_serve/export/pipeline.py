@@ -85,6 +85,7 @@ class ExportPipeline:
         self._deadline = float("inf")  # time.monotonic() by which shutdown must be done
         self._logged_helper_gone = False
         self._flush_seq = 0
+        self._losses_at_flush = 0  # _losses() when the last flush was over
         self._worker: ExportWorker | None = None
         self._disowned = False
         self.final_stats: ExportStats | None = None
@@ -263,11 +264,27 @@ class ExportPipeline:
         return self._drain_once(max(0.0, timeout_s))
 
     def flush(self, timeout_s: float) -> bool:
-        """Export everything recorded so far now and wait for it (exported or counted as dropped), within
-        ``timeout_s``; True when that happened in time."""
+        """Export everything recorded so far now and wait for it, within ``timeout_s`` seconds. True when the
+        flush succeeded: nothing was lost since the previous flush, here (a full queue, a record too large for a
+        frame, a helper process that died) or in the worker (refused or rejected by the collector, see
+        :meth:`~zoomer_serve.export.worker.ExportWorker.flush`). False otherwise, or when the time ran out; the
+        losses are counted either way."""
         deadline = time.monotonic() + timeout_s
         if not self.hand_off(timeout_s):
             return False
+        worker_ok = self._flush_worker(deadline)
+        losses = self._losses()
+        ok = worker_ok and losses == self._losses_at_flush
+        self._losses_at_flush = losses
+        return ok
+
+    def _losses(self) -> int:
+        """Spans this side has counted as lost so far (the worker counts its own)."""
+        return self.dropped + self.dropped_record_too_large + self.lost_in_helper
+
+    def _flush_worker(self, deadline: float) -> bool:
+        """Have the worker (thread or helper process) flush what it got; its answer, False when none came by
+        ``deadline`` (``time.monotonic()``)."""
         if self._worker is not None:
             return self._worker.flush(max(0.0, deadline - time.monotonic()))
         with self._write_lock:
@@ -280,7 +297,8 @@ class ExportPipeline:
                 helper.send(frames.encode(frames.FLUSH, seq))
             except (OSError, ValueError):
                 return False
-        return helper.wait_event("flushed", deadline - time.monotonic(), seq) is not None
+        event = helper.wait_event("flushed", deadline - time.monotonic(), seq)
+        return event is not None and event.get("ok") is True
 
     def disown(self) -> None:
         """In a process forked from this pipeline's: let go of everything that belongs to the parent (its

@@ -87,6 +87,15 @@ SPAN_OUTCOMES = ("exported", "dropped_export", "dropped_queue", "unknown")
 
 
 @dataclass
+class _FlushRequest:
+    """A flush asked of the export thread: ``done`` is set when it is over, ``ok`` says whether it succeeded
+    (see :meth:`ExportWorker.flush`)."""
+
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    ok: bool = False
+
+
+@dataclass
 class _Tally:
     """What became of the items (spans or metric points) of one export: accepted, rejected by a partial
     success, too large for any request, or lost to a failed export; ``message`` the last partial success's."""
@@ -125,8 +134,8 @@ class ExportWorker:
         self._resource = resource
         self._version = version
         self._stop = threading.Event()
-        # record batches; None stops the thread; an Event asks for a flush of everything before it
-        self._queue: queue.Queue[list[tuple[Any, ...]] | threading.Event | None] = queue.Queue(
+        # record batches; None stops the thread; a _FlushRequest asks for a flush of everything before it
+        self._queue: queue.Queue[list[tuple[Any, ...]] | _FlushRequest | None] = queue.Queue(
             maxsize=max(4, cfg.max_queue_size // 16))
         self._encoder = SpanEncoder(resource, SCOPE_NAME, version, limits)
         self._sender = make_sender(cfg, self._stop, "traces")
@@ -134,6 +143,7 @@ class ExportWorker:
         self._metrics_timeout_s = cfg.otlp("metrics").timeout_ms / 1000  # the traces' is cfg.timeout_ms
         self._pending: list[bytes] = []  # encoded spans waiting for the next export
         self._received = 0  # spans of the batches the queue took: each ends exported, dropped or unknown
+        self._losses_at_flush = 0  # _span_losses() when the last flush was over
         self._in_flight = 0  # spans of the request being sent, not yet counted
         self._settle_lock = threading.Lock()  # counting a request's spans against shutdown's final count
         self._abandoned = False  # shutdown counted what was left: the export thread counts and sends no more
@@ -167,14 +177,32 @@ class ExportWorker:
             self._received += spans
 
     def flush(self, timeout_s: float) -> bool:
-        """Export every span and the metrics of every record put so far, now (not at the next schedule);
-        True when that was done within ``timeout_s`` seconds (exported or counted as dropped)."""
-        done = threading.Event()
+        """Export every span and the metrics of every record put so far, now (not at the next schedule), and
+        wait up to ``timeout_s`` seconds. True when the flush succeeded: no span was lost since the previous
+        flush (refused by the collector, rejected in a partial success, too large, or not let into the queue)
+        and the collector accepted every metric point sent now. A partial success that rejects nothing (a
+        warning message only) is a success. False as well when the time ran out. Losses are counted either way
+        (:class:`ExportStats`)."""
+        request = _FlushRequest()
         try:
-            self._queue.put(done, timeout=timeout_s)
+            self._queue.put(request, timeout=timeout_s)
         except queue.Full:
             return False
-        return done.wait(timeout_s)
+        return request.done.wait(timeout_s) and request.ok
+
+    def _span_losses(self) -> int:
+        """Spans this worker has counted as lost so far (any reason)."""
+        return self.stats.dropped_export + self.stats.dropped_queue
+
+    def _answer_flush(self, request: _FlushRequest) -> None:
+        """Flush on the export thread, then tell the caller whether anything was lost since the last flush."""
+        now = time.monotonic()
+        self._flush(now + self.cfg.timeout_ms / 1000)
+        metrics_ok = self._export_metrics(now + self._metrics_timeout_s)
+        losses = self._span_losses()
+        request.ok = metrics_ok and losses == self._losses_at_flush
+        self._losses_at_flush = losses
+        request.done.set()
 
     def _run(self) -> None:
         delay = self.cfg.schedule_delay_ms / 1000
@@ -193,11 +221,8 @@ class ExportWorker:
                 batch = []
             if batch is None:
                 return
-            if isinstance(batch, threading.Event):
-                now = time.monotonic()
-                self._flush(now + self.cfg.timeout_ms / 1000)
-                self._export_metrics(now + self._metrics_timeout_s)
-                batch.set()
+            if isinstance(batch, _FlushRequest):
+                self._answer_flush(batch)
                 continue
             self._ingest(batch)
             now = time.monotonic()
@@ -438,8 +463,8 @@ class ExportWorker:
                 batch = self._queue.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(batch, threading.Event):
-                batch.set()  # shutdown flushes right after
+            if isinstance(batch, _FlushRequest):
+                batch.done.set()  # shutdown flushes right after (the flush asked for is not answered as done)
             elif batch:
                 self._ingest(batch)
 
