@@ -144,8 +144,8 @@ def _check_phases_nested(data: dict[str, Any], ranges: dict[tuple[int, int], dic
 @pytest.mark.slow
 def test_c04_start_and_stop_twice_in_sequence_and_concurrently(model: DLRM, telemetry: Any,
                                                                profiles_dir: Path) -> None:
-    """C04: duplicate starts answer already_running, duplicate stops already_stopping / not_running; exactly
-    one trace; the server keeps serving."""
+    """C04: duplicate starts answer already_running, duplicate stops already_stopping / not_running (a waiting
+    already_stopping names the trace too); exactly one trace; the server keeps serving."""
     with serve_with_profiling(telemetry, model, profiles_dir) as served, background_load(served.target) as results:
         clients = [ProfilerClient(served.target, token=TOKEN) for _ in range(2)]
         barrier = threading.Barrier(2)
@@ -160,14 +160,17 @@ def test_c04_start_and_stop_twice_in_sequence_and_concurrently(model: DLRM, tele
         assert again.result is Result.ALREADY_RUNNING and "already running" in again.message
         assert served.controller.wait_idle(0.5) is False  # still running: the duplicates changed nothing
 
-        def stop(client: ProfilerClient) -> Result:
+        def stop(client: ProfilerClient) -> Any:
             barrier.wait(10)
-            return client.stop(wait_s=30).result
+            return client.stop(wait_s=30)
 
-        answers = _in_threads(stop, clients)
+        replies = _in_threads(stop, clients)
+        answers = [reply.result for reply in replies]
         assert Result.STOPPED in answers
         assert sorted(a.value for a in answers if a is not Result.STOPPED) in (["already_stopping"],
                                                                                ["not_running"])
+        paths = {reply.session.trace_path for reply in replies if reply.session is not None}
+        assert len(paths) == 1 and None not in paths  # the duplicate waited too and names the same trace
         after = clients[1].stop()
         assert after.result is Result.NOT_RUNNING and after.message.startswith("not running")
         assert after.state is State.IDLE and after.last is not None and after.last.outcome == "done"
@@ -178,6 +181,82 @@ def test_c04_start_and_stop_twice_in_sequence_and_concurrently(model: DLRM, tele
     assert len(traces(profiles_dir)) == 1
     assert after.last.stop_reason == "stop_call" and after.last.requests > 0
     assert results and sum(r.unexpected for r in results) == 0
+
+
+class _HoldWriting:
+    """A session companion whose ``stop`` (run on the session thread once the session is writing, before the
+    profiler stops) blocks until ``release`` is set: keeps a real session in ``writing`` for as long as a test
+    needs."""
+
+    def __init__(self) -> None:
+        self.writing = threading.Event()
+        self.release = threading.Event()
+
+    def begin(self, session_id: str, folder: Path, max_duration_ms: int) -> Any:
+        return self
+
+    def stop(self) -> None:
+        if not self.writing.is_set():
+            self.writing.set()
+            self.release.wait(60)
+
+    def finish(self) -> dict[str, Any]:
+        return {}
+
+
+@pytest.mark.slow
+def test_c04_a_stop_while_writing_waits_and_names_the_trace(model: DLRM, telemetry: Any, profiles_dir: Path,
+                                                            monkeypatch: Any) -> None:
+    """C04: a stop that arrives while the session writes its trace (another stop ended it) waits, as the first
+    stop does, and answers already_stopping with the trace path: by the CLI (path, files, next command) and by
+    the client; still exactly one trace."""
+    from zoomer_serve.profiling.session import Session
+
+    duplicates = threading.Semaphore(0)
+    request_stop = Session.request_stop
+
+    def counting_request_stop(self: Session, reason: str) -> bool:
+        first = request_stop(self, reason)
+        if not first:
+            duplicates.release()  # this stop found the session already ending; it waits for it next
+        return first
+
+    monkeypatch.setattr(Session, "request_stop", counting_request_stop)
+    hold = _HoldWriting()
+    with serve_with_profiling(telemetry, model, profiles_dir) as served, \
+            ProfilerClient(served.target, token=TOKEN) as first, ProfilerClient(served.target, token=TOKEN) as late:
+        served.controller.companions.append(hold)
+        assert first.start(max_requests=1000, duration_ms=30_000).result is Result.STARTED
+        assert drive_load(served.target, 10.0, max_requests=10, **LOAD).count(code="OK") == 10
+        stopping = first.stop(wait_s=0)
+        assert stopping.result is Result.STOPPING
+        assert hold.writing.wait(30) and served.controller.state is State.WRITING
+        answers: dict[str, Any] = {}
+        threads = [threading.Thread(target=lambda: answers.update(cli=_cli("stop", "--target", served.target))),
+                   threading.Thread(target=lambda: answers.update(client=late.stop(wait_s=30)))]
+        for t in threads:
+            t.start()
+        arrived = [duplicates.acquire(timeout=30) for _ in threads]
+        hold.release.set()
+        for t in threads:
+            t.join(60)
+        assert arrived == [True, True]
+        assert served.controller.wait_idle(5)
+        assert drive_load(served.target, 10.0, max_requests=10, **LOAD).count(code="OK") == 10  # still serving
+    info = served.controller.last
+    assert info is not None and info.outcome == "done" and info.stop_reason == "stop_call"
+    assert info.requests == 10 and info.trace_path is not None
+    assert traces(profiles_dir) == [Path(info.trace_path)]
+    client_reply = answers["client"]
+    assert client_reply.result is Result.ALREADY_STOPPING
+    assert client_reply.session is not None and client_reply.session.trace_path == info.trace_path
+    assert client_reply.session.outcome == "done" and client_reply.session.requests == 10
+    assert f"trace {info.trace_path}" in client_reply.message and "already stopping" in client_reply.message
+    cli = answers["cli"]
+    assert cli.returncode == 0, cli.stderr
+    assert "already stopping" in cli.stdout and f"trace {info.trace_path}" in cli.stdout, cli.stdout
+    assert f"    {info.trace_path}\n" in cli.stdout, cli.stdout  # the files it wrote
+    assert f"next: zoomer-serve analyze {info.trace_path}" in cli.stdout, cli.stdout
 
 
 def _in_threads(fn: Any, clients: list[ProfilerClient]) -> list[Any]:

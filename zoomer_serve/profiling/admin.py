@@ -140,7 +140,8 @@ def serve_profiler_control(controller: ProfilerController, port: int = 0, admin:
     host = host or admin.host
     if admin.token is None and not is_loopback_host(host):
         raise ConfigError(f"refusing to serve the profiler admin service on {host!r} without ZOOMER_ADMIN_TOKEN")
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="zoomer-admin"),
+    # 4 workers: stops that wait for the trace (each up to MAX_STOP_WAIT_MS) leave room for status calls
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="zoomer-admin"),
                          options=[("grpc.so_reuseport", 0)])
     add_profiler_control(server, controller, admin)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

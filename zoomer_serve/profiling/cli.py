@@ -98,11 +98,13 @@ def run_stop(args: argparse.Namespace) -> int:
     with _client(args) as client:
         try:
             reply = client.stop(wait_s=min(args.wait_s, 120.0))
-            if reply.result is Result.STOPPING and args.wait_s > 120.0 and reply.session is not None:
+            unfinished = reply.session is not None and reply.session.outcome is None
+            if reply.result in (Result.STOPPING, Result.ALREADY_STOPPING) and unfinished and args.wait_s > 120.0:
                 finished = client.wait_finished(reply.session.number, args.wait_s - 120.0)
                 if finished is not None:
-                    reply = dataclasses.replace(reply, result=Result.STOPPED, session=finished,
-                                                message=_finished_line(finished))
+                    reply = dataclasses.replace(reply, session=finished, message=_finished_line(finished))
+                    if reply.result is Result.STOPPING:
+                        reply = dataclasses.replace(reply, result=Result.STOPPED)
         except ProfilerControlError as exc:
             return _fail(str(exc))
     if reply.result is Result.STOPPED and reply.session is not None:

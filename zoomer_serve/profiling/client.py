@@ -92,7 +92,8 @@ class ProfilerClient:
 
     def stop(self, wait_s: float = 0.0) -> ControlReply:
         """Ask the active session to end; with ``wait_s`` > 0 wait up to that long (at most 120 s) for its
-        trace (result ``stopped``). Results ``stopping``, ``already_stopping``, ``not_running``."""
+        trace (result ``stopped``). Results ``stopping``, ``already_stopping`` (the session was already ending;
+        the same wait, and once it finished ``reply.session.trace_path``), ``not_running``."""
         wait_ms = min(int(wait_s * 1000), MAX_STOP_WAIT_MS)
         return self._call(self._stub.Stop, pb.StopRequest(wait_ms=wait_ms), self.timeout_s + wait_ms / 1000)
 

@@ -19,9 +19,9 @@ neither its interpreter lock nor its memory), and the spans and metrics are expo
 
 Start and stop are serialized by one lock and idempotent: a start while a session is active answers
 ``already_running`` (nothing else happens), a stop without an active session ``not_running``, a second stop
-``already_stopping``; each session writes exactly one trace or fails with an error. A start that cannot
-capture (another profiler active, CUDA requested but missing, profiles folder not writable) raises
-:class:`ProfilingError`.
+``already_stopping`` (after waiting, as the first does, for the trace, whose path it then gives); each
+session writes exactly one trace or fails with an error. A start that cannot capture (another profiler active,
+CUDA requested but missing, profiles folder not writable) raises :class:`ProfilingError`.
 
 Companions: each session also runs the :class:`~zoomer_serve.profiling.session.SessionCompanion` objects in
 ``companions`` for its window (by default those of the telemetry's host part: the Python CPU sampler of
@@ -221,21 +221,29 @@ class ProfilerController:
                 return self._reply(Result.STARTED, f"session {session.session_id} running", session)
 
     def stop(self, wait_s: float = 0.0, reason: str = "stop_call") -> ControlReply:
-        """Ask the active session to end (``reason`` becomes its ``stop_reason``). Result ``stopping`` (or
-        ``stopped`` when it finished within ``wait_s`` seconds), ``already_stopping`` when it is already ending,
-        ``not_running`` without one."""
+        """Ask the active session to end (``reason`` becomes its ``stop_reason``) and wait up to ``wait_s``
+        seconds for its trace.
+
+        Results: ``stopped`` (it finished within ``wait_s``; the session info has ``trace_path``), ``stopping``
+        (it did not, or ``wait_s`` is 0), ``not_running`` without an active session. A stop that finds the
+        session already ending (another stop, its bound, a trigger) starts nothing and answers
+        ``already_stopping``, after the same wait: once the session finished, its info and message carry the
+        trace path too, so every caller learns where the one trace is."""
         with self._api_lock, self._lock:
             session = self._session
             if session is None:
                 return self._reply(Result.NOT_RUNNING, "not running: no active profiling session", None)
-            if not session.request_stop(reason):
-                return self._reply(Result.ALREADY_STOPPING, f"already stopping: session {session.session_id} "
-                                   f"({session.state.value}, {session.stop_reason})", session)
-        if wait_s > 0 and session.done.wait(wait_s):
-            with self._lock:
-                return self._reply(Result.STOPPED, self._finished_message(session), session)
+            first = session.request_stop(reason)
+            ending = f"already stopping: session {session.session_id} ({session.state.value}, {session.stop_reason})"
+        finished = wait_s > 0 and session.done.wait(wait_s)
         with self._lock:
-            return self._reply(Result.STOPPING, f"stopping: session {session.session_id}", session)
+            if first and finished:
+                return self._reply(Result.STOPPED, self._finished_message(session), session)
+            if first:
+                return self._reply(Result.STOPPING, f"stopping: session {session.session_id}", session)
+            if finished:
+                ending = f"already stopping ({session.stop_reason}), now {self._finished_message(session)}"
+            return self._reply(Result.ALREADY_STOPPING, ending, session)
 
     def cover(self, span: RequestSpan, open_range: bool = True) -> bool:
         """Cover ``span``, a request that started before the running session, as if it had started inside it:

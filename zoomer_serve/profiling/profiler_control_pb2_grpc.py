@@ -63,8 +63,8 @@ class ProfilerControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Stop(self, request, context):
-        """Ask the active session to end: STOPPING (STOPPED when it finished within wait_ms), ALREADY_STOPPING,
-        or NOT_RUNNING.
+        """Ask the active session to end: STOPPING (STOPPED when it finished within wait_ms), ALREADY_STOPPING
+        (it was already ending; after the same wait, with its trace_path once it finished), or NOT_RUNNING.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
