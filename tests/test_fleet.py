@@ -141,6 +141,47 @@ def test_results_that_cannot_be_written_name_where_they_go_not_the_input(tmp_pat
     assert "cannot write the results to /dev/null/x" in err and f"cannot read {root}" not in err, err
 
 
+def test_a_missing_path_and_an_empty_window_are_errors_that_say_why(tmp_path: Path, capsys: Any) -> None:
+    """A path that does not exist is named in one line (exit 2) and is not created; a ``--since`` window with
+    nothing in it (the artifacts ended earlier that day, or on earlier days) exits 2 saying how many trace
+    artifacts there are and how many lie outside the window, and writes no empty report; without the window
+    the same fleet is analysed (exit 0)."""
+    _need_base_trace()
+    from zoomer_serve.cli import build_parser
+    from zoomer_serve.fleet import cli as fleet_cli
+
+    def fleet_analyze(*argv: str) -> tuple[int, str]:
+        args = build_parser().parse_args(["fleet", "analyze", *argv, "--drill-down", "0", "--json"])
+        code = fleet_cli.run(args)
+        captured = capsys.readouterr()
+        outputs.append(captured.out)
+        return code, captured.err
+
+    outputs: list[str] = []
+
+    missing = tmp_path / "no-such-fleet"
+    for extra in ((), ("--since", "1m")):
+        code, err = fleet_analyze(str(missing), *extra)
+        assert code == 2 and err == f"zoomer-serve fleet: {missing} does not exist (no such folder; on object " \
+            "storage, no object under that prefix)\n", err
+    assert not missing.exists()
+    root = tmp_path / "fleet"
+    build_fleet(str(root), BASE_TRACE, FleetSpec(replicas=3))  # every window on 2026-11-18, 11:06 to 12:xx
+    for since, start in (("2026-11-18T20:00:00", "2026-11-18T20:00:00Z"),  # same day: listed, then left out
+                         ("2026-11-25", "2026-11-25T00:00:00Z")):  # a later day: its folder is not even listed
+        code, err = fleet_analyze(str(root), "--since", since)
+        assert code == 2 and err.count("\n") == 1, err
+        assert f"from --since {since} ({start}) on under {root}: 3 trace artifacts found, 3 of them ended " \
+            f"before {start}" in err, err
+    assert not (root / "fleet").exists()  # no empty report written
+    assert outputs == [""] * 4  # no report on stdout either
+    code, err = fleet_analyze(str(root), "--since", "2026-11-18T00:00:00")
+    assert code == 0, err
+    counts = json.loads(outputs[-1])["counts"]
+    assert counts["traces_analyzed"] == 3 and counts["span_requests"] == 3 * FleetSpec().requests
+    assert len(list((root / "fleet").iterdir())) == 1
+
+
 def outliers_rows(page: str) -> list[str]:
     table = re.search(r'<table data-table="outliers">(.*?)</table>', page, re.S)
     assert table is not None
@@ -228,6 +269,7 @@ def test_since(fleet: tuple[Path, FleetTruth], tmp_path: Path) -> None:
     report = run_fleet_job(FleetOptions(str(root), since_ns=parse_since("2026-11-20T00:00:00"), drill_down=0,
                                         out=str(tmp_path / "out")))
     assert report.counts["manifests"] == 0 and report.counts["span_requests"] == 0 and report.outliers == []
+    assert report.empty and not any(report.outputs.values()) and not (tmp_path / "out").exists()  # nothing written
 
 
 def _flaky(task: tuple[str, str, int]) -> str:

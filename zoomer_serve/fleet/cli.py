@@ -1,9 +1,10 @@
 """``zoomer-serve fleet analyze URL``: the fleet job (:mod:`zoomer_serve.fleet.job`) from the command line.
 
 Prints a summary (the ranked outliers and the findings) or, with ``--json``, the whole report; a progress bar
-on stderr while the traces are analysed. Exit codes: 0 (with or without findings), 2 when the URL holds
-nothing to analyse, cannot be read, or a setting is wrong (one line on stderr), 3 with ``--fail-on`` when a
-finding at least that severe was found.
+on stderr (when it is a terminal) while the traces are analysed. Exit codes: 0 (with or without findings), 2 when the URL does not
+exist, holds nothing to analyse (in the ``--since`` window: the message says how many trace artifacts there
+are and how many ended before it; nothing is written then), cannot be read, or a setting is wrong (one line on
+stderr), 3 with ``--fail-on`` when a finding at least that severe was found.
 """
 
 from __future__ import annotations
@@ -101,17 +102,15 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
     err = Console(stderr=True)
     try:
         with Progress(TextColumn("analysing traces"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                      console=err, transient=True) as bar:
+                      console=err, transient=True, disable=not err.is_terminal) as bar:  # else a blank line
             task = bar.add_task("traces", total=None)
             report = run_fleet_job(options, progress=lambda done, total: bar.update(task, completed=done, total=total))
     except (StorageError, EngineError, OutputError) as exc:
         return _error(str(exc))
     except OSError as exc:  # the storage's own errors (an unknown host, a refused connection)
         return _error(f"cannot read {args.url}: {type(exc).__name__}: {exc}")
-    if not report.counts.get("manifests") and not report.counts.get("span_requests"):
-        when = f" from --since {args.since} on" if args.since else ""
-        return _error(f"no trace artifacts (artifacts/.../*.pt.trace.json.gz.manifest.json) and no span data "
-                      f"(spans/...parquet){when} under {report.source}")
+    if report.empty:
+        return _error(nothing_to_analyze(report, args.since))
     if args.html:
         from zoomer_serve.fleet.html import write_fleet_html
 
@@ -132,6 +131,30 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
         if any(SEVERITIES.index(f.severity) <= worst for f in report.findings):
             return 3
     return 0
+
+
+def nothing_to_analyze(report: Any, since: str | None) -> str:
+    """The message for a report with nothing in it (:attr:`~zoomer_serve.fleet.model.FleetReport.empty`): under
+    a ``--since`` window, how many trace artifacts the root holds in all and how many of them lie outside the
+    window (listing them all again, which only this case needs)."""
+    what = ("no trace artifacts (artifacts/.../*.pt.trace.json.gz.manifest.json) and no span data "
+            "(spans/...parquet)")
+    if report.since_ns is None:
+        return f"{what} under {report.source}"
+    from zoomer_serve.artifacts.inventory import trace_manifest_urls
+    from zoomer_serve.artifacts.storage import StorageError
+
+    start = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(report.since_ns / 1e9))
+    head = f"{what} from --since {since} ({start}) on under {report.source}"
+    try:
+        found = len(trace_manifest_urls(report.source))
+    except (StorageError, OSError) as exc:
+        return f"{head} (counting all trace artifacts failed: {type(exc).__name__}: {exc})"
+    if not found:
+        return f"{head}: no trace artifacts found at all"
+    inside = report.counts.get("traces_analyzed", 0) + report.counts.get("traces_failed", 0)
+    return (f"{head}: {found} trace artifact{'' if found == 1 else 's'} found, {found - inside} of them ended "
+            f"before {start}")
 
 
 def render_fleet_summary(report: Any, console: Console | TableOutput, rows: int = 15) -> None:

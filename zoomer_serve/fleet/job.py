@@ -36,7 +36,7 @@ from typing import Any
 from zoomer_serve.analysis.findings import sort_findings
 from zoomer_serve.artifacts.inventory import trace_manifest_urls
 from zoomer_serve.artifacts.layout import MANIFEST_SUFFIX
-from zoomer_serve.artifacts.storage import filesystem, is_local, join, normalize, url_of
+from zoomer_serve.artifacts.storage import StorageError, filesystem, is_local, join, normalize, url_of
 from zoomer_serve.fleet.aggregate import FleetAggregator, ReplicaFigures, ResultsWriter, writing_to
 from zoomer_serve.fleet.detect import (
     MIN_PEERS,
@@ -95,8 +95,10 @@ Progress = Callable[[int, int], None]
 def run_fleet_job(options: FleetOptions, progress: Progress | None = None) -> FleetReport:
     """Run the fleet job (see the module docstring) and return its report.
 
+    When the window holds nothing (:attr:`FleetReport.empty`) nothing is written (``outputs`` names no file).
+
     Raises:
-        StorageError: the URL's fsspec backend is missing.
+        StorageError: the URL's fsspec backend is missing, or nothing exists at the URL (the message names it).
         EngineError: the engine cannot run (Ray missing or unreachable).
         zoomer_serve.fleet.aggregate.OutputError: the results cannot be written (an OSError naming where
             they go).
@@ -104,6 +106,7 @@ def run_fleet_job(options: FleetOptions, progress: Progress | None = None) -> Fl
     t0 = time.monotonic()
     marks: dict[str, float] = {}
     source = normalize(options.url)
+    _check_exists(source)
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
     out = normalize(options.out) if options.out else join(source, "fleet", run_id)
     report = FleetReport(source=source, run_id=run_id, engine=options.engine, since_ns=options.since_ns)
@@ -145,9 +148,19 @@ def run_fleet_job(options: FleetOptions, progress: Progress | None = None) -> Fl
     report.counts = counts
     marks["detect_s"] = time.monotonic() - t0
     report.timings = marks
-    _write_outputs(report, out, replicas, source, options)
+    if not report.empty:
+        _write_outputs(report, out, replicas, source, options)
     report.timings["total_s"] = time.monotonic() - t0
     return report
+
+
+def _check_exists(source: str) -> None:
+    """Raises StorageError when nothing is at ``source`` (a mistyped folder, bucket or prefix), before anything
+    is listed or written there."""
+    fs, base = filesystem(source)
+    if not fs.exists(base):
+        raise StorageError(f"{source} does not exist (no such folder; on object storage, no object under that "
+                           "prefix)")
 
 
 def _outcomes(options: FleetOptions, tasks: list[tuple[str, int | None]]) -> Iterator[Outcome]:

@@ -50,6 +50,13 @@ class FleetReport:
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
+    def empty(self) -> bool:
+        """Nothing to report: no trace in the window was analysed or failed, and the span data in it holds no
+        request (trace artifacts that ended before ``since_ns`` count as ``traces_skipped``, not here)."""
+        c = self.counts
+        return not (c.get("traces_analyzed") or c.get("traces_failed") or c.get("span_requests"))
+
+    @property
     def outlier_instances(self) -> list[str]:
         """The replicas on the outlier list, best ranked first, each once."""
         seen: dict[str, None] = {}
