@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 from _never_lost import note
@@ -434,3 +435,71 @@ def test_a_timeout_that_is_no_finite_number_of_seconds_is_refused(timeout_s):
         zoomer_serve.shutdown(timeout_s=timeout_s)
     assert zoomer_serve.get_telemetry() is tel and not tel.shut_down  # still the active one
     assert zoomer_serve.shutdown(timeout_s=1) is not None
+
+
+def _numpy_handler(request: bytes, context: Any) -> bytes:
+    """Sets NumPy scalars (alone, in a dict, in a list) on the request span, a phase and an event."""
+    import numpy as np
+
+    from zoomer_serve import current_request, phase
+
+    i = int(request)
+    span = current_request()
+    assert span is not None
+    span.set_attribute("app.score", np.float32(0.5))
+    span.set_attribute("app.rank", np.int64(i))
+    span.set_attribute("app.hit", np.bool_(i % 2 == 0))
+    span.set_attribute("app.scores", [np.float32(0.25), np.float32(0.75)])
+    span.set_attribute("app.detail", {"score": np.float32(0.25), "n": np.int64(3), "tag": "x"})
+    span.add_event("app.scored", {"app.score": np.float32(0.5), "app.detail": {"ok": np.bool_(True)}})
+    with phase("rank", {"app.score": np.float32(0.75), "app.detail": {"score": np.float32(0.25), "n": np.int64(3),
+                                                                      "tag": "x"}}):
+        pass
+    return request
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+@pytest.mark.slow
+def test_numpy_scalars_and_dicts_travel_as_native_otlp_values(collector: Any, mode: str) -> None:
+    """``set_attribute("app.score", np.float32(0.5))``, np.int64, np.bool_ (also inside a list or a dict, on
+    a phase and an event) were stored as strings ("0.5", "7", "True"): they arrive as double, int and bool.
+    A dict value is a JSON object (OTLP kvlist) on the request span, its phase and its event alike. Every call
+    sent has its request span and its phase span in the collector's store."""
+    from concurrent import futures
+
+    import grpc
+
+    from interceptors import ZoomerServerInterceptor
+
+    telemetry = zoomer_serve.configure(service_name="np", endpoint=collector.grpc_endpoint, protocol="grpc",
+                                       export_mode=mode, schedule_delay_ms=50, set_global_providers=False)
+    generic = grpc.method_handlers_generic_handler("t.Np", {"Call": grpc.unary_unary_rpc_method_handler(
+        _numpy_handler)})
+    server = grpc.server(futures.ThreadPoolExecutor(4), interceptors=[ZoomerServerInterceptor(telemetry.recorder)])
+    server.add_generic_rpc_handlers((generic,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    sent = 20
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_unary("/t.Np/Call")
+            for i in range(sent):
+                assert call(str(i).encode(), timeout=30) == str(i).encode()
+    finally:
+        server.stop(None).wait(5)
+    rows = collector.spans()
+    requests = [r for r in rows if r["kind"] == "SERVER"]
+    phases = [r for r in rows if r["name"] == "rank"]
+    assert len(requests) == sent and len(phases) == sent
+    detail = {"score": 0.25, "n": 3, "tag": "x"}
+    for row in requests:
+        attrs = row["attributes"]
+        i = attrs["app.rank"]
+        assert type(i) is int and attrs["app.hit"] is (i % 2 == 0)
+        assert type(attrs["app.score"]) is float and attrs["app.score"] == 0.5
+        assert attrs["app.scores"] == [0.25, 0.75] and attrs["app.detail"] == detail
+        (event,) = row["events"]
+        assert event["attributes"] == {"app.score": 0.5, "app.detail": {"ok": True}}
+    assert sorted(r["attributes"]["app.rank"] for r in requests) == list(range(sent))
+    for row in phases:
+        assert row["attributes"] == {"zoomer.phase": "rank", "app.score": 0.75, "app.detail": detail}

@@ -87,6 +87,39 @@ def test_any_value_of_unknown_type_is_its_string():
     assert AnyValue.FromString(encode_any_value({"a": 1})).kvlist_value.values[0].value.int_value == 1
 
 
+def test_numpy_scalars_are_their_python_values_and_numpy_is_never_imported_for_it():
+    """np.float32 / np.int64 / np.bool_ (and np.uint64 past int64, np.str_) encode as the AnyValue of their
+    ``.item()``; a scalar whose ``item()`` fails is its str(); encoding anything else imports no NumPy."""
+    import subprocess
+    import sys
+
+    import numpy as np
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+    def decoded(value):
+        v = AnyValue.FromString(encode_any_value(value))
+        return v.WhichOneof("value"), getattr(v, v.WhichOneof("value"))
+
+    assert decoded(np.float32(0.5)) == ("double_value", 0.5)
+    assert decoded(np.float16(1.5)) == ("double_value", 1.5)
+    assert decoded(np.int64(-7)) == ("int_value", -7)
+    assert decoded(np.uint8(200)) == ("int_value", 200)
+    assert decoded(np.uint64(2**64 - 1)) == ("string_value", str(2**64 - 1))  # past int64, as a Python int
+    assert decoded(np.bool_(True)) == ("bool_value", True) and decoded(np.bool_(False)) == ("bool_value", False)
+    assert decoded(np.str_("x")) == ("string_value", "x")
+
+    class Odd(np.float32):
+        def item(self):
+            raise RuntimeError("no")
+
+    assert decoded(Odd(1.0)) == ("string_value", str(Odd(1.0)))
+    script = ("import sys; from zoomer_serve.export.otlp_wire import encode_any_value; "
+              "encode_any_value(object()); encode_any_value({'a': [1, 2.0, None]}); "
+              "print('numpy' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr
+
+
 def test_int_attributes_round_trip_at_the_varint_edges_and_are_not_cached():
     """Large and negative int values take their own path (key prefix cached, value encoded fresh, not cached):
     every varint length, negative int64s and a key whose encoded form is long round-trip; bools stay bools."""

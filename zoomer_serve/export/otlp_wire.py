@@ -14,6 +14,7 @@ Wire format reference: field tag = (field_number << 3) | wire_type; wire types 0
 from __future__ import annotations
 
 import struct
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -101,7 +102,9 @@ def encode_any_value(value: Any) -> bytes:
     """Encode an attribute value as ``opentelemetry.proto.common.v1.AnyValue``.
 
     bool, int (int64; an int outside int64 is its decimal string), float (double), str, bytes, and sequences of
-    those (ArrayValue) are supported; mappings become KeyValueList; anything else is encoded as its ``str()``.
+    those (ArrayValue) are supported; mappings become KeyValueList (on every span, event and link alike); a
+    NumPy scalar (``np.float32``, ``np.int64``, ``np.bool_`` ...) is its Python value (``.item()``), so it
+    travels as a double, int or bool; anything else is encoded as its ``str()``.
     """
     if isinstance(value, bool):
         return b"\x10" + (b"\x01" if value else b"\x00")
@@ -121,7 +124,24 @@ def encode_any_value(value: Any) -> bytes:
     if isinstance(value, (list, tuple)):
         inner = b"".join(_ld(0x0A, encode_any_value(v)) for v in value)
         return _ld(0x2A, inner)
+    plain = numpy_scalar_item(value)
+    if plain is not value:
+        return encode_any_value(plain)
     return _ld(0x0A, str(value).encode("utf-8", "replace"))
+
+
+def numpy_scalar_item(value: Any) -> Any:
+    """The Python value of a NumPy scalar (``value.item()``: float, int, bool, str, bytes ...), else ``value``
+    itself. NumPy is never imported here: a NumPy scalar exists only where NumPy already is (``sys.modules``).
+    One whose ``item()`` fails, or gives a NumPy scalar again, is returned as it is."""
+    numpy = sys.modules.get("numpy")
+    if numpy is None or not isinstance(value, numpy.generic):
+        return value
+    try:
+        plain = value.item()
+    except Exception:  # a user's value must not stop the export; it is then encoded as its str()
+        return value
+    return value if isinstance(plain, numpy.generic) else plain
 
 
 def encode_key_value(key: str, value: Any) -> bytes:
