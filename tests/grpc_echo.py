@@ -66,6 +66,13 @@ def _unary(request: bytes, context: grpc.ServicerContext) -> bytes:
     if cmd == b"decothreads":  # a decorated function, re-entered once, whose inner call waits for another request
         assert _deco_recurse(1) == 0
         return b"ok"
+    if cmd == b"otel_api":  # what an OpenTelemetry user does to the current span inside a handler
+        span = trace.get_current_span()
+        span.set_attribute("model.version", "v3")
+        span.set_attributes({"model.batch": 4, "model.warm": True})
+        span.add_event("cache_miss", {"cache.key": "abc"})
+        span.record_exception(ValueError("soft failure"), attributes={"retry": 1})
+        return b"recording" if span.is_recording() else b"not recording"
     if cmd == b"user_span":
         tracer_provider = _TRACER_PROVIDER[0]
         with tracer_provider.get_tracer("test").start_as_current_span("user.work"):

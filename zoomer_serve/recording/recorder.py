@@ -159,19 +159,25 @@ class RequestSpan:
             return
         links.append((trace_id, span_id, attributes))
 
-    def record_exception(self, exc: BaseException) -> None:
+    def record_exception(self, exc: BaseException, attributes: Mapping[str, Any] | None = None,
+                         time_ns: int | None = None) -> None:
         """Add the semantic-convention ``exception`` event (type, message, stacktrace), the message and the stack
-        trace bounded (``ZOOMER_EXCEPTION_VALUE_LENGTH_LIMIT``, see :class:`~zoomer_serve.config.SpanLimits`)."""
+        trace bounded (``ZOOMER_EXCEPTION_VALUE_LENGTH_LIMIT``, see :class:`~zoomer_serve.config.SpanLimits`);
+        ``attributes`` are added to the event's (they win), ``time_ns`` is its time (Unix epoch ns; now when
+        omitted)."""
         limit = self._recorder.limits.exception_value_length
         parts = traceback.format_exception(type(exc), exc, exc.__traceback__)
         if limit:  # a long message must not push the frames out: each part gets a share
             parts = [bounded_text(part, max(80, limit // 4)) for part in parts]
         stack = "".join(parts)
-        self.add_event("exception", {
+        event = {
             "exception.type": type(exc).__qualname__,
             "exception.message": bounded_text(str(exc), limit),
             "exception.stacktrace": bounded_text(stack, limit, keep_tail=True),
-        })
+        }
+        if attributes:
+            event.update(attributes)
+        self.add_event("exception", event, time_ns)
 
     def set_status(self, status: int, message: str | None = None) -> None:
         """Set the span status: ``records.STATUS_OK`` / ``STATUS_ERROR`` / ``STATUS_UNSET``; an error message is
@@ -411,12 +417,15 @@ class RequestRecorder:
 
 @functools.lru_cache(maxsize=1)
 def _otel_bridge_class() -> type:
-    """An OpenTelemetry ``Span`` that stands for a request span in the OpenTelemetry context.
+    """An OpenTelemetry ``Span`` that stands for a request span in the OpenTelemetry context
+    (``trace.get_current_span()`` in a handler).
 
     It builds its ``SpanContext`` only when asked (when user code starts a child span), which keeps
-    activation at about 1 µs. It does not record: the request span is recorded by the recorder.
+    activation at about 1 µs. What a handler does to it through the OpenTelemetry API goes to the request span:
+    attributes, events, links, recorded exceptions and status. It is recording while the request span is open
+    and sampled. ``end()`` and ``update_name()`` do nothing: the adapter ends and names the request span.
     """
-    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, TraceFlags, TraceState
 
     class RequestSpanBridge(NonRecordingSpan):
         _ctx: SpanContext | None = None  # built on first ask
@@ -430,6 +439,35 @@ def _otel_bridge_class() -> type:
                 state = TraceState.from_header([req.trace_state]) if req.trace_state else None
                 self._ctx = SpanContext(req.trace_id, req.span_id, False, TraceFlags(req.trace_flags), state)
             return self._ctx
+
+        def is_recording(self) -> bool:
+            request = self._request
+            return request.is_open and request.sampled
+
+        def set_attribute(self, key: str, value: Any) -> None:
+            self._request.set_attribute(key, value)
+
+        def set_attributes(self, attributes: Mapping[str, Any]) -> None:
+            self._request.set_attributes(attributes)
+
+        def add_event(self, name: str, attributes: Mapping[str, Any] | None = None,
+                      timestamp: int | None = None) -> None:
+            self._request.add_event(name, dict(attributes) if attributes else None, timestamp)
+
+        def add_link(self, context: SpanContext, attributes: Mapping[str, Any] | None = None) -> None:
+            if context is not None and context.is_valid:
+                self._request.add_link(context.trace_id, context.span_id, dict(attributes) if attributes else None)
+
+        def record_exception(self, exception: BaseException, attributes: Mapping[str, Any] | None = None,
+                             timestamp: int | None = None, escaped: bool = False) -> None:
+            self._request.record_exception(exception, attributes, timestamp)
+
+        def set_status(self, status: Any, description: str | None = None) -> None:
+            if isinstance(status, Status):
+                status, description = status.status_code, status.description
+            code = getattr(status, "value", None)  # a StatusCode: UNSET 0, OK 1, ERROR 2, as OTLP's
+            if code in (r.STATUS_UNSET, r.STATUS_OK, r.STATUS_ERROR):
+                self._request.set_status(code, description)
 
         def __repr__(self) -> str:
             return f"RequestSpanBridge({self._request.name!r})"
