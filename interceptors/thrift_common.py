@@ -23,11 +23,14 @@ Span shape (semantic conventions for RPC, v1.40.0 stable names, as for gRPC):
   ``make_server`` helpers use), ``zoomer.rpc.request.bytes``/``zoomer.rpc.response.bytes``: bytes of the call
   as read from / written to the socket (the encoded message, plus the 4-byte frame length when framed and the
   tracking headers when sent). The export worker derives ``rpc.server.call.duration`` and the size
-  histograms from them, as for gRPC. thriftpy2's transports read ahead, so when a client pipelines calls
-  (oneway calls sent back to back) the bytes of a next call that arrived early count with the earlier one,
-  and that next call's time starts when it is decoded.
+  histograms from them, as for gRPC. thriftpy2's transports read ahead; when a client sends its next call
+  before the reply to the previous one (always after a oneway call, which has no reply), the bytes read
+  ahead are handed back to the meter once the current message is decoded (:meth:`Meter.message_read`) and
+  count with the call they belong to. Framed connections are never read past the frame being read, so a
+  message is all the frames up to the one it ends in (two messages in one frame would count as the first).
 - time: from the first byte of the message (metered connections; otherwise from when the message was
-  decoded) to the reply written, or to the handler's return for oneway calls.
+  decoded) to the reply written, or to the handler's return for oneway calls. The first bytes of a call that
+  arrived with the previous one arrived no later than that one was decoded: its span starts then.
 
 Unknown methods (and, on a multiplexed processor, methods of unknown services) are answered with a
 ``TApplicationException`` UNKNOWN_METHOD, the connection goes on, and get a span ``_OTHER`` with ``rpc.method``
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import io
 import logging
 import socket
 import threading
@@ -51,10 +55,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from thriftpy2.contrib.aio.transport.buffered import TAsyncBufferedTransport
 from thriftpy2.contrib.tracking import track_method, track_thrift
 from thriftpy2.protocol.exc import TProtocolException
 from thriftpy2.thrift import TApplicationException, TException
 from thriftpy2.transport import TTransportException
+from thriftpy2.transport.buffered import TBufferedTransport
 
 from interceptors.grpc_common import (
     PROFILE_BAGGAGE_KEY,
@@ -89,6 +95,11 @@ DEFAULT_READ_CHUNK_BYTES = 64 * 1024
 _MAX_ORIGINAL_METHOD_CHARS = 256
 _APP_EXC_NAMES = {value: name for name, value in vars(TApplicationException).items()
                   if name.isupper() and isinstance(value, int)}
+
+try:
+    from thriftpy2.transport.buffered.cybuffered import TCyBufferedTransport as _CyBuffered
+except ImportError:  # thriftpy2 without its Cython extensions
+    _CyBuffered = None
 
 _mono_ns = time.monotonic_ns  # when a message began: the span's start, on the monotonic clock
 _conn_var: contextvars.ContextVar[Connection | None] = contextvars.ContextVar("zoomer_thrift_conn", default=None)
@@ -454,6 +465,8 @@ class ThriftTracer:
             if not conn.linked:  # the connection's first message: its meter (if any) has read by now
                 conn.linked = True
                 _link_meter(conn)
+            if conn.meter is not None:
+                conn.meter.message_read()
             method = self._methods.get(type(result))
             if method is None:
                 conn.oneway = False
@@ -655,6 +668,12 @@ class Meter:
     (see :class:`ThriftLimits`). Socket errors become
     ``TTransportException`` so that thriftpy2's server loop closes the connection without a traceback.
 
+    Bytes count with a message when they are handed to the transport above, and each message gets only its own:
+    on a framed connection the meter hands over no byte past the end of the frame being read (it keeps the rest
+    for the next read); on an unframed one, once the processor has decoded a message it takes back what the
+    transport read ahead (:meth:`message_read`), which then counts with the next message, started when those
+    bytes were taken back.
+
     The subclasses define what thriftpy2's transports call on the socket below them (``read``, ``write``,
     ``flush``, ``open``, ``close``; the sync one also ``is_open`` and ``sock``) and nothing else passes
     through: no catch-all ``__getattr__``, which on this class kept the interpreter from specializing the
@@ -662,7 +681,8 @@ class Meter:
     server CPU per call in a busy server (benchmarks/RESULTS.md)."""
 
     __slots__ = ("inner", "limits", "framed", "idle", "msg_start_mono_ns", "bytes_in", "bytes_out", "conn", "peer",
-                 "published", "_frame_left", "_header", "_owner", "_bound", "__weakref__")
+                 "published", "_frame_left", "_header", "_owner", "_bound", "_pending", "_pending_ns", "_probe",
+                 "_take_back", "_transport", "__weakref__")
 
     def __init__(self, inner: Any, limits: ThriftLimits, framed: bool, owner: MeteredTransportFactory,
                  peer: dict[str, Any]) -> None:
@@ -680,18 +700,81 @@ class Meter:
         self._header = b""
         self._owner = owner
         self._bound = limits.max_message_bytes + limits.read_chunk_bytes  # see ThriftLimits
+        self._pending = b""  # read from the socket, not yet handed to the transport: the next bytes it gets
+        self._pending_ns = 0  # when the pending bytes were read
+        self._probe = _PROBE_OFF
+        self._take_back: Callable[[Meter, Any], None] | None = None
+        self._transport: Any = None
 
     def end_message(self) -> None:
-        """The processor finished a call: the next byte read starts the next message."""
-        self.idle = True
-        self.msg_start_mono_ns = 0
+        """The processor finished a call: the next byte read starts the next message (or the bytes kept back,
+        which already did)."""
         self.bytes_in = 0
         self.bytes_out = 0
+        if self._pending:
+            self.idle = False
+            self.msg_start_mono_ns = self._pending_ns
+        else:
+            self.idle = True
+            self.msg_start_mono_ns = 0
 
-    def _received(self, data: bytes) -> None:
+    def watch(self, transport: Any) -> None:
+        """``transport`` reads from this meter: learn how to take back what it reads ahead (unframed buffered
+        transports of thriftpy2; others are left as they are)."""
+        self._transport = transport
+        self._take_back = _take_back_for(transport, self)
+
+    def message_read(self) -> None:
+        """The processor decoded a whole message: the bytes that the transport read past it belong to the next
+        message; take them back (they are handed over again on the next reads) and stop counting them here."""
+        take_back = self._take_back
+        if take_back is not None:
+            take_back(self, self._transport)
+
+    def _keep(self, data: bytes) -> None:
+        """Put ``data`` (taken back from the transport, or read past a frame) before the pending bytes."""
+        if not self._pending:
+            self._pending_ns = _mono_ns()
+        self._pending = data + self._pending
+
+    def _give_back(self, data: bytes) -> None:
+        """``data`` was counted with this message but belongs to the next one."""
+        self.bytes_in -= len(data)
+        self._keep(data)
+
+    def _hand_over(self, sz: int, data: bytes | None) -> bytes:
+        """The bytes for one read of ``sz`` by the transport: ``data`` just read from the socket (None: from the
+        pending bytes), cut at the end of the current frame on a framed connection, counted."""
+        if data is None:
+            data, arrived_ns = self._pending, self._pending_ns
+            self._pending = b""
+            if 0 < sz < len(data):
+                self._pending = data[sz:]
+                data = data[:sz]
+        else:
+            arrived_ns = 0
+        if self.framed:
+            cut = self._frame_cut(data)
+            if cut < len(data):
+                if not arrived_ns:
+                    arrived_ns = _mono_ns()
+                self._pending, self._pending_ns = data[cut:] + self._pending, arrived_ns
+                data = data[:cut]
+        self._received(data, arrived_ns)
+        return data
+
+    def _probe_read(self) -> bytes:
+        """A read while :func:`_take_back_cy` probes the transport's buffer: one filler byte the first time (the
+        buffer was empty: the transport takes it and is empty again), then end of file (nothing is taken)."""
+        if self._probe == _PROBE_FILL:
+            self._probe = _PROBE_ASKED
+            return b"\0"
+        return b""
+
+    def _received(self, data: bytes, arrived_ns: int = 0) -> None:
         if self.idle:
             self.idle = False
-            self.msg_start_mono_ns = _mono_ns()
+            self.msg_start_mono_ns = arrived_ns or _mono_ns()
             if not self.published:
                 self._publish()
         self.bytes_in += len(data)
@@ -715,6 +798,17 @@ class Meter:
         if conn is not None and conn.meter is None and self.conn is None:
             conn.meter = self
             self.conn = conn
+
+    def _frame_cut(self, data: bytes) -> int:
+        """How many bytes at the start of ``data`` (the next on the wire) belong to the frame being read, its
+        4-byte length included: all of it until the length is known. A bad length is left to
+        :meth:`_scan_frames`."""
+        if self._frame_left:
+            return self._frame_left
+        need = 4 - len(self._header)
+        if len(data) < need:
+            return len(data)
+        return need + max(0, int.from_bytes(self._header + data[:need], "big", signed=True))
 
     def _scan_frames(self, data: bytes) -> None:
         """Follow the frame boundaries of the byte stream and check each 4-byte frame length."""
@@ -748,6 +842,52 @@ class Meter:
         self._owner.active.discard(self)
 
 
+_PROBE_OFF, _PROBE_FILL, _PROBE_ASKED, _PROBE_EOF = 0, 1, 2, 3
+_PROBE_CHUNK = 4096  # thriftpy2's buffer size: reads of at most this much never grow the transport's buffer
+
+
+def _take_back_cy(meter: Meter, transport: Any) -> None:
+    """Take back what a Cython ``TCyBufferedTransport`` holds unread (its buffer is not visible from Python).
+    One ``read(1)``: when the buffer is empty (no call pipelined, the usual case) the transport asks the meter,
+    which hands it one filler byte that this read consumes, and the buffer is empty again. Otherwise that byte
+    was real, and reads that the meter answers with end of file (on which the transport consumes nothing)
+    drain the rest, halving the size asked after each refusal."""
+    meter._probe = _PROBE_FILL
+    taken: list[bytes] = []
+    try:
+        first = transport.read(1)
+        if meter._probe == _PROBE_ASKED:
+            return
+        taken.append(first)
+        meter._probe = _PROBE_EOF
+        size = _PROBE_CHUNK
+        while size:
+            try:
+                taken.append(transport.read(size))
+            except TTransportException:
+                size //= 2
+    finally:
+        meter._probe = _PROBE_OFF
+        if taken:  # also when something failed: what was taken must not be lost to the connection
+            meter._give_back(b"".join(taken))
+
+
+def _take_back_bytesio(meter: Meter, transport: Any) -> None:
+    """Take back what thriftpy2's pure-Python buffered transport (sync or asyncio) holds unread."""
+    rest = transport._rbuf.read()
+    if rest:
+        meter._give_back(rest)
+
+
+def _take_back_for(transport: Any, meter: Meter) -> Callable[[Meter, Any], None] | None:
+    if _CyBuffered is not None and type(transport) is _CyBuffered:
+        return _take_back_cy
+    if isinstance(transport, (TBufferedTransport, TAsyncBufferedTransport)) and \
+            getattr(transport, "_trans", None) is meter and isinstance(getattr(transport, "_rbuf", None), io.BytesIO):
+        return _take_back_bytesio
+    return None
+
+
 def _transport_error(exc: OSError) -> TTransportException:
     kind = TTransportException.TIMED_OUT if isinstance(exc, TimeoutError) else TTransportException.END_OF_FILE
     return TTransportException(kind, f"{type(exc).__name__}: {exc}")
@@ -763,10 +903,16 @@ class SocketMeter(Meter):
         return self.inner.sock
 
     def read(self, sz: int) -> bytes:
+        if self._probe:
+            return self._probe_read()
+        if self._pending:
+            return self._hand_over(sz, None)
         try:
             data = self.inner.read(self._ask(sz))
         except OSError as exc:
             raise _transport_error(exc) from exc
+        if self.framed:
+            return self._hand_over(sz, data)
         self._received(data)
         return data
 
@@ -809,10 +955,14 @@ class StreamMeter(Meter):
     __slots__ = ()
 
     async def read(self, sz: int) -> bytes:
+        if self._pending:
+            return self._hand_over(sz, None)
         try:
             data = await self.inner.read(self._ask(sz))
         except OSError as exc:
             raise _transport_error(exc) from exc
+        if self.framed:
+            return self._hand_over(sz, data)
         self._received(data)
         return data
 
@@ -890,6 +1040,9 @@ class MeteredTransportFactory:
                 meter = self._meter(client)
                 self._by_client[client] = meter
                 self.active.add(meter)
+                transport = self.inner.get_transport(meter)
+                meter.watch(transport)  # the server asks for the input transport first
+                return transport
         return self.inner.get_transport(meter)
 
     def _meter(self, client: Any) -> Meter:

@@ -704,3 +704,98 @@ def test_multiplexed_client_on_a_newer_idl_gets_unknown_method_and_keeps_its_con
     assert [a["rpc.method_original"] for a in others] == ["alpha.Echo:extra", "alpha.Echo:extra", "beta.Calc:add"]
     assert {a["rpc.response.status_code"] for a in others} == {"UNKNOWN_METHOD"}
     assert all(s["status_code"] == "ERROR" for s in spans if s["name"] == "_OTHER")
+
+
+# -- request bytes of pipelined calls -------------------------------------------------------------------------
+def _oneway(text: str, seqid: int) -> bytes:
+    """A ``fire`` message as thriftpy2's client sends a oneway call."""
+    buf = TMemoryBuffer()
+    proto = TBinaryProtocolFactory().get_protocol(buf)
+    proto.write_message_begin("fire", TMessageType.ONEWAY, seqid)
+    proto.write_struct(T.Echo.fire_args(text=text))
+    proto.write_message_end()
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("framed", [False, True], ids=["buffered", "framed"])
+@pytest.mark.parametrize("then", ["undeclared_error", "reply"])
+@pytest.mark.slow
+def test_pipelined_calls_each_count_their_own_request_bytes(serve, telemetry, collector, framed, then):
+    """A oneway call and the next call on its connection, sent back to back (a oneway client does not wait for
+    a reply): the server's transport reads ahead into the second message while it decodes the first, and those
+    bytes counted on the oneway span, the second call's span had 0. Each span's ``zoomer.rpc.request.bytes``
+    is its own message's size, whether the second call raises an undeclared exception (the connection is then
+    closed) or is answered; and the next call after those is counted right too."""
+    server = serve(framed=framed)
+    wrap = (lambda m: _frames(m, len(m))) if framed else (lambda m: m)
+    fire = wrap(_oneway("f" * 300, 1))
+    second = wrap(_message("echo", T.Echo.echo_args(text="value"), 2) if then == "undeclared_error"
+                  else _message("plain", T.Echo.plain_args(n=7), 2))
+    third = wrap(_message("echo", T.Echo.echo_args(text="e" * 50), 3))
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(fire + second)
+        if then == "undeclared_error":
+            assert _closed_by_server(sock)
+        else:
+            reply = _wire_bytes("plain", TMessageType.REPLY, T.Echo.plain_result(success=8))
+            assert len(_recv_exactly(sock, reply + (4 if framed else 0))) > 0
+            sock.sendall(third + third)
+            echo_reply = _wire_bytes("echo", TMessageType.REPLY, T.Echo.echo_result(success="e" * 50))
+            _recv_exactly(sock, 2 * (echo_reply + (4 if framed else 0)))
+    server.stop()
+    spans = collector.spans("SERVER")
+    expected = [("Echo/fire", len(fire))]
+    expected += [("Echo/echo", len(second))] if then == "undeclared_error" else [
+        ("Echo/plain", len(second)), ("Echo/echo", len(third)), ("Echo/echo", len(third))]
+    assert [(s["name"], s["attributes"]["zoomer.rpc.request.bytes"]) for s in spans] == expected
+
+
+def _burst(port: int, framed: bool) -> dict[int, bytes]:
+    """Send 60 oneway calls of different sizes (about 14 KiB in all) and a two-way call in one write, wait for
+    the reply; the messages sent by seqid."""
+    wrap = (lambda m: _frames(m, len(m))) if framed else (lambda m: m)
+    sizes = {seqid: 7 * seqid + 13 * (seqid % 5) for seqid in range(1, 61)}
+    messages = {seqid: wrap(_oneway("o" * n, seqid)) for seqid, n in sizes.items()}
+    messages[61] = wrap(_message("plain", T.Echo.plain_args(n=41), 61))
+    sent = b"".join(messages.values())
+    assert len(sent) > 3 * 4096
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(sent)
+        reply = _wire_bytes("plain", TMessageType.REPLY, T.Echo.plain_result(success=42))
+        _recv_exactly(sock, reply + (4 if framed else 0))
+    return messages
+
+
+def _counted_by_seqid(spans) -> dict[int, int]:
+    return {s["attributes"]["zoomer.rpc.thrift.seqid"]: s["attributes"]["zoomer.rpc.request.bytes"] for s in spans}
+
+
+@pytest.mark.parametrize("framed", [False, True], ids=["buffered", "framed"])
+@pytest.mark.slow
+def test_a_burst_of_oneway_calls_counts_each_message_once(serve, telemetry, collector, framed):
+    """60 oneway calls and a two-way call in one write (more than the transport reads at once, so reads end in
+    the middle of messages): each span counts exactly its own message, none is lost, and the bytes of all
+    spans add up to the bytes sent."""
+    server = serve(framed=framed)
+    messages = _burst(server.port, framed)
+    server.stop()
+    spans = collector.spans("SERVER")
+    assert len(spans) == 61
+    counted = _counted_by_seqid(spans)
+    assert counted == {seqid: len(m) for seqid, m in messages.items()}
+    assert sum(counted.values()) == sum(len(m) for m in messages.values())
+
+
+@pytest.mark.slow
+def test_a_burst_on_thriftpy2_pure_python_transports_counts_each_message_once(telemetry, collector):
+    """The same on thriftpy2's pure-Python buffered transport and binary protocol (what it uses without its
+    Cython extensions, as on PyPy): the bytes it read ahead are taken back from its buffer."""
+    from thriftpy2.protocol.binary import TBinaryProtocolFactory as PureBinary
+    from thriftpy2.transport.buffered import TBufferedTransportFactory as PureBuffered
+
+    server = make_server(T.Echo, Handler(), "127.0.0.1", 0, proto_factory=PureBinary(),
+                         trans_factory=PureBuffered()).start()
+    messages = _burst(server.port, framed=False)
+    server.stop()
+    counted = _counted_by_seqid(collector.spans("SERVER"))
+    assert counted == {seqid: len(m) for seqid, m in messages.items()}
