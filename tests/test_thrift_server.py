@@ -721,7 +721,7 @@ def _oneway(text: str, seqid: int) -> bytes:
 @pytest.mark.parametrize("then", ["undeclared_error", "reply"])
 @pytest.mark.slow
 def test_pipelined_calls_each_count_their_own_request_bytes(serve, telemetry, collector, framed, then):
-    """A oneway call and the next call on its connection, sent back to back (a oneway client does not wait for
+    """C10: a oneway call and the next call on its connection, sent back to back (a oneway client does not wait for
     a reply): the server's transport reads ahead into the second message while it decodes the first, and those
     bytes counted on the oneway span, the second call's span had 0. Each span's ``zoomer.rpc.request.bytes``
     is its own message's size, whether the second call raises an undeclared exception (the connection is then
