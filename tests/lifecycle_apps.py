@@ -9,6 +9,13 @@ telemetry configured in the parent, then N children made by ``os.fork`` / a ``mu
 or ``maxtasksperchild=1``) / forked workers that each start a gRPC server; every child records spans; the parent
 records some before and after. Prints one JSON line with what was sent: ``{"event": "done", "spans": {name:
 count}, "parent_helper": [pid before, pid after]}``.
+
+``python tests/lifecycle_apps.py spawn-pool N ENDPOINT`` / ``forkserver-pool`` / ``spawn-executor`` /
+``spawn-dataloader``: telemetry configured in code in the parent (``endpoint=ENDPOINT``, ``service_name="spawny"``),
+then N tasks run in workers started by the ``spawn`` or ``forkserver`` method (a ``multiprocessing`` pool, a
+``ProcessPoolExecutor``, torch ``DataLoader`` workers) that record spans without configuring anything. Prints
+the same JSON line (``parent_helper`` null). ``spawn-config-object``: the same as ``spawn-pool`` with the parent
+configured by ``configure(config=...)`` (service ``spawny``; endpoint from the environment).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import signal
 import sys
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -61,6 +69,66 @@ def _record(name: str, n: int) -> None:
 def _task(i: int) -> int:
     _record(f"pool/{i}", 3)
     return os.getpid()
+
+
+class _RecordingDataset:
+    """A map-style dataset whose items each record 3 spans in the DataLoader worker that loads them."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        _record(f"loader/{i}", 3)
+        return os.getpid()
+
+
+def configured_in_worker(queue: Any) -> None:
+    """A spawned worker's target: configure as a worker that records does (no configure() call), and put on
+    ``queue`` the service name it got, or the error."""
+    import zoomer_serve
+
+    try:
+        queue.put(zoomer_serve.get_telemetry().config.service_name)
+    except Exception as exc:
+        queue.put(f"{type(exc).__name__}: {exc}")
+    finally:
+        zoomer_serve.shutdown(timeout_s=1)
+
+
+def spawn_scenario(mode: str, n: int, endpoint: str) -> None:
+    import dataclasses
+
+    import zoomer_serve
+
+    if mode == "spawn-config-object":  # not handed down: the workers configure from the environment
+        config = dataclasses.replace(zoomer_serve.ZoomerConfig.from_env(), service_name="spawny")
+        zoomer_serve.configure(config=config, set_global_providers=False)
+        mode = "spawn-pool"
+    else:
+        zoomer_serve.configure(service_name="spawny", endpoint=endpoint, schedule_delay_ms=200,
+                               set_global_providers=False)
+    _record("parent/before", 2)
+    spans: dict[str, int] = {"parent/before": 2}
+    if mode in ("spawn-pool", "forkserver-pool"):
+        with multiprocessing.get_context(mode.split("-")[0]).Pool(2) as pool:
+            pool.map(_task, range(n), chunksize=1)
+        spans.update({f"pool/{i}": 3 for i in range(n)})
+    elif mode == "spawn-executor":
+        with futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as executor:
+            list(executor.map(_task, range(n)))
+        spans.update({f"pool/{i}": 3 for i in range(n)})
+    elif mode == "spawn-dataloader":
+        from torch.utils.data import DataLoader
+
+        loader = DataLoader(_RecordingDataset(n), batch_size=None, num_workers=2, multiprocessing_context="spawn")
+        list(loader)
+        spans.update({f"loader/{i}": 3 for i in range(n)})
+    _record("parent/after", 2)
+    spans["parent/after"] = 2
+    print(json.dumps({"event": "done", "spans": spans, "parent_helper": None}), flush=True)
 
 
 def _serve_worker(port_pipe: int) -> None:
@@ -137,5 +205,7 @@ def fork_scenario(mode: str, n: int) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "wrapped":
         wrapped()
+    elif sys.argv[1].startswith(("spawn-", "forkserver-")):
+        spawn_scenario(sys.argv[1], int(sys.argv[2]), sys.argv[3])
     else:
         fork_scenario(sys.argv[1], int(sys.argv[2]))

@@ -193,6 +193,114 @@ def test_children_forked_after_configure_export_their_own_spans_and_leave_the_pa
     assert not parent & children
 
 
+@pytest.mark.parametrize(("mode", "n"), [("spawn-pool", 4), ("forkserver-pool", 4), ("spawn-executor", 4),
+                                         ("spawn-dataloader", 4)])
+def test_spawned_workers_take_the_configuration_the_parent_gave_in_code(collector, mode, n):
+    """C13 for the other start methods: the parent calls ``configure(endpoint=..., service_name=...)`` in code (its
+    environment points OTLP at a closed port), then tasks run in ``spawn`` / ``forkserver`` workers (a
+    multiprocessing pool, a ``ProcessPoolExecutor``, torch ``DataLoader`` workers) that record without
+    configuring anything. Those workers start fresh and used to configure themselves from the environment alone:
+    their spans went to the closed port and were lost. Now every span sent reaches the store, under the service
+    name given in code, each worker its own ``service.instance.id``, and nothing is printed."""
+    env = {**_env(collector), "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{_closed_port()}",
+           "OTEL_EXPORTER_OTLP_TIMEOUT": "2000"}
+    proc = subprocess.run([sys.executable, APPS, mode, str(n), collector.grpc_endpoint], capture_output=True,
+                          text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "zoomer" not in proc.stderr.lower() and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    done = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = collector.spans()
+    got: dict[str, int] = {}
+    for row in rows:
+        got[row["name"]] = got.get(row["name"], 0) + 1
+    note("C13", f"spawned workers, configured in code in the parent: {mode} ({n} tasks)",
+         sum(done["spans"].values()), len(rows))
+    assert got == done["spans"]
+    assert {row["service_name"] for row in rows} == {"spawny"}
+    parent = {row["service_instance_id"] for row in rows if row["name"].startswith("parent/")}
+    children = {row["service_instance_id"] for row in rows if not row["name"].startswith("parent/")}
+    assert len(parent) == 1 and children and not parent & children
+
+
+def test_a_config_object_is_not_handed_down_and_the_spawned_worker_says_so(collector):
+    """C13: a parent configured with ``configure(config=ZoomerConfig(...))`` (service ``spawny``): the object is not
+    handed down, so its spawned workers configure from the environment they inherited (service ``zoomer-serve``,
+    the collector's endpoint), say so in one warning each, and every span still reaches the store."""
+    proc = subprocess.run([sys.executable, APPS, "spawn-config-object", "4", "unused"], capture_output=True,
+                          text=True, timeout=240, env=_env(collector))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    done = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = collector.spans()
+    note("C13", "spawned workers, parent configured with a config object", sum(done["spans"].values()), len(rows))
+    got: dict[str, int] = {}
+    for row in rows:
+        got[row["name"]] = got.get(row["name"], 0) + 1
+    assert got == done["spans"]
+    names = {row["service_name"] for row in rows if row["name"].startswith("pool/")}
+    assert names == {"zoomer-serve"}
+    assert {row["service_name"] for row in rows if row["name"].startswith("parent/")} == {"spawny"}
+    warnings = proc.stderr.count("its parent called configure(config=...)")
+    workers = len({row["resource_attributes"]["process.pid"] for row in rows if row["name"].startswith("pool/")})
+    assert warnings == workers >= 1, proc.stderr[-3000:]
+
+
+def test_configure_writes_its_arguments_for_spawned_workers_and_shutdown_takes_them_back(collector):
+    """What ``configure()`` hands down: the keyword arguments given (as JSON in ``ZOOMER_CONFIGURE_ARGUMENTS``),
+    a note for a ``config=`` object, nothing when configured from the environment alone; ``shutdown()`` takes it
+    back (workers spawned after it configure from the environment, as the parent would)."""
+    import zoomer_serve
+    from zoomer_serve.runtime import CONFIGURE_ARGUMENTS_ENV
+
+    zoomer_serve.configure(service_name="handed", endpoint=collector.grpc_endpoint, timeout_ms=3000,
+                           set_global_providers=False)
+    assert json.loads(os.environ[CONFIGURE_ARGUMENTS_ENV]) == {
+        "service_name": "handed", "endpoint": collector.grpc_endpoint, "timeout_ms": 3000,
+        "set_global_providers": False}
+    zoomer_serve.configure(config=zoomer_serve.ZoomerConfig.from_env(), set_global_providers=False)
+    assert json.loads(os.environ[CONFIGURE_ARGUMENTS_ENV]) == {"config": None}
+    zoomer_serve.configure(service_name="again", set_global_providers=False)
+    zoomer_serve.shutdown(timeout_s=1)
+    assert CONFIGURE_ARGUMENTS_ENV not in os.environ
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ('{"service_name": "handed"}', "handed"),
+    ("[1, 2]", "ConfigError: ZOOMER_CONFIGURE_ARGUMENTS must be a JSON object of configure() keyword arguments"),
+    ('{"colour": "red"}', "ConfigError: ZOOMER_CONFIGURE_ARGUMENTS must be a JSON object"),
+])
+def test_only_a_multiprocessing_worker_takes_the_handed_down_arguments(monkeypatch, value, expected):
+    """A real ``spawn`` worker that records without configuring takes ``ZOOMER_CONFIGURE_ARGUMENTS`` (a bad value
+    is a ConfigError naming it); a process started by ``subprocess`` with the same environment ignores it."""
+    import multiprocessing
+
+    from lifecycle_apps import configured_in_worker
+
+    monkeypatch.setenv("ZOOMER_CONFIGURE_ARGUMENTS", value)
+    monkeypatch.setenv("ZOOMER_EXPORT_MODE", "none")
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "none")
+    monkeypatch.setenv("ZOOMER_GPU", "off")
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    worker = ctx.Process(target=configured_in_worker, args=(queue,))
+    worker.start()
+    got = queue.get(timeout=120)
+    worker.join(60)
+    assert got.startswith(expected) and worker.exitcode == 0, got
+    plain = subprocess.run([sys.executable, "-c", "import zoomer_serve; "
+                            "print(zoomer_serve.get_telemetry().config.service_name); zoomer_serve.shutdown()"],
+                           capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert plain.returncode == 0 and plain.stdout.split() == ["zoomer-serve"], plain.stderr[-2000:]
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_a_child_stopped_inside_the_sdks_fork_hook_prints_nothing(caplog):
     """C13 (fork-pool) failed now and then with "SDK provider shutdown failed: RuntimeError('cannot join thread
     before it is started')" on a child's stderr: SIGTERM reached the child between the SDK's fork hook making

@@ -24,6 +24,12 @@ shutdown is over, then takes its course.
 something. In ``multiprocessing`` children, which leave through ``os._exit`` (no ``atexit``), telemetry is
 flushed by a ``multiprocessing.util.Finalize`` that the child's exit runs. A child that calls ``os._exit``
 itself must call :func:`zoomer_serve.shutdown` first.
+
+**Spawned workers.** A ``multiprocessing`` worker started by ``spawn`` or ``forkserver`` imports zoomer-serve
+afresh (configured with its parent's :func:`zoomer_serve.configure` arguments, see :mod:`zoomer_serve.runtime`).
+When that import comes with the worker's first task, after the worker ran its after-fork hooks, the same
+``Finalize`` is registered at import: a ``forkserver`` worker leaves through ``os._exit`` and lost its spans
+without it.
 """
 
 from __future__ import annotations
@@ -132,6 +138,12 @@ def register_fork_hooks(after_in_child: Callable[[], None]) -> None:
     except ImportError:  # pragma: no cover - part of the standard library
         return
     mp_util.register_after_fork(_MP_TOKEN, _in_multiprocessing_child)
+    import multiprocessing
+
+    if multiprocessing.parent_process() is not None:
+        # first imported inside a multiprocessing worker's task (spawn or forkserver): the worker ran its
+        # after-fork hooks before; a forkserver worker leaves through os._exit, so only this flushes at its exit
+        _in_multiprocessing_child(_MP_TOKEN)
 
 
 class _Token:

@@ -9,6 +9,15 @@ telemetry is active (after :func:`shutdown`) is dropped and counted (:func:`reco
 :func:`shutdown` (also registered with ``atexit``, and run before SIGTERM's default action) flushes within the
 export timeout plus one second; :func:`force_flush` exports what was recorded so far without stopping. How
 signals and fork are handled: :mod:`zoomer_serve.lifecycle`.
+
+**Spawned workers.** A ``multiprocessing`` worker started by the ``spawn`` or ``forkserver`` method (also a
+``ProcessPoolExecutor`` with such a context, torch ``DataLoader`` / ``torch.multiprocessing`` workers) is a fresh
+interpreter: nothing configured in the parent's memory reaches it, only its environment. So :func:`configure`
+also writes the keyword arguments it was given to ``ZOOMER_CONFIGURE_ARGUMENTS`` in ``os.environ`` (and removes
+it when given none, and at :func:`shutdown`), and a ``multiprocessing`` worker that records before calling :func:`configure` itself
+configures with them, from the environment it inherited: as the parent did. A :class:`ZoomerConfig` passed as
+``config=`` is not handed down (the worker configures from the environment and says so once in a warning); an
+explicit :func:`configure` in the worker is taken as given. Other child processes (``subprocess``) ignore it.
 """
 
 from __future__ import annotations
@@ -16,8 +25,10 @@ from __future__ import annotations
 import atexit
 import concurrent.futures.thread  # noqa: F401  (its fork hooks must be registered before the SDK providers')
 import dataclasses
+import json
 import logging
 import math
+import multiprocessing
 import os
 import threading
 import time
@@ -41,6 +52,10 @@ from zoomer_serve.recording import RequestRecorder, Sampler
 from zoomer_serve.resource import build_resource_attributes, child_resource_attributes
 
 logger = logging.getLogger("zoomer_serve")
+CONFIGURE_ARGUMENTS_ENV = "ZOOMER_CONFIGURE_ARGUMENTS"  # configure()'s arguments, for spawned workers
+_HANDED_DOWN = ("service_name", "endpoint", "protocol", "export_mode", "sampler", "sampler_ratio",
+                "resource_attributes", "timeout_ms", "schedule_delay_ms", "metric_export_interval_ms",
+                "set_global_providers")
 _lock = threading.RLock()
 _active: Telemetry | None = None
 _stopping: Telemetry | None = None  # the last one shut down by shutdown()
@@ -232,6 +247,9 @@ def configure(*, service_name: str | None = None, endpoint: str | None = None, p
         RuntimeError: the export helper process could not start.
     """
     global _active
+    given = {name: value for name, value in locals().items() if name in _HANDED_DOWN and value is not None}
+    if set_global_providers:
+        del given["set_global_providers"]  # the default
     cfg = config or ZoomerConfig.from_env()
     cfg = _apply_overrides(cfg, service_name, endpoint, protocol, export_mode, sampler, sampler_ratio,
                            resource_attributes, timeout_ms, schedule_delay_ms, metric_export_interval_ms)
@@ -242,7 +260,47 @@ def configure(*, service_name: str | None = None, endpoint: str | None = None, p
         _active = _build(cfg, set_global_providers)
         if cfg.signal_handlers and _active.pipeline is not None:
             lifecycle.install_signal_handlers(_current)
+        _hand_down(given, config is not None)
         return _active
+
+
+def _hand_down(given: dict[str, Any], config_object: bool) -> None:
+    """Write what :func:`configure` was given to ``os.environ`` for the ``multiprocessing`` workers this process
+    spawns (see the module docstring): the arguments as JSON, a note that a ``config=`` object was not handed
+    down, or nothing (configured from the environment alone)."""
+    if config_object:
+        os.environ[CONFIGURE_ARGUMENTS_ENV] = json.dumps({"config": None})
+    elif given:
+        os.environ[CONFIGURE_ARGUMENTS_ENV] = json.dumps(given, sort_keys=True)
+    else:
+        os.environ.pop(CONFIGURE_ARGUMENTS_ENV, None)
+
+
+def inherited_arguments() -> dict[str, Any]:
+    """The :func:`configure` arguments that the parent of this ``multiprocessing`` worker handed down
+    (``ZOOMER_CONFIGURE_ARGUMENTS``); {} in any other process, or when the parent configured from the environment
+    alone or with a ``config=`` object (then a warning says so, once).
+
+    Raises:
+        ConfigError: the variable is not a JSON object of :func:`configure` keyword arguments.
+    """
+    raw = os.environ.get(CONFIGURE_ARGUMENTS_ENV)
+    if not raw or multiprocessing.parent_process() is None:
+        return {}
+    try:
+        given = json.loads(raw)
+    except ValueError:
+        given = None
+    if not isinstance(given, dict) or not set(given) <= {*_HANDED_DOWN, "config"}:
+        raise ConfigError(f"{CONFIGURE_ARGUMENTS_ENV} must be a JSON object of configure() keyword arguments "
+                          f"({', '.join(_HANDED_DOWN)}), got {raw!r}")
+    if "config" in given:
+        logger.warning("zoomer-serve: this multiprocessing worker (pid %d) configured itself from the environment: "
+                       "its parent called configure(config=...), and a ZoomerConfig is not handed down to spawned "
+                       "workers; call zoomer_serve.configure(config=...) in the worker (its initializer)",
+                       os.getpid())
+        return {}
+    return given
 
 
 def _current() -> Telemetry | None:
@@ -411,10 +469,15 @@ def _sdk_providers(cfg: ZoomerConfig, resource: dict[str, Any], set_global: bool
 
 
 def get_telemetry() -> Telemetry:
-    """The active telemetry, configured from the environment on first use."""
+    """The active telemetry, configured on first use from the environment (in a spawned ``multiprocessing``
+    worker, with the arguments its parent gave :func:`configure`: :func:`inherited_arguments`).
+
+    Raises:
+        ConfigError: a setting is invalid (the message names it).
+    """
     with _lock:
         if _active is None:
-            return configure()
+            return configure(**inherited_arguments())
         return _active
 
 
@@ -431,6 +494,7 @@ def shutdown(timeout_s: float | None = None) -> ExportStats | None:
         active, _active = _active, None
         if active is not None:
             _stopping = active
+            _hand_down({}, False)  # workers spawned from now on configure as this process would: from the environment
     return active.shutdown(timeout_s) if active is not None else None
 
 

@@ -217,6 +217,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("ZOOMER_LOADTEST_SUMMARY_JSON", _LOAD, "path", "none", "write the run summary as JSON here"),
     Setting("ZOOMER_LOADTEST_TRANSPORT", _LOAD, "", "`grpc`", "the demo users' transport: `grpc` or `thrift`"),
     # -- internal -------------------------------------------------------------------------------------------------
+    Setting("ZOOMER_CONFIGURE_ARGUMENTS", _INTERNAL, "JSON", "set by zoomer-serve",
+            "the keyword arguments `zoomer_serve.configure()` was given, which it writes to `os.environ` (and "
+            "removes when given none, and at `shutdown()`): a `multiprocessing` worker (spawn, forkserver) that records before "
+            "configuring configures with them; other processes ignore it; do not set"),
     Setting("ZOOMER_WORKER_CONFIG", _INTERNAL, "JSON", "set by zoomer-serve",
             "the export helper's settings, passed from the server process to the helper it starts; do not set"),
     Setting("ZOOMER_PARENT_PID", _INTERNAL, "pid", "set by zoomer-serve",
