@@ -34,6 +34,7 @@ from test_analysis_store import MS, Req, normal, record_replica
 
 KINETO = Path(__file__).resolve().parents[2] / "shared" / "data" / "kineto"
 EVENT_SYNC = KINETO / "a100_cuda_event_sync.json.gz"
+needs_kineto = pytest.mark.skipif(not EVENT_SYNC.is_file(), reason=f"real Kineto traces not found at {KINETO}")
 TOLERANCE_NS = 1_000_000  # 1 ms
 FORMATS = ("merged.pftrace", "merged.pftrace.gz", "merged.json.gz")
 
@@ -111,6 +112,7 @@ def test_a_trace_of_the_pinned_torch_has_a_time_base_and_lines_up_with_its_reque
 
 
 @pytest.mark.slow
+@needs_kineto
 def test_a_trace_without_a_time_base_keeps_its_epoch_times(collector: Any, tmp_path: Path) -> None:
     """The shared 2024 A100 trace has no ``baseTimeNanoseconds``: its ``ts`` are epoch microseconds, so its
     first kernel stays at 1707417525512145 us; a request labelled in a copy of it is linked to its span and
@@ -141,6 +143,7 @@ def test_a_trace_without_a_time_base_keeps_its_epoch_times(collector: Any, tmp_p
         assert min(s.start_ns for s in kernels) == 1707417525512145 * 1000
 
 
+@needs_kineto
 def test_all_requests_are_drawn_when_none_overlap_the_trace(collector: Any, tmp_path: Path) -> None:
     """A store recorded at another time than the trace: the merged timeline still holds every request."""
     record_replica(collector, "early", [Req([("forward", 1.0)])], 1_700_000_000_000_000_000)
