@@ -429,3 +429,22 @@ def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(store: Path, fmt
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 1
     assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err
+
+
+def test_ctrl_c_before_a_command_handles_it_is_one_line_and_exit_130(monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl+C while a command is still starting (importing its modules, before it handles Ctrl+C itself) printed a
+    KeyboardInterrupt traceback. Now it is one line, and the exit status of a SIGINT death (130), as shells
+    expect."""
+    from zoomer_serve import cli
+
+    def interrupted(args: argparse.Namespace) -> int:
+        raise KeyboardInterrupt
+
+    parser = cli.build_parser()
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    report = parser._subparsers._group_actions[0].choices["report"]  # type: ignore[union-attr]
+    report.set_defaults(func=interrupted)
+    assert cli.main(["report", "--store", "x.duckdb"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "zoomer-serve: interrupted", err

@@ -43,6 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader of stdout is gone (``| head``): stop quietly
         _drop_stdout()
         return 1
+    except KeyboardInterrupt:  # Ctrl+C before the command handles it itself (while it imports and starts)
+        print("zoomer-serve: interrupted", file=sys.stderr)
+        return 130
 
 
 def _drop_stdout() -> None:
