@@ -165,6 +165,12 @@ def test_a_missing_path_and_an_empty_window_are_errors_that_say_why(tmp_path: Pa
         assert code == 2 and err == f"zoomer-serve fleet: {missing} does not exist (no such folder; on object " \
             "storage, no object under that prefix)\n", err
     assert not missing.exists()
+    a_file = tmp_path / "c1.duckdb"  # a store given where the fleet's folder goes
+    a_file.write_bytes(b"not a folder")
+    code, err = fleet_analyze(str(a_file))
+    assert code == 2 and err == f"zoomer-serve fleet: {a_file} is a file, not a folder: fleet analyze reads the " \
+        "folder (or object-storage prefix) that the replicas' trace artifacts and span datasets are under\n", err
+    assert a_file.read_bytes() == b"not a folder"
     root = tmp_path / "fleet"
     build_fleet(str(root), BASE_TRACE, FleetSpec(replicas=3))  # every window on 2026-11-18, 11:06 to 12:xx
     for since, start in (("2026-11-18T20:00:00", "2026-11-18T20:00:00Z"),  # same day: listed, then left out
@@ -174,7 +180,7 @@ def test_a_missing_path_and_an_empty_window_are_errors_that_say_why(tmp_path: Pa
         assert f"from --since {since} ({start}) on under {root}: 3 trace artifacts found, 3 of them ended " \
             f"before {start}" in err, err
     assert not (root / "fleet").exists()  # no empty report written
-    assert outputs == [""] * 4  # no report on stdout either
+    assert outputs == [""] * 5  # no report on stdout either
     code, err = fleet_analyze(str(root), "--since", "2026-11-18T00:00:00")
     assert code == 0, err
     counts = json.loads(outputs[-1])["counts"]

@@ -155,12 +155,15 @@ def run_fleet_job(options: FleetOptions, progress: Progress | None = None) -> Fl
 
 
 def _check_exists(source: str) -> None:
-    """Raises StorageError when nothing is at ``source`` (a mistyped folder, bucket or prefix), before anything
-    is listed or written there."""
+    """Raises StorageError when nothing is at ``source`` (a mistyped folder, bucket or prefix), or a file is (a
+    store given for the fleet's folder), before anything is listed or written there."""
     fs, base = filesystem(source)
     if not fs.exists(base):
         raise StorageError(f"{source} does not exist (no such folder; on object storage, no object under that "
                            "prefix)")
+    if not fs.isdir(base):
+        raise StorageError(f"{source} is a file, not a folder: fleet analyze reads the folder (or object-storage "
+                           "prefix) that the replicas' trace artifacts and span datasets are under")
 
 
 def _outcomes(options: FleetOptions, tasks: list[tuple[str, int | None]]) -> Iterator[Outcome]:
