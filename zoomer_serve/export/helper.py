@@ -5,9 +5,11 @@ It runs an :class:`~zoomer_serve.export.worker.ExportWorker` on the records that
 (:mod:`zoomer_serve.export.frames`) and writes JSON lines on stdout:
 
 - ``{"event": "ready", "pid": P}`` once it can take frames;
-- ``{"event": "progress", ...counters}`` when its counters changed, at most once a second (the server uses the
-  last one to count what a helper that died took with it). The export thread writes it between two turns of its
-  loop, within about a second of the turn that changed them: no thread of its own wakes every second;
+- ``{"event": "progress", ...counters, "in_flight": N}``: the export thread writes one just before each export
+  request of spans (``N``: its spans) and one once that request's outcome is counted (``N`` = 0), and otherwise
+  between two turns of its loop when its counters changed, at most once a second (no thread of its own wakes
+  every second). The server uses the last one to count what a helper that died took with it: spans it had not
+  reported are lost, except the ``N`` of a request it may have sent, whose outcome is unknown;
 - ``{"event": "flushed", "seq": N, "ok": B}`` after a ``FLUSH`` frame's records were sent (or failed); ``ok`` is
   :meth:`ExportWorker.flush`'s answer (False when anything was lost since the previous flush);
 - ``{"event": "stats", ...counters}`` last, after everything was flushed or the budget ran out.
@@ -93,6 +95,7 @@ class Helper:
         self._reported: dict[str, Any] | None = None  # the counters of the last progress line
         self._reported_at = float("-inf")  # time.monotonic() of it
         worker.on_turn = self.report_progress
+        worker.on_export = self.report_export
 
     def run(self, stdin: BinaryIO) -> None:
         self.out.emit({"event": "ready", "pid": os.getpid()})
@@ -151,6 +154,14 @@ class Helper:
         self._reported_at = time.monotonic()
         self.out.emit({"event": "progress", **self._reported})
         return None
+
+    def report_export(self, in_flight: int) -> None:
+        """Write a progress line now, with the spans of the export request about to be sent (``in_flight``), or 0
+        once its outcome is counted (:attr:`ExportWorker.on_export`, on the export thread): written before the
+        request goes out, so a server that finds this helper dead knows which spans it may have sent."""
+        self._reported = dict(vars(self.worker.stats))
+        self._reported_at = time.monotonic()
+        self.out.emit({"event": "progress", **self._reported, "in_flight": in_flight})
 
     def on_sigterm(self, _signum: int, _frame: Any) -> None:
         """Keep taking the server's last frames for the budget, then flush and exit (see the module docstring)."""

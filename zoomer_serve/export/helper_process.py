@@ -22,6 +22,8 @@ from zoomer_serve.export import frames
 from zoomer_serve.export.worker import SPAN_OUTCOMES
 
 READY_TIMEOUT_S = 30.0
+LAST_LINES_TIMEOUT_S = 2.0
+"""Seconds a helper that died is given for its last lines to be read (its stdout to reach its end)."""
 
 
 class HelperProcess:
@@ -123,6 +125,20 @@ class HelperProcess:
         c = self.counters
         done = sum(int(c.get(k, 0)) for k in SPAN_OUTCOMES)
         return max(0, self.sent_spans - done)
+
+    def taken_spans(self, timeout_s: float = LAST_LINES_TIMEOUT_S) -> tuple[int, int]:
+        """What a helper that is gone took with it, in spans: ``(lost, unknown)``. Its lines are read to the end
+        of its stdout first (up to ``timeout_s`` seconds). Of the spans written to it (:attr:`sent_spans`), those
+        its last line accounts for are settled; those of the export request it said it was sending
+        (``in_flight``) may have reached the collector: unknown; the rest never left it (in the pipe, its queue
+        or its pending batch): lost. When its stdout did not end in time, every unsettled span is unknown."""
+        with self._cond:
+            complete = self._cond.wait_for(lambda: self._eof, max(0.0, timeout_s))
+        unreported = self.unreported_spans()
+        if not complete:
+            return 0, unreported
+        in_flight = min(unreported, max(0, int(self.counters.get("in_flight", 0))))
+        return unreported - in_flight, in_flight
 
     def stop(self, deadline: float) -> dict[str, Any] | None:
         """Ask for the final flush (budget: up to ``deadline``, ``time.monotonic()``), close its stdin and wait

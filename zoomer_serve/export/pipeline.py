@@ -19,9 +19,11 @@ A frame is also bounded by bytes (:data:`~zoomer_serve.export.frames.MAX_FRAME_B
 and a record larger on its own is dropped and counted (``dropped_record_too_large``), never sent.
 
 A helper process that dies (killed, out of memory) is started again by the writer thread, at most once per
-:data:`RESTART_BACKOFF_S`; what it took with it is counted (``lost_in_helper``: spans written to it that its last
-reported counters do not account for), and so is every record lost while none runs. Export never stays off
-for the rest of the process's life.
+:data:`RESTART_BACKOFF_S`; what it took with it is counted from its last lines
+(:meth:`~zoomer_serve.export.helper_process.HelperProcess.taken_spans`): the spans written to it that it had not
+reported exported or dropped are ``lost_in_helper``, except those of the export request it was sending, whose
+outcome is ``unknown`` (the collector may have stored them). Every record lost while none runs is counted too.
+Export never stays off for the rest of the process's life.
 """
 
 from __future__ import annotations
@@ -70,7 +72,9 @@ class ExportPipeline:
         self.dropped_records = 0  # records dropped there, sampled or not (their calls miss the RPC metrics)
         self.submitted = 0  # sampled spans handed to the worker
         self.dropped_record_too_large = 0  # sampled spans of records too large for any frame
-        self.lost_in_helper = 0  # sampled spans that a helper which died did not report
+        self.lost_in_helper = 0  # sampled spans that a helper which died held and had not sent
+        self.unknown_in_helper = 0  # sampled spans that a helper which died may have sent (not reported)
+        self._gone_stats = ExportStats()  # the last counters of the helpers that died (their exports, ...)
         self.helper_restarts = 0
         self._queue: collections.deque[tuple[Any, ...]] = collections.deque()
         self._max = cfg.max_queue_size
@@ -217,7 +221,10 @@ class ExportPipeline:
         if self._helper is helper:
             self._helper = None
         helper.kill()
-        self.lost_in_helper += helper.unreported_spans()
+        lost, unknown = helper.taken_spans()
+        self.lost_in_helper += lost
+        self.unknown_in_helper += unknown
+        _add_counters(self._gone_stats, helper.counters)
         if not self._logged_helper_gone:
             self._logged_helper_gone = True
             logger.warning("zoomer-serve: the export helper process is gone (%s); starting a new one, and "
@@ -266,9 +273,9 @@ class ExportPipeline:
     def flush(self, timeout_s: float) -> bool:
         """Export everything recorded so far now and wait for it, within ``timeout_s`` seconds. True when the
         flush succeeded: nothing was lost since the previous flush, here (a full queue, a record too large for a
-        frame, a helper process that died) or in the worker (refused or rejected by the collector, see
-        :meth:`~zoomer_serve.export.worker.ExportWorker.flush`). False otherwise, or when the time ran out; the
-        losses are counted either way."""
+        frame, a helper process that died: lost or of unknown outcome) or in the worker (refused or rejected by
+        the collector, see :meth:`~zoomer_serve.export.worker.ExportWorker.flush`). False otherwise, or when the
+        time ran out; the losses are counted either way."""
         deadline = time.monotonic() + timeout_s
         if not self.hand_off(timeout_s):
             return False
@@ -279,8 +286,9 @@ class ExportPipeline:
         return ok
 
     def _losses(self) -> int:
-        """Spans this side has counted as lost so far (the worker counts its own)."""
-        return self.dropped + self.dropped_record_too_large + self.lost_in_helper
+        """Spans this side has counted as lost, or whose outcome it does not know, so far (the worker counts its
+        own)."""
+        return self.dropped + self.dropped_record_too_large + self.lost_in_helper + self.unknown_in_helper
 
     def _flush_worker(self, deadline: float) -> bool:
         """Have the worker (thread or helper process) flush what it got; its answer, False when none came by
@@ -332,7 +340,9 @@ class ExportPipeline:
         stats.dropped_queue += self.dropped
         stats.dropped_records += self.dropped_records
         stats.dropped_record_too_large += self.dropped_record_too_large
+        _add_counters(stats, asdict(self._gone_stats))
         stats.lost_in_helper += self.lost_in_helper
+        stats.unknown += self.unknown_in_helper
         stats.helper_restarts += self.helper_restarts
         self.final_stats = stats
         _log_losses(stats, self.cfg.traces_endpoint)
@@ -353,6 +363,16 @@ class ExportPipeline:
         return stats
 
 
+def _add_counters(stats: ExportStats, counters: dict[str, Any]) -> None:
+    """Add a worker's counters (an :class:`ExportStats` as a dict, or a helper's last line) to ``stats``: every
+    count; ``last_error`` only where ``stats`` has none."""
+    for name, value in counters.items():
+        if name == "last_error":
+            stats.last_error = stats.last_error or value
+        elif name in ExportStats.__dataclass_fields__ and isinstance(value, int):
+            setattr(stats, name, getattr(stats, name) + value)
+
+
 def _log_losses(stats: ExportStats, endpoint: str) -> None:
     """One warning per kind of loss, with its count (nothing when nothing was lost)."""
     if stats.dropped:
@@ -367,5 +387,5 @@ def _log_losses(stats: ExportStats, endpoint: str) -> None:
                        "metrics (and their spans, when sampled, are counted above)", stats.dropped_records)
     if stats.unknown:
         logger.warning("zoomer-serve: the outcome of %d spans is unknown: they were in flight when the shutdown "
-                       "budget ran out, or the export helper did not report them; they may or may not have reached "
-                       "%s", stats.unknown, endpoint)
+                       "budget ran out or when an export helper process died, or the export helper did not report "
+                       "them; they may or may not have reached %s", stats.unknown, endpoint)

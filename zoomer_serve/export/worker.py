@@ -51,10 +51,11 @@ class ExportStats:
     (sampled or not) that never reached a worker: their calls are missing from the RPC metrics too;
     ``dropped_record_too_large``: spans of records too large for a frame to the helper process
     (:data:`zoomer_serve.export.frames.MAX_FRAME_BYTES`); ``lost_in_helper``: spans handed to a helper process that
-    died before it reported them exported or dropped; ``helper_restarts``: helper processes started again after
-    one died; ``unknown``: spans whose outcome is not known, neither counted as exported nor as dropped: those of
-    the export request in flight when the shutdown budget ran out (the collector may yet store them), and those
-    of a helper that did not answer at shutdown. ``metric_points_exported`` / ``_rejected`` / ``_dropped``:
+    died holding them, before it sent them (in the pipe, its queue or its pending batch); ``helper_restarts``:
+    helper processes started again after one died; ``unknown``: spans whose outcome is not known, neither counted
+    as exported nor as dropped: those of the export request in flight when the shutdown budget ran out (the
+    collector may yet store them), those of the export request a helper process was sending when it died, and
+    those of a helper that did not answer at shutdown. ``metric_points_exported`` / ``_rejected`` / ``_dropped``:
     metric data points the collector accepted, rejected in a partial success, or that an export lost for any
     reason (rejected included; the next export carries the cumulative totals again); ``last_error``: the last
     export failure (or record the encoder could not encode).
@@ -161,6 +162,9 @@ class ExportWorker:
         # called on the export thread after each turn of its loop; returns the seconds after which it wants to be
         # called again even if nothing arrives (None: no such wish). The helper process reports its progress so.
         self.on_turn: Callable[[], float | None] | None = None
+        # called on the export thread with the spans of an export request just before it is sent, and with 0 once
+        # its outcome is counted: the helper process reports both, so that what it may have sent is known.
+        self.on_export: Callable[[int], None] | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -280,13 +284,20 @@ class ExportWorker:
                 chunk = self._take_request()
                 self._in_flight = len(chunk)
             if chunk:
+                self._announce(len(chunk))
                 tally = self._deliver(self._sender, self._encoder.encode_request, chunk, deadline)
                 with self._settle_lock:
                     self._in_flight = 0
                     if not self._abandoned:
                         self._count_spans(tally)
+                self._announce(0)
         self._pending_bytes = 0
         self._last_flush = time.monotonic()
+
+    def _announce(self, in_flight: int) -> None:
+        """Tell :attr:`on_export` how many spans are now in flight (0: none, their outcome is counted)."""
+        if self.on_export is not None:
+            self.on_export(in_flight)
 
     def _take_request(self) -> list[bytes]:
         """Remove the spans of the next request from the front of the pending list and return them. A first
