@@ -259,3 +259,30 @@ def test_keys_and_names_that_are_not_strings_are_their_str_not_a_lost_record():
     assert _attrs(span.attributes) == {"1": "v", "None": "w", "('t',)": 2**20, "ok": "x"}
     assert span.events[0].attributes[0].key == "7" and span.events[1].name == "404"
     assert span.status.message == "boom"
+
+
+def test_records_of_other_scopes_go_in_their_own_scope_spans_within_the_request_bound():
+    """A record with ``R_SCOPE`` (a span made with the OpenTelemetry API) is written in a ``ScopeSpans`` of its own
+    scope, beside zoomer-serve's; a link's trace state and flags travel; the request stays within
+    ``request_overhead`` plus ``request_bytes`` of each span."""
+    from zoomer_serve.export.otlp_wire import request_bytes
+
+    encoder = SpanEncoder({"service.name": "svc"}, "zoomer_serve", "1")
+    link = (0xAB, 0xCD, {"k": "v"}, "vendor=y", 0x301)
+    user = _record(R_LINKS=[link]) + (("lib.user", "2.0", "https://opentelemetry.io/schemas/1.26.0", {"a": 1}),)
+    plain = _record(R_SPAN_ID=7)
+    spans = [encoder.scoped(encoder.encode_span(rec), rec) for rec in (plain, user, user, plain)]
+    assert [type(s) is bytes for s in spans] == [True, False, False, True]
+    payload = encoder.encode_request(spans)
+    assert len(payload) <= encoder.request_overhead + sum(map(request_bytes, spans))
+    (rs,) = ExportTraceServiceRequest.FromString(payload).resource_spans
+    by_scope = {ss.scope.name: ss for ss in rs.scope_spans}
+    assert set(by_scope) == {"zoomer_serve", "lib.user"}
+    assert len(by_scope["zoomer_serve"].spans) == 2 and len(by_scope["lib.user"].spans) == 2
+    user_scope = by_scope["lib.user"]
+    assert user_scope.scope.version == "2.0" and _attrs(user_scope.scope.attributes) == {"a": 1}
+    assert user_scope.schema_url == "https://opentelemetry.io/schemas/1.26.0"
+    (got,) = user_scope.spans[0].links
+    assert (got.trace_state, got.flags, _attrs(got.attributes)) == ("vendor=y", 0x301, {"k": "v"})
+    only_user = ExportTraceServiceRequest.FromString(encoder.encode_request(spans[1:3])).resource_spans[0]
+    assert [ss.scope.name for ss in only_user.scope_spans] == ["lib.user"]

@@ -37,6 +37,7 @@ from zoomer_serve.recording.records import (
     R_NAME,
     R_PARENT_ID,
     R_PARENT_REMOTE,
+    R_SCOPE,
     R_SPAN_ID,
     R_START_NS,
     R_STATUS,
@@ -154,6 +155,25 @@ def _text(value: Any) -> bytes:
     return (value if type(value) is str else str(value)).encode("utf-8", "replace")
 
 
+class ScopedSpan(bytes):
+    """An encoded span (its ``Span`` message body) of an instrumentation scope other than the encoder's own (a span
+    made with the OpenTelemetry API): ``scope`` and ``schema`` are that ``ScopeSpans``' ``scope`` and
+    ``schema_url`` fields, encoded (see :meth:`SpanEncoder.scoped`)."""
+
+    scope: bytes
+    schema: bytes
+
+
+def request_bytes(span: bytes) -> int:
+    """The most one encoded span adds to an ``ExportTraceServiceRequest`` (see
+    :meth:`SpanEncoder.encode_request`): its length and framing, and for a :class:`ScopedSpan` the ``ScopeSpans``
+    of its own scope too (counted for each such span: an upper bound)."""
+    if type(span) is bytes:
+        return len(span) + FIELD_FRAMING_BYTES
+    scoped: Any = span
+    return len(span) + len(scoped.scope) + len(scoped.schema) + 2 * FIELD_FRAMING_BYTES
+
+
 class SpanEncoder:
     """Encodes span records (see :mod:`zoomer_serve.recording.records`) into OTLP request bytes.
 
@@ -181,6 +201,7 @@ class SpanEncoder:
         self._name_cache: dict[tuple[str, int], bytes] = {}
         self._tail_cache: dict[tuple[Any, ...], bytes] = {}  # encode_child: what follows the timestamps
         self._phase_cache: dict[tuple[str, int], tuple[bytes, bytes]] = {}  # encode_phase: name and kind, and the tail
+        self._scope_cache: dict[tuple[str, str, str], tuple[bytes, bytes]] = {}  # scoped: scope and schema fields
 
     def _cut(self, value: Any) -> Any:
         """``value`` within the attribute value length limit (strings, bytes, and the strings of a list)."""
@@ -341,10 +362,14 @@ class SpanEncoder:
         links = rec[R_LINKS]
         if links:
             dropped_links += max(0, len(links) - limits.link_count)
-            for link_trace, link_span, link_attrs in links[:limits.link_count]:
-                body = _ld(0x0A, link_trace.to_bytes(16, "big")) + _ld(0x12, link_span.to_bytes(8, "big"))
-                attrs, cut = self._key_values((link_attrs or {}).items(), limits.link_attribute_count, 0x22)
+            for link in links[:limits.link_count]:
+                body = _ld(0x0A, link[0].to_bytes(16, "big")) + _ld(0x12, link[1].to_bytes(8, "big"))
+                if len(link) > 3 and link[3]:
+                    body += _ld(0x1A, _text(link[3]))  # Link.trace_state (3)
+                attrs, cut = self._key_values((link[2] or {}).items(), limits.link_attribute_count, 0x22)
                 body += attrs + (b"\x28" + varint(cut) if cut else b"")  # Link.dropped_attributes_count (5)
+                if len(link) > 4:
+                    body += b"\x35" + struct.pack("<I", link[4])  # Link.flags (6, fixed32)
                 parts.append(_ld(0x6A, body))
         if dropped_links:
             parts.append(b"\x70" + varint(dropped_links))  # Span.dropped_links_count (field 14)
@@ -361,9 +386,40 @@ class SpanEncoder:
         parts.append(_pack_flags(0x0185, flags))  # tag 0x85 0x01 (field 16, fixed32), little-endian
         return b"".join(parts)
 
+    def scoped(self, span: bytes, rec: Sequence[Any]) -> bytes:
+        """``span``, the encoded span of ``rec``, as it is when ``rec`` is of zoomer-serve's own scope, else a
+        :class:`ScopedSpan` of the record's ``R_SCOPE`` ``(name, version, schema_url, attributes)`` (its
+        encoding cached per scope without attributes, at most :data:`_MAX_CACHE` of them)."""
+        if len(rec) <= R_SCOPE or not rec[R_SCOPE]:
+            return span
+        name, version, schema_url, attributes = rec[R_SCOPE]
+        fields = self._scope_cache.get((name, version, schema_url)) if not attributes else None
+        if fields is None:
+            scope = _ld(0x0A, _text(name)) + (_ld(0x12, _text(version)) if version else b"")
+            attrs, cut = self._key_values((attributes or {}).items(), self.limits.attribute_count, 0x1A)
+            scope += attrs + (b"\x20" + varint(cut) if cut else b"")  # InstrumentationScope (attributes: 3, 4)
+            fields = (_ld(0x0A, scope), _ld(0x1A, _text(schema_url)) if schema_url else b"")
+            if not attributes and len(self._scope_cache) < _MAX_CACHE:
+                self._scope_cache[(name, version, schema_url)] = fields
+        out = ScopedSpan(span)
+        out.scope, out.schema = fields
+        return out
+
     def encode_request(self, spans: Iterable[bytes]) -> bytes:
-        """Wrap encoded spans into one ``ExportTraceServiceRequest`` (one resource, one scope). Its length is at
-        most :attr:`request_overhead` plus, per span, the span's length and :data:`FIELD_FRAMING_BYTES`."""
-        scope_spans = self._scope_field + b"".join(_ld_tag(b"\x12", s) for s in spans) + self._schema_field
-        resource_spans = self._resource_field + _ld(0x12, scope_spans)
+        """Wrap encoded spans into one ``ExportTraceServiceRequest`` (one resource; one ``ScopeSpans`` for
+        zoomer-serve's own scope, and one for each other scope among the :class:`ScopedSpan` s). Its length is at
+        most :attr:`request_overhead` plus :func:`request_bytes` of each span."""
+        spans = list(spans)
+        others: dict[tuple[bytes, bytes], list[bytes]] = {}
+        for span in spans:
+            if type(span) is not bytes:
+                scoped: Any = span
+                others.setdefault((scoped.scope, scoped.schema), []).append(span)
+        resource_spans = self._resource_field
+        own = spans if not others else [s for s in spans if type(s) is bytes]
+        if own or not others:
+            scope_spans = self._scope_field + b"".join(_ld_tag(b"\x12", s) for s in own) + self._schema_field
+            resource_spans += _ld(0x12, scope_spans)
+        for (scope, schema), group in others.items():
+            resource_spans += _ld(0x12, scope + b"".join(_ld_tag(b"\x12", s) for s in group) + schema)
         return _ld(0x0A, resource_spans)

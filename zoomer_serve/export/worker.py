@@ -22,7 +22,7 @@ from typing import Any
 
 from zoomer_serve import semconv as sc
 from zoomer_serve.config import ExportConfig, SpanLimits
-from zoomer_serve.export.otlp_wire import FIELD_FRAMING_BYTES, SpanEncoder
+from zoomer_serve.export.otlp_wire import FIELD_FRAMING_BYTES, SpanEncoder, request_bytes
 from zoomer_serve.export.rpc_metrics import (
     METRIC_POINT_EXPORTED,
     SPAN_EXPORTED,
@@ -248,7 +248,7 @@ class ExportWorker:
                     self._metrics.record(rec)
                 except Exception as exc:  # a malformed record must not stop the exporter
                     logger.warning("zoomer-serve: could not aggregate a request record: %r", exc)
-        encode, encode_child = self._encoder.encode_span, self._encoder.encode_child
+        encode, encode_child, scoped = self._encoder.encode_span, self._encoder.encode_child, self._encoder.scoped
         encode_phase, phase_entry = self._encoder.encode_phase, r.PHASE_ENTRY_LEN
         pending = self._pending
         max_spans, max_bytes = self.cfg.max_export_batch_size, self.cfg.max_request_bytes
@@ -258,7 +258,7 @@ class ExportWorker:
             before = len(pending)
             try:
                 if rec[r.R_FLAGS] & sampled:
-                    span = encode(rec)
+                    span = scoped(encode(rec), rec)
                     pending.append(span)
                     self._pending_bytes += len(span)
                     for child in rec[r.R_CHILDREN] or ():
@@ -304,10 +304,10 @@ class ExportWorker:
         span too large for any request is removed and counted instead (an empty list is returned)."""
         pending, room = self._pending, self._span_room
         chunk = pending[:self.cfg.max_export_batch_size]
-        if sum(map(len, chunk)) + FIELD_FRAMING_BYTES * len(chunk) > room:  # rare: walk to where it is full
-            total = n = 0
+        if sum(map(len, chunk)) + FIELD_FRAMING_BYTES * len(chunk) > room or any(type(s) is not bytes for s in chunk):
+            total = n = 0  # rare (or spans of other scopes, each with its ScopeSpans): walk to where it is full
             for span in chunk:
-                total += len(span) + FIELD_FRAMING_BYTES
+                total += request_bytes(span)
                 if total > room:
                     break
                 n += 1

@@ -14,10 +14,14 @@ Fields (units):
 - ``R_STATUS`` int, OTLP ``Status.StatusCode`` (``STATUS_UNSET`` / ``STATUS_OK`` / ``STATUS_ERROR``)
 - ``R_STATUS_MSG`` str or None; ``R_ATTRS`` dict[str, scalar or list]
 - ``R_EVENTS`` list of ``(time_ns, name, attrs)`` or None; ``R_LINKS`` list of ``(trace_id, span_id, attrs)``
-  or None
+  or None; a link may add ``trace_state`` (str or None) and ``flags`` (int, OTLP ``Link.flags``: the W3C trace
+  flags and whether the linked context is remote)
 - ``R_CHILDREN`` list of the children exported with this one (its phases), or None: each either a child record
   (this same layout) or a *phase entry*, the short form of a plain phase (below)
 - ``R_FLAGS`` int, ``F_SAMPLED`` (export the span) | ``F_REQUEST`` (count it in the RPC metrics)
+- ``R_SCOPE`` (optional, only on the records of spans that user code made with the OpenTelemetry API, see
+  :mod:`zoomer_serve.recording.sdk_spans`): the span's instrumentation scope, ``(name, version, schema_url,
+  attributes)``; a record without it (17 fields) is of zoomer-serve's own scope
 
 Times: ``R_START_NS`` is read from the wall clock once; the end and every time inside the span are that start plus
 a monotonic delta (see :class:`~zoomer_serve.recording.recorder.RequestSpan`).
@@ -54,6 +58,7 @@ R_EVENTS = 13
 R_LINKS = 14
 R_CHILDREN = 15
 R_FLAGS = 16
+R_SCOPE = 17
 
 EV_TIME_NS = 0
 EV_NAME = 1
