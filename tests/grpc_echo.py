@@ -78,6 +78,11 @@ def _unary(request: bytes, context: grpc.ServicerContext) -> bytes:
         with tracer_provider.get_tracer("test").start_as_current_span("user.work"):
             pass
         return b"ok"
+    if cmd == b"user_big":  # "user_big:N": a span started with the OpenTelemetry API, with an N-character attribute
+        size = int(request.split(b":", 1)[1])
+        with _TRACER_PROVIDER[0].get_tracer("test.user", "1.2").start_as_current_span("child-op") as span:
+            span.set_attribute("my.big", "x" * size)
+        return b"ok"
     return request
 
 

@@ -75,7 +75,8 @@ def _count_after_shutdown(record: tuple[Any, ...]) -> None:
 
 
 def records_after_shutdown() -> int:
-    """Request records (spans with their phases) dropped because they ended while no telemetry was active:
+    """Span records (a request's span with its phases, or a span made with the OpenTelemetry API) dropped because
+    they ended while no telemetry was active:
     after :func:`shutdown`, or on a recorder whose telemetry was shut down, until the next :func:`configure`."""
     return _after_shutdown[0]
 
@@ -86,7 +87,8 @@ class Telemetry:
 
     ``recorder`` starts request spans; ``pipeline`` carries their records to the exporter (None when the SDK
     is disabled or ``ZOOMER_EXPORT_MODE=none``); ``tracer_provider`` / ``meter_provider`` are SDK providers
-    for spans and metrics that user code and other zoomer-serve parts create with the OpenTelemetry API.
+    for spans and metrics that user code and other zoomer-serve parts create with the OpenTelemetry API (the
+    tracer provider's spans go through ``pipeline`` too: ``span_forwarder``).
     """
 
     config: ZoomerConfig
@@ -100,6 +102,13 @@ class Telemetry:
     _shutdown_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
     gpu: Any = None  # zoomer_serve.telemetry.GpuTelemetry, or None (no GPU, or ZOOMER_GPU=off)
     host: Any = None  # zoomer_serve.host.HostTelemetry, or None (ZOOMER_HOST=off)
+    # the tracer provider's span processor that hands its spans to the pipeline (None: spans are not exported)
+    span_forwarder: Any = None
+
+    def sdk_span_flush(self) -> Any:
+        """How :attr:`span_forwarder` flushes (the pipeline's ``flush(timeout_s)``); None once shutting down, when
+        the pipeline's shutdown exports what it holds."""
+        return None if self.shutting_down or self.pipeline is None else self.pipeline.flush
 
     def shutdown(self, timeout_s: float | None = None) -> ExportStats:
         """Flush and stop everything within about ``timeout_s`` (default: the OTLP export timeout) + 1 s.
@@ -155,9 +164,11 @@ class Telemetry:
         dropped on the way (a full queue, too large, a helper process that died), or when the time ran out.
         Losses are counted and logged either way (:class:`~zoomer_serve.export.ExportStats`,
         ``otel.sdk.exporter.span.exported``); a False is about that period only, the next flush answers for
-        what comes after. The SDK providers (spans and metrics made with the OpenTelemetry API) add their own
-        ``force_flush`` answer: their batch processors say whether they finished in time, not whether the
-        collector took the data. Once shut down: True (nothing left to flush).
+        what comes after. Spans made with the OpenTelemetry API are among those spans (they go through the same
+        pipeline: the tracer provider's ``force_flush`` is the pipeline's). The meter provider (metrics made with
+        the API) adds its own ``force_flush`` answer: its reader says whether it finished in time, not whether the
+        collector took the data; so does any span processor that user code added. Once shut down: True (nothing
+        left to flush).
 
         Raises:
             ValueError: ``timeout_s`` is not a finite number of seconds >= 0.
@@ -167,7 +178,9 @@ class Telemetry:
             return True
         budget = self.config.export.export_budget_ms / 1000 if timeout_s is None else timeout_s
         deadline = time.monotonic() + budget
-        ok = self.pipeline.flush(budget) if self.pipeline is not None else True
+        ok = True
+        if self.pipeline is not None and self.span_forwarder is None:  # else the tracer provider's flush does it
+            ok = self.pipeline.flush(budget)
         for provider in (self.tracer_provider, self.meter_provider):
             if provider is not None and hasattr(provider, "force_flush"):
                 try:
@@ -393,9 +406,23 @@ def _build(cfg: ZoomerConfig, set_global: bool) -> Telemetry:
     recorder = _process_recorder(pipeline.submit if pipeline else None, sampler, cfg, True)
     tracer_provider, meter_provider = _sdk_providers(cfg, resource, set_global)
     telemetry = Telemetry(cfg, resource, recorder, pipeline, tracer_provider, meter_provider)
+    if pipeline is not None and cfg.export.sends_traces:
+        telemetry.span_forwarder = _forward_sdk_spans(telemetry)
     telemetry.gpu = _gpu_telemetry(cfg, recorder, meter_provider)
     telemetry.host = _host_telemetry(cfg, recorder, meter_provider)
     return telemetry
+
+
+def _forward_sdk_spans(telemetry: Telemetry) -> Any:
+    """Make the spans of ``telemetry``'s SDK tracer provider (those user code starts with the OpenTelemetry API)
+    records of the process's recorder's sink, the export pipeline: see :mod:`zoomer_serve.recording.sdk_spans`.
+    Returns the span processor."""
+    from zoomer_serve.recording.sdk_spans import SdkSpanForwarder
+
+    recorder = telemetry.recorder
+    forwarder = SdkSpanForwarder(lambda: recorder.sink, telemetry.sdk_span_flush)
+    telemetry.tracer_provider.add_span_processor(forwarder)
+    return forwarder
 
 
 def _process_recorder(sink: Any, sampler: Sampler, cfg: ZoomerConfig, otel_context: bool) -> RequestRecorder:
@@ -435,25 +462,22 @@ def _host_telemetry(cfg: ZoomerConfig, recorder: RequestRecorder, meter_provider
 
 
 def _sdk_providers(cfg: ZoomerConfig, resource: dict[str, Any], set_global: bool) -> tuple[Any, Any]:
+    """The SDK's tracer and meter providers: the meter provider exports with the SDK's OTLP exporter; the tracer
+    provider's spans go to zoomer-serve's export pipeline (:func:`_forward_sdk_spans`)."""
     from opentelemetry import metrics, trace
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
-    from zoomer_serve.export.transport import sdk_metric_exporter, sdk_span_exporter
+    from zoomer_serve.export.transport import sdk_metric_exporter
 
     res = Resource(resource)
     exp = cfg.export
     # shutdown_on_exit=False: Telemetry.shutdown (registered with atexit) shuts them down, within its budget
     tracer_provider = TracerProvider(resource=res, sampler=ParentBased(TraceIdRatioBased(cfg.sampler_ratio)),
                                      shutdown_on_exit=False)
-    if exp.sends_traces:
-        tracer_provider.add_span_processor(BatchSpanProcessor(
-            sdk_span_exporter(exp), max_queue_size=exp.max_queue_size, schedule_delay_millis=exp.schedule_delay_ms,
-            max_export_batch_size=exp.max_export_batch_size, export_timeout_millis=exp.timeout_ms))
     readers = []
     if exp.sends_metrics:
         readers.append(PeriodicExportingMetricReader(sdk_metric_exporter(exp),

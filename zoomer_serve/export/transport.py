@@ -410,8 +410,9 @@ def sdk_metric_exporter(cfg: ExportConfig) -> Any:
 
 
 def sdk_span_exporter(cfg: ExportConfig) -> Any:
-    """The OpenTelemetry SDK's OTLP span exporter (for spans that user code starts with the API), with the traces'
-    settings."""
+    """The OpenTelemetry SDK's OTLP span exporter with the traces' settings, for code that adds its own span
+    processor. :func:`zoomer_serve.configure` does not use it: spans that user code starts with the API go through
+    zoomer-serve's own export pipeline (:mod:`zoomer_serve.recording.sdk_spans`)."""
     otlp = cfg.otlp("traces")
     if otlp.protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc import trace_exporter
