@@ -34,12 +34,11 @@ from zoomer_serve.recording import (
     register_quiet_exception,
 )
 from zoomer_serve.recording import records as r
+from zoomer_serve.semconv import GRPC_SERVER_ERROR_CODES
 
-# Codes that mean the server failed (span status ERROR); others (client errors, cancellation) are not.
-SERVER_ERROR_CODES = frozenset({
-    grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNIMPLEMENTED,
-    grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS,
-})
+# Codes that mean the server failed (span status ERROR); others (client errors, cancellation) are not. The names
+# live in zoomer_serve.semconv, where the report judges the rpc.server.call.duration points by the same set.
+SERVER_ERROR_CODES = frozenset(grpc.StatusCode[name] for name in GRPC_SERVER_ERROR_CODES)
 # A call that ends under its handler with at most this much time left (seconds, the server's clock) ended by its
 # deadline: the server's deadline is the client's plus the request's way there (grpc sends the time left), so the
 # cancel a client sends when its own deadline passes can arrive first, with that much time still left.

@@ -121,15 +121,29 @@ def status_attributes(status: str, opt_in: OptIn) -> dict[str, str]:
     return {RPC_RESPONSE_STATUS_CODE: status, RPC_STATUS_CODE: status}
 
 
-def method_sql(alias: str = "") -> str:
+def method_sql(alias: str = "", fallback: str | None = None) -> str:
     """The SQL expression (DuckDB, over a store's ``spans``; ``alias`` = a table alias such as ``"s."``) that
     names a request's method: ``rpc.method`` when it is ``pkg.Service/Method`` (these conventions); under the
     older ones, which other instrumentations still emit (``rpc.service`` = ``pkg.A``, ``rpc.method`` = ``Get``),
-    ``rpc.service/rpc.method``, so that ``pkg.A/Get`` and ``pkg.B/Get`` stay apart; else the span name."""
+    ``rpc.service/rpc.method``, so that ``pkg.A/Get`` and ``pkg.B/Get`` stay apart; else ``fallback`` (an SQL
+    expression; default: the span name, ``{alias}name``). Over ``metric_points`` pass a fallback such as
+    ``"'_OTHER'"`` (a data point has no name)."""
     method = f"({alias}attributes->>'$.\"{RPC_METHOD}\"')"  # parenthesised: || binds tighter than ->>
     service = f"({alias}attributes->>'$.\"{RPC_SERVICE}\"')"
+    otherwise = f"{alias}name" if fallback is None else fallback
     return (f"CASE WHEN {service} IS NOT NULL AND {method} IS NOT NULL AND strpos({method}, '/') = 0 "
-            f"THEN {service} || '/' || {method} ELSE coalesce({method}, {alias}name) END")
+            f"THEN {service} || '/' || {method} ELSE coalesce({method}, {otherwise}) END")
+
+
+GRPC_SERVER_ERROR_CODES: Final = frozenset({
+    "UNKNOWN", "DEADLINE_EXCEEDED", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS"})
+"""The gRPC status codes (names) that make a SERVER span ERROR, per the gRPC conventions: the server failed.
+Client errors (INVALID_ARGUMENT, NOT_FOUND, ...) and CANCELLED do not. The gRPC interceptors set the span status
+from this set (``interceptors.grpc_common.SERVER_ERROR_CODES``), and :func:`metric_error_sql` judges the
+``rpc.server.call.duration`` points by it: one fact for both."""
+CANCELLED_ERROR_TYPE: Final = "CancelledError"
+"""The ``error.type`` of a call that ended because it was cancelled (``asyncio.CancelledError``): the Thrift
+adapters record it but leave the span status UNSET, so it is no error (:func:`metric_error_sql`)."""
 
 
 def status_sql(alias: str = "") -> str:
@@ -143,8 +157,39 @@ def status_sql(alias: str = "") -> str:
 def error_sql(alias: str = "") -> str:
     """The SQL expression (DuckDB, over a store's ``spans``) that is true for a failed request: span status
     ERROR, as the instrumentation that wrote the span decided it. The status code is not judged again: by these
-    conventions a gRPC server span is ERROR only for the server-error codes (zoomer-serve's
-    ``interceptors.grpc_common.SERVER_ERROR_CODES``: UNKNOWN, DEADLINE_EXCEEDED, UNIMPLEMENTED, INTERNAL,
-    UNAVAILABLE, DATA_LOSS); INVALID_ARGUMENT, NOT_FOUND and the like, and a Thrift exception declared in the
-    IDL, leave it UNSET (they show in :func:`status_sql`'s breakdown, not as errors)."""
+    conventions a gRPC server span is ERROR only for the server-error codes (:data:`GRPC_SERVER_ERROR_CODES`:
+    UNKNOWN, DEADLINE_EXCEEDED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE, DATA_LOSS); INVALID_ARGUMENT, NOT_FOUND and the like, and a Thrift exception declared in the
+    IDL, leave it UNSET (they show in :func:`status_sql`'s breakdown, not as errors). The metric points' twin:
+    :func:`metric_error_sql`."""
     return f"coalesce({alias}status_code = 'ERROR', false)"
+
+
+def _attr(name: str) -> str:
+    return f"attributes->>'$.\"{name}\"'"
+
+
+def _sql_list(values: frozenset[str]) -> str:
+    return ", ".join(f"'{v}'" for v in sorted(values))
+
+
+def metric_status_sql() -> str:
+    """The SQL expression (DuckDB, over a store's ``metric_points``) that labels an RPC call-duration point's
+    outcome as :func:`status_sql` labels a span: ``rpc.response.status_code``, else ``rpc.status_code``, else
+    ``ERROR`` for a failed call (:func:`metric_error_sql`) and ``UNSET`` for the others (a point has no span
+    status; a Thrift call that raised has no status code)."""
+    return (f"coalesce({_attr(RPC_RESPONSE_STATUS_CODE)}, {_attr(RPC_STATUS_CODE)}, "
+            f"CASE WHEN {metric_error_sql()} THEN 'ERROR' ELSE 'UNSET' END)")
+
+
+def metric_error_sql() -> str:
+    """The SQL expression (DuckDB, over a store's ``metric_points``) that is true for the points of failed calls:
+    the rule the recorder applies to a SERVER span's status (:func:`error_sql`), from the attributes a
+    ``rpc.server.call.duration`` point carries. gRPC (``rpc.system.name`` or ``rpc.system`` = ``grpc``): the
+    status code (``rpc.response.status_code``, or ``rpc.status_code`` under the opt-in) is one of
+    :data:`GRPC_SERVER_ERROR_CODES`. Other systems (Thrift): ``error.type`` is set (a TApplicationException, an
+    exception the IDL does not declare), but not :data:`CANCELLED_ERROR_TYPE`; a declared exception sets no
+    ``error.type``."""
+    system = f"coalesce({_attr(RPC_SYSTEM_NAME)}, {_attr(RPC_SYSTEM)})"
+    code = f"coalesce({_attr(RPC_RESPONSE_STATUS_CODE)}, {_attr(RPC_STATUS_CODE)})"
+    return (f"(CASE WHEN {system} = 'grpc' THEN coalesce({code} IN ({_sql_list(GRPC_SERVER_ERROR_CODES)}), false) "
+            f"ELSE coalesce({_attr(ERROR_TYPE)} <> '{CANCELLED_ERROR_TYPE}', false) END)")
