@@ -120,6 +120,8 @@ def test_report_errors_follow_the_span_status_not_the_status_code(telemetry, col
     assert score.error_rate == pytest.approx(2 / 9)
     assert score.status_counts == {"Declined": 4, "OK": 3, "INTERNAL_ERROR": 2}
     assert (report.total_requests, report.total_errors) == (23, 5)
+    # counted by the rpc.server.call.duration metric, whose points are judged by the same rule as the span status
+    assert {m.counts_from for m in report.methods} == {"rpc.server.call.duration"} and report.total_spans == 23
     assert report.to_dict()["total_errors"] == 5
 
     text = io.StringIO()
@@ -131,5 +133,5 @@ def test_report_errors_follow_the_span_status_not_the_status_code(telemetry, col
     data = load_store(collector.store_path)
     assert int(data.requests["is_error"].sum()) == 5
     table = request_percentiles(data)
-    errors = {row["method"]: (row["count"], row["errors"]) for row in table.rows()}
-    assert errors == {GRPC_METHOD: (14, 3), THRIFT_METHOD: (9, 2)}
+    errors = {row["method"]: (row["count"], row["errors"], row["counts_from"]) for row in table.rows()}
+    assert errors == {GRPC_METHOD: (14, 3, "rpc.server.call.duration"), THRIFT_METHOD: (9, 2, "rpc.server.call.duration")}

@@ -49,6 +49,15 @@ class AnalysisResult:
     findings: list[Finding] = field(default_factory=list)
     collective_tables: dict[str, Table] = field(default_factory=dict)
 
+    def _store_counts(self) -> dict[str, int]:
+        """``requests`` (as the report counts them: the ``rpc.server.call.duration`` metric where the store has it,
+        else the SERVER spans) and ``spans`` (the SERVER spans)."""
+        from zoomer_serve.analysis.store import request_totals
+
+        spans = len(self.store.requests) if self.store is not None else 0
+        table = self.store_tables.get("request_percentiles")
+        return {"requests": request_totals(table)[0] if table is not None else spans, "spans": spans}
+
     def to_dict(self, rows: int | None = None) -> dict[str, Any]:
         """JSON-ready: findings, and each table with every row (at most ``rows`` when given)."""
         return {
@@ -56,7 +65,7 @@ class AnalysisResult:
             "traces": [{"summary": r.trace.summary(), "tables": {k: t.to_dict(rows) for k, t in r.tables.items()}}
                        for r in self.traces],
             "store": None if self.store is None else {
-                "path": str(self.store.path), "requests": len(self.store.requests),
+                "path": str(self.store.path), **self._store_counts(),
                 "tables": {k: t.to_dict(rows) for k, t in self.store_tables.items()}},
             "collectives": {k: t.to_dict(rows) for k, t in self.collective_tables.items()} or None,
         }

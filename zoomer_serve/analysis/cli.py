@@ -30,7 +30,7 @@ from zoomer_serve.analysis.render import (
     render_findings,
     rich_table,
 )
-from zoomer_serve.analysis.store import StoreAnalysisError
+from zoomer_serve.analysis.store import StoreAnalysisError, requests_note
 from zoomer_serve.cli_output import TableOutput, add_format_option
 from zoomer_serve.cli_paths import output_problem
 from zoomer_serve.cli_types import INT32_MAX, int_between
@@ -269,7 +269,14 @@ def render_summary(result: AnalysisResult, console: Console | TableOutput, rows:
         console.print(rich_table(c["stragglers"], limit=len(c["stragglers"]), title="Stragglers"))
     if result.store is not None:
         console.rule(Text(f"store {result.store.path}"))
-        console.print(rich_table(result.store_tables["request_percentiles"], limit=rows, title="Requests"))
+        requests = result.store_tables["request_percentiles"]
+        mixed = len(set(requests["counts_from"].tolist())) > 1  # else the title says where the counts come from
+        columns = [c for c in requests.column_names if mixed or c != "counts_from"]
+        shown = rich_table(requests, columns, limit=rows, title="Requests")
+        more = f"; {shown.caption}" if shown.caption else ""  # "N more rows"
+        shown.caption = requests_note(requests) + more
+        shown.caption_justify = "left"
+        console.print(shown)
     console.rule(Text("findings"))
     render_findings(result.findings, console)
 

@@ -128,7 +128,8 @@ def load_side(side: Side, conventions: Conventions | None = None) -> AnalysisRes
 
 def _window(data: Any, start_ns: int | None, end_ns: int | None) -> Any:
     """The store's data restricted to requests that started in ``[start_ns, end_ns)`` (and their phases,
-    and memory / metric samples in the window)."""
+    and memory / metric samples in the window); its requests are counted by their spans (``calls`` left empty: the
+    cumulative ``rpc.server.call.duration`` points cannot tell the calls of a window)."""
     if start_ns is None and end_ns is None:
         return data
     lo = -(2**62) if start_ns is None else start_ns
@@ -142,7 +143,8 @@ def _window(data: Any, start_ns: int | None, end_ns: int | None) -> Any:
     phases = ph.take(ph_keep)
     phases.columns["request"] = new_index[phases["request"]]
     mem, met = data.memory, data.gpu_metrics
-    return replace(data, requests=req.take(keep), phases=phases,
+    # the calls the rpc.server.call.duration metric counted cover the whole store, not the window
+    return replace(data, requests=req.take(keep), phases=phases, calls={},
                    memory=mem.take((mem["time_ns"] >= lo) & (mem["time_ns"] < hi)) if len(mem) else mem,
                    gpu_metrics=met.take((met["time_ns"] >= lo) & (met["time_ns"] < hi)) if len(met) else met)
 
@@ -234,15 +236,20 @@ def _trace_figures(result: AnalysisResult) -> dict[str, tuple[float, str]]:
 
 
 def _store_figures(result: AnalysisResult) -> dict[str, tuple[float, str]]:
-    from zoomer_serve.analysis.store import _scope  # the findings' "service method" label
+    from zoomer_serve.analysis.store import (
+        _scope,  # the findings' "service method" label
+        request_totals,
+    )
 
     out: dict[str, tuple[float, str]] = {}
     if result.store is None:
         return out
-    req = result.store.requests
-    out["requests"] = (float(len(req)), "")
-    out["error share"] = (float(req["is_error"].mean()) if len(req) else math.nan, "ratio")
     pct = result.store_tables.get("request_percentiles")
+    req = result.store.requests
+    requests, errors = (request_totals(pct)[:2] if pct is not None  # the report's counts: metric, else spans
+                        else (len(req), int(req["is_error"].sum())))
+    out["requests"] = (float(requests), "")
+    out["error share"] = (errors / requests if requests else math.nan, "ratio")
     if pct is not None:
         for row in pct.rows():
             for q in ("p50_ms", "p90_ms", "p99_ms"):

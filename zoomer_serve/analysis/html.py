@@ -325,13 +325,17 @@ def _finding_html(f: Finding) -> str:
 
 def render_html(result: AnalysisResult, title: str = "zoomer-serve analysis") -> str:
     """The report as one HTML string (see the module docstring)."""
+    from zoomer_serve.analysis.store import request_totals
+
     parts = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
              f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>"]
     sources = [str(r.trace.path) for r in result.traces] + ([str(result.store.path)] if result.store else [])
-    n_req = len(result.store.requests) if result.store else 0
+    n_spans = len(result.store.requests) if result.store else 0
+    table = result.store_tables.get("request_percentiles")
+    n_req = request_totals(table)[0] if table is not None else n_spans
     parts.append(f'<div class="meta">Generated {time.strftime("%Y-%m-%d %H:%M:%S")} from '
-                 f'{html.escape(", ".join(sources) or "nothing")}; {len(result.traces)} trace(s), {n_req} requests, '
-                 f'{len(result.findings)} findings.</div>')
+                 f'{html.escape(", ".join(sources) or "nothing")}; {len(result.traces)} trace(s), {n_req} requests '
+                 f'({n_spans} spans), {len(result.findings)} findings.</div>')
     counts = ", ".join(f"{sum(1 for f in result.findings if f.severity == s)} {s}" for s in SEVERITIES
                        if any(f.severity == s for f in result.findings))
     parts.append(f"<h2>Findings</h2><div class=\"meta\">{html.escape(counts or 'no detector fired')}</div>")

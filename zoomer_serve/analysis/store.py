@@ -5,7 +5,9 @@ The CPU-bound-phase finding names the function behind it from the Python CPU pro
 that covered those requests (the top functions on its ``zoomer.profile`` span, linked to the request spans),
 and says how much of the requests' wall time their thread spent on a CPU (``zoomer.request.cpu_time_ns``).
 
-Requests are SERVER-kind spans (de-duplicated on ``(trace_id, span_id)`` as the report does); their method
+Requests are SERVER-kind spans (de-duplicated on ``(trace_id, span_id)`` as the report does), a sample of the calls
+under a head sampler; request counts and errors come, as in the report, from the ``rpc.server.call.duration`` metric
+where the store has it (:mod:`zoomer_serve.report.calls`, :func:`request_percentiles`). Their method
 is ``rpc.method`` (``pkg.Service/Method``; :func:`zoomer_serve.semconv.method_sql`), else the span name; their
 replica is the resource attribute ``service.instance.id``. Phases are the direct children of a request that carry ``zoomer.phase``.
 Latencies are in milliseconds, times in Unix epoch nanoseconds.
@@ -31,6 +33,8 @@ from zoomer_serve.artifacts.storage import StorageError
 from zoomer_serve.batching.names import QUEUE_PHASE
 from zoomer_serve.collector.parquet import open_source
 from zoomer_serve.collector.store import StoreError
+from zoomer_serve.report.calls import MethodCalls, RequestCounts, read_calls, request_counts
+from zoomer_serve.report.model import COUNTS_FROM_METRIC, COUNTS_FROM_SPANS
 from zoomer_serve.semconv import error_sql, method_sql, status_sql
 
 NS_PER_MS = 1e6
@@ -175,6 +179,9 @@ class StoreData:
             (``zoomer.gpu.*``, written only when CUDA is available), a profiling session recorded kernels
             (``zoomer.profile.kernel.count`` > 0), or there are ``hw.gpu.*`` metric points. Detectors give GPU
             advice only when it is true.
+        calls: per (service, method), the calls the ``rpc.server.call.duration`` metric counted, every one,
+            sampled or not (:func:`zoomer_serve.report.calls.read_calls`); empty when the store has no such metric
+            (and for a time window of a store, whose calls the cumulative points cannot tell).
     """
 
     path: Path | str
@@ -184,6 +191,7 @@ class StoreData:
     gpu_metrics: Table
     cpu_profiles: list[CpuProfile] = field(default_factory=list)
     gpu: bool = False
+    calls: dict[tuple[str, str], MethodCalls] = field(default_factory=dict)
     _attrs: list[dict[str, Any]] | None = field(default=None, repr=False, init=False)
     _parsed: np.ndarray | None = field(default=None, repr=False, init=False)
 
@@ -228,6 +236,7 @@ def load_store(store_path: str | os.PathLike[str]) -> StoreData:
         met = con.execute(_METRICS_SQL).fetchall() if "metric_points" in tables else []
         cpu = con.execute(_CPU_PROFILES_SQL).fetchall()
         gpu_spans = con.execute(_GPU_SEEN_SQL).fetchone()
+        calls = read_calls(con)
     except duckdb.Error as exc:
         raise StoreAnalysisError(f"cannot read {path}: {exc}") from exc
     finally:
@@ -261,7 +270,7 @@ def load_store(store_path: str | os.PathLike[str]) -> StoreData:
         dtypes={"metric": object, "instance": object, "hw_id": object, "time_ns": np.int64, "value": np.float64})
     profiles = [p for p in (_cpu_profile(*row) for row in cpu) if p is not None]
     gpu = bool(len(memory) or len(metrics) or (gpu_spans and gpu_spans[0]))
-    return StoreData(path, requests, phases, memory, metrics, profiles, gpu)
+    return StoreData(path, requests, phases, memory, metrics, profiles, gpu, calls)
 
 
 def _i(value: Any, default: int) -> int:
@@ -293,21 +302,44 @@ def _phase_matrix(data: StoreData, rows: np.ndarray) -> dict[str, np.ndarray]:
     return out
 
 
+def method_counts(data: StoreData, service: str, method: str, rows: np.ndarray) -> RequestCounts:
+    """The request counts of one method (``rows``: its request spans' row indices), as the report gives them:
+    the calls the ``rpc.server.call.duration`` metric counted where the store has it, else the spans
+    (:func:`zoomer_serve.report.calls.request_counts`)."""
+    req = data.requests
+    statuses = Counter(str(s) for s in req["status"][rows].tolist())
+    return request_counts(len(rows), int(req["is_error"][rows].sum()), dict(statuses),
+                          data.calls.get((service, method)))
+
+
 def request_percentiles(data: StoreData) -> Table:
-    """Latency percentiles per service and method: ``service``, ``method``, ``count``, ``errors``,
-    ``p50_ms``, ``p90_ms``, ``p99_ms``, ``max_ms``, ``p99_over_p50`` (linear interpolation, as the report)."""
+    """Per service and method: ``count`` and ``errors`` (requests and failed ones: the calls the
+    ``rpc.server.call.duration`` metric counted where the store has it, else the SERVER spans, as the report;
+    ``counts_from`` says which), ``spans`` (the SERVER spans the latency figures rest on: a sample of the requests
+    under a head sampler), ``sampled_share`` (spans / count when counted by the metric, else NaN), and the spans'
+    ``p50_ms``, ``p90_ms``, ``p99_ms``, ``max_ms``, ``p99_over_p50`` (linear interpolation, as the report; NaN for a
+    method with calls but no span)."""
     rows = []
-    for (service, method), idx in sorted(_groups(data).items()):
+    groups = _groups(data)
+    for service, method in sorted(set(groups) | set(data.calls)):
+        idx = groups.get((service, method), np.empty(0, dtype=np.int64))
+        counts = method_counts(data, service, method, idx)
+        ratio = counts.span_sample_ratio
         d = data.requests["duration_ms"][idx]
-        p50, p90, p99 = (float(x) for x in np.quantile(d, [0.5, 0.9, 0.99]))
-        rows.append((service, method, len(idx), int(data.requests["is_error"][idx].sum()), p50, p90, p99,
-                     float(d.max()), p99 / p50 if p50 > 0 else math.nan))
+        p50, p90, p99 = (float(x) for x in np.quantile(d, [0.5, 0.9, 0.99])) if len(d) else (math.nan,) * 3
+        rows.append((service, method, counts.count, counts.errors, len(idx),
+                     math.nan if ratio is None else ratio, counts.counts_from, p50, p90, p99,
+                     float(d.max()) if len(d) else math.nan, p99 / p50 if p50 > 0 else math.nan))
     return Table.from_rows(
-        "request_percentiles", ("service", "method", "count", "errors", "p50_ms", "p90_ms", "p99_ms", "max_ms",
-                                "p99_over_p50"), rows,
-        units={"p50_ms": "ms", "p90_ms": "ms", "p99_ms": "ms", "max_ms": "ms", "p99_over_p50": "x"},
-        dtypes={"service": object, "method": object, "count": np.int64, "errors": np.int64, "p50_ms": np.float64,
-                "p90_ms": np.float64, "p99_ms": np.float64, "max_ms": np.float64, "p99_over_p50": np.float64})
+        "request_percentiles", ("service", "method", "count", "errors", "spans", "sampled_share", "counts_from",
+                                "p50_ms", "p90_ms", "p99_ms", "max_ms", "p99_over_p50"), rows,
+        units={"sampled_share": "ratio", "p50_ms": "ms", "p90_ms": "ms", "p99_ms": "ms", "max_ms": "ms",
+               "p99_over_p50": "x"},
+        description=("count, errors: requests (counts_from: the rpc.server.call.duration metric, every call, or "
+                     "the SERVER spans); spans: the SERVER spans the latency percentiles rest on"),
+        dtypes={"service": object, "method": object, "count": np.int64, "errors": np.int64, "spans": np.int64,
+                "sampled_share": np.float64, "counts_from": object, "p50_ms": np.float64, "p90_ms": np.float64,
+                "p99_ms": np.float64, "max_ms": np.float64, "p99_over_p50": np.float64})
 
 
 def _scope(service: str, method: str, instance: str | None = None) -> str:
@@ -426,15 +458,54 @@ def detect_tail_latency(data: StoreData) -> list[Finding]:
             items.append(item)
         at_stake = float((d[slow] - p50).sum() / d.sum()) if d.sum() > 0 else 0.0
         shared = "; ".join(t["trait"] for t in traits[:3]) or "no common trait found"
+        counts = method_counts(data, service, method, rows)
         out.append(Finding(
             id="request.tail-latency", title=f"Tail latency of {method}", severity=severity_for_share(at_stake),
-            summary=(f"p99 {p99:.1f} ms is {ratio:.1f}x the median {p50:.1f} ms over {len(rows)} requests; the "
+            summary=(f"p99 {p99:.1f} ms is {ratio:.1f}x the median {p50:.1f} ms over {_sample_text(counts)}; the "
                      f"slowest {len(slow)} share: {shared}."),
-            evidence={"requests_count": int(len(rows)), "p50_ms": p50, "p90_ms": p90, "p99_ms": p99,
-                      "max_ms": float(d.max()), "p99_over_p50": ratio, "slow_requests_count": int(len(slow)),
-                      "shared_traits": traits, AT_STAKE: at_stake},
+            evidence={"requests_count": int(len(rows)), **_calls_evidence(counts), "p50_ms": p50, "p90_ms": p90,
+                      "p99_ms": p99, "max_ms": float(d.max()), "p99_over_p50": ratio,
+                      "slow_requests_count": int(len(slow)), "shared_traits": traits, AT_STAKE: at_stake},
             items=items, recommendation=_tail_advice(traits), source=str(data.path), scope=_scope(service, method)))
     return out
+
+
+def _sample_text(counts: RequestCounts) -> str:
+    """The requests a span-based figure rests on: "1459 sampled requests (25.1% of 5808 calls)" when the spans are
+    fewer than the calls the ``rpc.server.call.duration`` metric counted, else "N requests"."""
+    if counts.span_sample_ratio is not None and counts.spans < counts.count:
+        return f"{counts.spans} sampled requests ({counts.span_sample_ratio:.1%} of {counts.count} calls)"
+    return f"{counts.spans} requests"
+
+
+def _calls_evidence(counts: RequestCounts) -> dict[str, Any]:
+    """``calls_count`` (every call, the metric) and ``sampled_share`` (spans / calls) when the metric counted the
+    method's calls; nothing when its counts are its spans."""
+    ratio = counts.span_sample_ratio
+    return {} if ratio is None else {"calls_count": counts.count, "sampled_share": ratio}
+
+
+def request_totals(table: Table) -> tuple[int, int, int]:
+    """(requests, errors, spans) over every method of a :func:`request_percentiles` table: requests and errors as
+    the report counts them (the metric where the store has it, else the spans), spans the SERVER spans."""
+    if not len(table):
+        return 0, 0, 0
+    return int(table["count"].sum()), int(table["errors"].sum()), int(table["spans"].sum())
+
+
+def requests_note(table: Table) -> str:
+    """The caption of the Requests table (:func:`request_percentiles`): where its counts come from and how many
+    spans its latency figures rest on (a sample, with the ratio seen, when fewer than the calls)."""
+    sources = set(table["counts_from"].tolist()) if len(table) else set()
+    spans = int(table["spans"].sum()) if len(table) else 0
+    if sources <= {COUNTS_FROM_SPANS}:
+        return f"counted from SERVER spans ({spans})"
+    metric = table["counts_from"] == COUNTS_FROM_METRIC
+    calls, metric_spans = int(table["count"][metric].sum()), int(table["spans"][metric].sum())
+    where = "" if sources == {COUNTS_FROM_METRIC} else " where the store has it, else from SERVER spans"
+    sample = (f"{spans} sampled spans, {metric_spans / calls:.1%} of the calls" if metric_spans < calls
+              else f"{spans} spans")
+    return f"counted by the {COUNTS_FROM_METRIC} metric{where}; latency from {sample}"
 
 
 def _tail_advice(traits: list[dict[str, Any]]) -> str:

@@ -6,8 +6,10 @@ Where each figure comes from:
 - client (per locust entry, ms): locust's ``StatsEntry``: requests, failures, percentiles
   (``get_response_time_percentile``; locust keeps response times rounded to 2 significant digits above
   100 ms), mean, max, requests per second over the run.
-- server (per service and method, ms): SERVER spans in the collector's DuckDB store, through
-  :func:`zoomer_serve.report.build_report` (the store is read once the collector has stopped).
+- server (per service and method, ms): the collector's DuckDB store, through
+  :func:`zoomer_serve.report.build_report` (the store is read once the collector has stopped): requests and
+  errors as the ``rpc.server.call.duration`` metric counted them (every call, sampled or not; the SERVER spans
+  when the store has no such metric), latency from the SERVER spans.
 - gap (per method, ms): client minus server latency: network, queueing, (de)serialization, client overhead.
   ``paired`` when the store also holds the load generator's CLIENT spans: the distribution over calls of
   (CLIENT span duration - duration of its SERVER child span). Otherwise ``difference``: locust's figure minus
@@ -24,9 +26,12 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zoomer_serve.semconv import method_sql
+
+if TYPE_CHECKING:
+    from zoomer_serve.report.model import MethodStats
 
 NS_PER_MS = 1_000_000.0
 
@@ -50,7 +55,9 @@ class ClientStats:
 
 @dataclass(frozen=True)
 class ServerStats:
-    """SERVER spans of one service and method in the store (ms)."""
+    """One service and method in the store: ``count`` / ``errors`` are its requests (the calls the
+    ``rpc.server.call.duration`` metric counted where the store has it, else its SERVER spans), the latency
+    figures (ms) are its SERVER spans'."""
 
     service_name: str
     method: str
@@ -193,10 +200,19 @@ def with_store(summary: LoadTestSummary, store: str | os.PathLike[str]) -> LoadT
     except (FileNotFoundError, ReportError) as exc:
         note = f"store not found: {store}" if isinstance(exc, FileNotFoundError) else str(exc)
         return replace(summary, server=None, server_note=note, gaps=[], store=str(store))
-    server = [ServerStats(m.service_name, m.method, m.count, m.error_count, m.p50_ms, m.p90_ms, m.p99_ms, m.mean_ms,
-                          m.max_ms) for m in report.methods]
+    server = [s for s in map(_server_stats, report.methods) if s is not None]
     return replace(summary, server=server, server_note=None, gaps=gaps(summary.client, server, paired),
                    store=str(store))
+
+
+def _server_stats(m: MethodStats) -> ServerStats | None:
+    """The server side of one method: its requests and errors (counted by the ``rpc.server.call.duration`` metric
+    where the store has it, else the spans: ``MethodStats.counts_from``) and its spans' latency; None when the
+    method has no span (no latency to compare)."""
+    if m.p50_ms is None or m.p90_ms is None or m.p99_ms is None or m.mean_ms is None or m.max_ms is None:
+        return None
+    return ServerStats(m.service_name, m.method, m.count, m.error_count, m.p50_ms, m.p90_ms, m.p99_ms, m.mean_ms,
+                       m.max_ms)
 
 
 def _paired_gaps(store: Path) -> dict[str, Gap]:

@@ -1,7 +1,10 @@
 """Compute a :class:`Report` with SQL over the collector's DuckDB store.
 
-Requests are SERVER-kind spans. A span exported twice (an OTLP client retrying an export the collector had
-already stored) is counted once: rows are de-duplicated on (trace_id, span_id).
+Request counts, rates and errors come from the ``rpc.server.call.duration`` metric points when the store has them
+for a method (every call, sampled or not: :mod:`zoomer_serve.report.calls`), else from the SERVER spans; latency
+percentiles, phases, batching and the slowest traces come from the SERVER spans, a sample of the calls under a
+head sampler (``MethodStats.spans``, ``span_sample_ratio``). A span exported twice (an OTLP client retrying an
+export the collector had already stored) is counted once: rows are de-duplicated on (trace_id, span_id).
 """
 
 from __future__ import annotations
@@ -16,7 +19,11 @@ from zoomer_serve.artifacts.storage import StorageError
 from zoomer_serve.batching import names as bn
 from zoomer_serve.collector.parquet import open_source
 from zoomer_serve.collector.store import StoreError
+from zoomer_serve.report.calls import MethodCalls, read_calls, request_counts, short_metric
 from zoomer_serve.report.model import (
+    COUNTS_FROM_METRIC,
+    COUNTS_FROM_MIXED,
+    COUNTS_FROM_SPANS,
     BatchingStats,
     MethodStats,
     PhaseStats,
@@ -173,27 +180,52 @@ def _batching(con: duckdb.DuckDBPyConnection) -> tuple[dict[tuple[str, str], Bat
     return per_method, per_service
 
 
-def _method_stats(row: tuple[Any, ...], statuses: dict[str, int], phases: list[PhaseStats],
+def _latency(row: tuple[Any, ...] | None) -> dict[str, Any]:
+    """The span-based fields of :class:`MethodStats` from a :data:`_METHODS_SQL` row (None: no span)."""
+    if row is None:
+        return {"p50_ms": None, "p90_ms": None, "p99_ms": None, "max_ms": None, "mean_ms": None, "spans": 0}
+    _, _, n, _, _, _, q, max_ns, mean_ns, _ = row
+    return {"p50_ms": q[0] / NS_PER_MS, "p90_ms": q[1] / NS_PER_MS, "p99_ms": q[2] / NS_PER_MS,
+            "max_ms": max_ns / NS_PER_MS, "mean_ms": float(mean_ns) / NS_PER_MS, "spans": int(n)}
+
+
+def _spans(row: tuple[Any, ...] | None) -> int:
+    return int(row[2]) if row is not None else 0
+
+
+def _method_stats(key: tuple[str, str], row: tuple[Any, ...] | None, statuses: dict[str, int],
+                  calls: MethodCalls | None, phases: list[PhaseStats],
                   batching: BatchingStats | None = None) -> MethodStats:
-    service, method, n, first_ns, last_ns, errors, q, max_ns, mean_ns, _ = row
-    window_s = (last_ns - first_ns) / NS_PER_S
+    counts = request_counts(_spans(row), int(row[5]) if row is not None else 0, statuses, calls)
+    count, errors = counts.count, counts.errors
+    latency = _latency(row)
+    window_s = (row[4] - row[3]) / NS_PER_S if row is not None else 0.0
     return MethodStats(
-        service_name=service,
-        method=method,
-        count=int(n),
-        rate_per_s=n / window_s if window_s >= MIN_RATE_WINDOW_S else None,
-        error_count=int(errors),
-        error_rate=errors / n,
-        status_counts=statuses,
-        p50_ms=q[0] / NS_PER_MS,
-        p90_ms=q[1] / NS_PER_MS,
-        p99_ms=q[2] / NS_PER_MS,
-        max_ms=max_ns / NS_PER_MS,
-        mean_ms=float(mean_ns) / NS_PER_MS,
+        service_name=key[0],
+        method=key[1],
+        count=count,
+        rate_per_s=count / window_s if window_s >= MIN_RATE_WINDOW_S else None,
+        error_count=errors,
+        error_rate=errors / count if count else 0.0,
+        status_counts=counts.status_counts,
         phases=phases,
         unattributed_share=1.0 - sum(p.share for p in phases) if phases else None,
         batching=batching,
+        counts_from=counts.counts_from,
+        span_sample_ratio=counts.span_sample_ratio,
+        **latency,
     )
+
+
+def _overall(methods: list[MethodStats]) -> tuple[str, float | None]:
+    """``Report.counts_from`` and ``Report.span_sample_ratio`` over ``methods``."""
+    sources = {m.counts_from for m in methods}
+    metric = [m for m in methods if m.counts_from == COUNTS_FROM_METRIC]
+    calls = sum(m.count for m in metric)
+    ratio = sum(m.spans for m in metric) / calls if calls else None
+    if sources == {COUNTS_FROM_METRIC}:
+        return COUNTS_FROM_METRIC, ratio
+    return (COUNTS_FROM_MIXED if metric else COUNTS_FROM_SPANS), ratio
 
 
 def build_report(store_path: str | os.PathLike[str], slowest: int = 10) -> Report:
@@ -211,28 +243,35 @@ def build_report(store_path: str | os.PathLike[str], slowest: int = 10) -> Repor
     path = os.fspath(store_path)
     con = _open(path)
     try:
-        rows = con.execute(_METHODS_SQL).fetchall()
+        rows = {(r[0], r[1]): r for r in con.execute(_METHODS_SQL).fetchall()}
         statuses: dict[tuple[str, str], dict[str, int]] = defaultdict(dict)
         for service, method, status, count in con.execute(_STATUS_SQL).fetchall():
             statuses[(service, method)][status] = int(count)
-        request_ns = {(r[0], r[1]): float(r[9]) for r in rows}
+        request_ns = {key: float(r[9]) for key, r in rows.items()}
         phases = _phases(con, request_ns)
         batching, batching_services = _batching(con)
         slow = [SlowTrace(t, s, m, d / NS_PER_MS, st)
                 for t, s, m, d, st in con.execute(_SLOWEST_SQL, [slowest]).fetchall()]
+        calls = read_calls(con)
     except duckdb.Error as exc:  # a DuckDB file, but not a zoomer-serve store (other columns)
         raise ReportError(f"{path} is not a zoomer-serve store: {str(exc).splitlines()[0]}") from None
     finally:
         con.close()
-    methods = [_method_stats(r, statuses[(r[0], r[1])], phases.get((r[0], r[1]), []), batching.get((r[0], r[1])))
-               for r in rows]
+    methods = [_method_stats(key, rows.get(key), statuses[key], calls.get(key), phases.get(key, []),
+                             batching.get(key)) for key in sorted(set(rows) | set(calls))]
+    counts_from, ratio = _overall(methods)
     return Report(
         store_path=str(path),
         total_requests=sum(m.count for m in methods),
         total_errors=sum(m.error_count for m in methods),
-        window_start_ns=min((r[3] for r in rows), default=None),
-        window_end_ns=max((r[4] for r in rows), default=None),
+        window_start_ns=min((r[3] for r in rows.values()), default=None),
+        window_end_ns=max((r[4] for r in rows.values()), default=None),
         methods=methods,
         slowest=slow,
         batching_totals=[ServiceBatching(s, b) for s, b in sorted(batching_services.items())],
+        total_spans=sum(m.spans for m in methods),
+        counts_from=counts_from,
+        span_sample_ratio=ratio,
+        notes=[note for (service, method), c in sorted(calls.items())
+               if (note := short_metric(service, method, c, _spans(rows.get((service, method))))) is not None],
     )

@@ -29,7 +29,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "report",
         help="summarize recorded requests: rates, errors, latency percentiles, phases, slowest traces",
         description="Read the collector's DuckDB store (stop the collector first: DuckDB allows one writer "
-        "or many readers) and summarize the SERVER spans per service and method.",
+        "or many readers) and summarize the requests per service and method: counts, rates and errors from the "
+        "rpc.server.call.duration metric (every call, sampled or not; the SERVER spans when the store has no such "
+        "metric), latency, phases and slowest traces from the SERVER spans (a sample under a head sampler).",
     )
     p.add_argument("--store", default=None,
                    help="DuckDB file, or a Parquet dataset the collector wrote (--parquet-url: a folder or URL such "

@@ -67,30 +67,47 @@ class ServiceBatching:
     batching: BatchingStats
 
 
+COUNTS_FROM_METRIC = "rpc.server.call.duration"
+"""``counts_from`` when the counts are the calls the ``rpc.server.call.duration`` metric counted (every call)."""
+COUNTS_FROM_SPANS = "spans"
+"""``counts_from`` when the counts are SERVER spans (the store has no such metric for the method)."""
+COUNTS_FROM_MIXED = "mixed"
+"""``Report.counts_from`` when some methods are counted by the metric and others by their spans."""
+
+
 @dataclass(frozen=True)
 class MethodStats:
-    """Requests (SERVER spans) of one service and method.
+    """Requests of one service and method: counts from the ``rpc.server.call.duration`` metric when the store has
+    it (every call, sampled or not), latency figures from the SERVER spans (a sample under a head sampler).
 
     Attributes:
         service_name: resource ``service.name`` ("unknown_service" when absent).
-        method: span attribute ``rpc.method`` (``rpc.service/rpc.method`` for the older conventions), else the
+        method: attribute ``rpc.method`` (``rpc.service/rpc.method`` for the older conventions), else the
             span name (:func:`zoomer_serve.semconv.method_sql`).
-        count: requests.
-        rate_per_s: requests per second over this method's first-start to last-end window (None when the
-            window is shorter than ``build.MIN_RATE_WINDOW_S``, 1 s: a rate needs a time span).
-        error_count / error_rate: requests whose span status is ERROR, as the instrumentation that recorded
-            them set it (:func:`zoomer_serve.semconv.error_sql`); rate = error_count / count. By the RPC
-            semantic conventions only server failures are ERROR on a server span (gRPC UNKNOWN,
-            DEADLINE_EXCEEDED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE, DATA_LOSS; a Thrift TApplicationException
-            or an undeclared exception): INVALID_ARGUMENT, NOT_FOUND, CANCELLED ... and Thrift exceptions
-            declared in the IDL are not errors; they are counted in ``status_counts``.
-        status_counts: requests per status code, every code (``rpc.response.status_code``, else the span
-            status code: :func:`zoomer_serve.semconv.status_sql`).
-        p50_ms / p90_ms / p99_ms: latency percentiles, ms (linear interpolation between samples).
-        max_ms / mean_ms: ms.
-        phases: phase breakdown, largest share first.
+        count: requests: the calls the ``rpc.server.call.duration`` metric counted when ``counts_from`` says so
+            (:mod:`zoomer_serve.report.calls`), else the SERVER spans.
+        rate_per_s: ``count`` per second over the window of this method's spans (first start to last end; None
+            when that window is shorter than ``build.MIN_RATE_WINDOW_S``, 1 s, or there is no span).
+        error_count / error_rate: failed requests, from the same source as ``count``: spans whose status is
+            ERROR, as the instrumentation that recorded them set it (:func:`zoomer_serve.semconv.error_sql`), or
+            the metric's calls judged by the same rule (:func:`zoomer_serve.semconv.metric_error_sql`); rate =
+            error_count / count. By the RPC semantic conventions only server failures are ERROR on a server span
+            (gRPC UNKNOWN, DEADLINE_EXCEEDED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE, DATA_LOSS; a Thrift
+            TApplicationException or an undeclared exception): INVALID_ARGUMENT, NOT_FOUND, CANCELLED ... and
+            Thrift exceptions declared in the IDL are not errors; they are counted in ``status_counts``.
+        status_counts: requests per status code, every code, from the same source as ``count``
+            (``rpc.response.status_code``, else the span status code: :func:`zoomer_serve.semconv.status_sql`).
+        p50_ms / p90_ms / p99_ms: latency percentiles of the spans, ms (linear interpolation between samples);
+            None when the method has no span.
+        max_ms / mean_ms: of the spans, ms; None when the method has no span.
+        phases: phase breakdown of the spans, largest share first.
         unattributed_share: 1 - sum of phase shares (time not covered by any phase); None without phases.
         batching: queue wait and batch size of the requests that ran in batches; None when none did.
+        spans: SERVER spans of the method: what the latency, phase and batching figures rest on.
+        counts_from: where ``count``, the rate, the errors and ``status_counts`` come from:
+            :data:`COUNTS_FROM_METRIC` or :data:`COUNTS_FROM_SPANS`.
+        span_sample_ratio: ``spans / count`` when the counts come from the metric (below 1 when the spans are a
+            sample: the sampling ratio seen); None when the counts are the spans.
     """
 
     service_name: str
@@ -100,14 +117,17 @@ class MethodStats:
     error_count: int
     error_rate: float
     status_counts: dict[str, int]
-    p50_ms: float
-    p90_ms: float
-    p99_ms: float
-    max_ms: float
-    mean_ms: float
+    p50_ms: float | None
+    p90_ms: float | None
+    p99_ms: float | None
+    max_ms: float | None
+    mean_ms: float | None
     phases: list[PhaseStats] = field(default_factory=list)
     unattributed_share: float | None = None
     batching: BatchingStats | None = None
+    spans: int = 0
+    counts_from: str = COUNTS_FROM_SPANS
+    span_sample_ratio: float | None = None
 
 
 @dataclass(frozen=True)
@@ -127,12 +147,22 @@ class Report:
 
     Attributes:
         store_path: the DuckDB store read.
-        total_requests / total_errors: over all methods (errors as ``MethodStats.error_count``).
-        window_start_ns / window_end_ns: first request start and last request end, Unix epoch ns (None
-            when there are no requests).
+        total_requests / total_errors: over all methods (``MethodStats.count`` and ``.error_count``: the calls
+            the ``rpc.server.call.duration`` metric counted where the store has it, else SERVER spans).
+        window_start_ns / window_end_ns: first request span start and last request span end, Unix epoch ns
+            (None when there are no request spans).
         methods: per (service, method), sorted by service then method.
-        slowest: the slowest traces, slowest first.
+        slowest: the slowest traces, slowest first (of the spans).
         batching_totals: per service with batched requests, its batching figures over all methods.
+        total_spans: SERVER spans over all methods: the sample the latency, phase, batching and slowest-trace
+            figures rest on.
+        counts_from: where the counts come from: :data:`COUNTS_FROM_METRIC` (every method),
+            :data:`COUNTS_FROM_SPANS` (no method has the metric: the store has none, as with metrics off or
+            another instrumentation's data) or :data:`COUNTS_FROM_MIXED`.
+        span_sample_ratio: over the methods counted by the metric, their spans / their calls (the sampling
+            ratio seen; 1.0 when every call has its span); None when no method is.
+        notes: what the reader should know about the counts (a method whose metric counted fewer calls than it
+            has spans is counted by its spans, and said so here).
     """
 
     store_path: str
@@ -143,11 +173,20 @@ class Report:
     methods: list[MethodStats]
     slowest: list[SlowTrace]
     batching_totals: list[ServiceBatching] = field(default_factory=list)
+    total_spans: int = 0
+    counts_from: str = COUNTS_FROM_SPANS
+    span_sample_ratio: float | None = None
+    notes: list[str] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        """True when the store holds no request (SERVER) spans."""
-        return self.total_requests == 0
+        """True when the store holds no request: no request (SERVER) span and no call in the metric."""
+        return self.total_requests == 0 and self.total_spans == 0
+
+    @property
+    def sampled(self) -> bool:
+        """True when the spans are a sample of the calls (fewer spans than calls counted by the metric)."""
+        return self.span_sample_ratio is not None and self.span_sample_ratio < 1.0
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict (nested dataclasses become dicts, lists stay lists)."""

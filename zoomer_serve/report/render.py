@@ -14,14 +14,22 @@ from rich.console import JustifyMethod
 from rich.table import Table
 from rich.text import Text
 
-from zoomer_serve.report.model import BatchingStats, MethodStats, Report
+from zoomer_serve.report.model import (
+    COUNTS_FROM_METRIC,
+    COUNTS_FROM_SPANS,
+    BatchingStats,
+    MethodStats,
+    Report,
+)
 
 NO_REQUESTS = "no requests recorded"
 LEFT: JustifyMethod = "left"
 RIGHT: JustifyMethod = "right"
 
 
-def _ms(value: float) -> str:
+def _ms(value: float | None) -> str:
+    if value is None:
+        return "-"
     return f"{value:.2f}" if value < 10 else f"{value:.1f}"
 
 
@@ -44,22 +52,47 @@ def _table(title: str, columns: list[tuple[str, JustifyMethod]], fold: tuple[str
     return table
 
 
-ERRORS_CAPTION = ("errors: span status ERROR (server failures such as INTERNAL or UNAVAILABLE); client errors "
-                  "such as INVALID_ARGUMENT and declared Thrift exceptions are not, see the Status codes table")
+ERRORS_CAPTION = ("errors: span status ERROR (server failures such as INTERNAL or UNAVAILABLE; in the metric's counts, "
+                  "calls with those codes); client errors such as INVALID_ARGUMENT and declared Thrift exceptions "
+                  "are not, see the Status codes table")
+
+
+def counts_source(report: Report) -> str:
+    """Where the report's request counts, rates and errors come from, for a title or a header."""
+    if report.counts_from == COUNTS_FROM_METRIC:
+        return f"counted by the {COUNTS_FROM_METRIC} metric"
+    if report.counts_from == COUNTS_FROM_SPANS:
+        return "counted from SERVER spans"
+    return f"counted by the {COUNTS_FROM_METRIC} metric where the store has it, else from SERVER spans"
+
+
+def sample_note(report: Report) -> str:
+    """What the span-based figures rest on: "1459 sampled spans, 25.1% of the calls" when the spans are a sample
+    of the calls the metric counted, else "N spans"."""
+    if report.sampled:
+        return f"{report.total_spans} sampled spans, {_pct(report.span_sample_ratio or 0.0)} of the calls"
+    return f"{report.total_spans} spans"
 
 
 def methods_table(report: Report) -> Table:
-    """Per service and method: count, rate, errors (span status ERROR: :attr:`MethodStats.error_count`), latency
-    percentiles (ms)."""
-    numeric = ("reqs", "req/s", "errors", "err%", "p50", "p90", "p99", "max")
-    table = _table("Requests (SERVER spans), latency in ms",
-                   [("service", LEFT), ("method", LEFT)] + [(n, RIGHT) for n in numeric],
+    """Per service and method: count, rate, errors (:attr:`MethodStats.error_count`), the spans the latency
+    percentiles (ms) rest on, the percentiles."""
+    numeric = ("reqs", "req/s", "errors", "err%", "spans", "p50", "p90", "p99", "max")
+    if report.counts_from == COUNTS_FROM_SPANS:
+        title = "Requests (SERVER spans), latency in ms"
+    else:
+        title = f"Requests ({counts_source(report)}), latency in ms of the SERVER spans"
+    table = _table(title, [("service", LEFT), ("method", LEFT)] + [(n, RIGHT) for n in numeric],
                    fold=("service", "method"))
-    table.caption, table.caption_justify = ERRORS_CAPTION, "left"
+    caption = ERRORS_CAPTION
+    if report.sampled:
+        caption += "; spans: the SERVER spans the latency percentiles rest on, a sample of the requests"
+    table.caption, table.caption_justify = caption, "left"
     for m in report.methods:
         rate = "-" if m.rate_per_s is None else f"{m.rate_per_s:.1f}"
         table.add_row(Text(m.service_name), Text(m.method), str(m.count), rate, str(m.error_count),
-                      _pct(m.error_rate), _ms(m.p50_ms), _ms(m.p90_ms), _ms(m.p99_ms), _ms(m.max_ms))
+                      _pct(m.error_rate), str(m.spans), _ms(m.p50_ms), _ms(m.p90_ms), _ms(m.p99_ms),
+                      _ms(m.max_ms))
     return table
 
 
@@ -68,6 +101,7 @@ def statuses_table(report: Report) -> Table:
     errors or not."""
     table = _table("Status codes", [("service", LEFT), ("method", LEFT), ("requests by status", LEFT)],
                    fold=("service", "method", "requests by status"))
+    table.caption, table.caption_justify = counts_source(report), "left"
     for m in report.methods:
         table.add_row(Text(m.service_name), Text(m.method), _statuses(m))
     return table
@@ -80,6 +114,7 @@ def phases_table(report: Report) -> Table | None:
     table = _table("Phases (share of request time)",
                    [("service", LEFT), ("method", LEFT), ("phase", LEFT), ("spans", RIGHT), ("mean ms", RIGHT),
                     ("share", RIGHT)], fold=("service", "method", "phase"))
+    table.caption, table.caption_justify = f"over {sample_note(report)}", "left"
     for m in report.methods:
         for p in m.phases:
             table.add_row(Text(m.service_name), Text(m.method), Text(p.phase), str(p.count), _ms(p.mean_ms),
@@ -104,7 +139,7 @@ def batching_table(report: Report) -> Table | None:
                    [("service", LEFT), ("method", LEFT), ("batched", RIGHT), ("messages", RIGHT), ("batches", RIGHT),
                     ("mean size", RIGHT), ("wait p50", RIGHT), ("wait p99", RIGHT), ("wait share", RIGHT)],
                    fold=("service", "method"))
-    table.caption, table.caption_justify = BATCHING_CAPTION, "left"
+    table.caption, table.caption_justify = f"{BATCHING_CAPTION}; over {sample_note(report)}", "left"
     totals = {t.service_name: t.batching for t in report.batching_totals}
     rows: dict[str, list[tuple[Text, BatchingStats]]] = {}
     for m in report.methods:
@@ -127,6 +162,7 @@ def slowest_table(report: Report) -> Table | None:
     table = _table(f"Slowest {len(report.slowest)} traces",
                    [("trace id", LEFT), ("service", LEFT), ("method", LEFT), ("ms", RIGHT), ("status", LEFT)],
                    fold=("service", "method"))
+    table.caption, table.caption_justify = f"of {sample_note(report)}", "left"
     for t in report.slowest:
         table.add_row(t.trace_id, Text(t.service_name), Text(t.method), _ms(t.duration_ms), Text(t.status))
     return table
@@ -151,8 +187,9 @@ def next_steps(store_path: str) -> list[str]:
 def render_report(report: Report, console: Any) -> None:
     """Print ``report`` to ``console`` (a rich Console, or a :class:`~zoomer_serve.cli_output.TableOutput`):
     "no requests recorded" when empty, else a header line and the tables. The header gives the request
-    count and the window; per-method rates are only given for windows of at least 1 s (see
-    :data:`~zoomer_serve.report.build.MIN_RATE_WINDOW_S`)."""
+    count, the window, where the counts come from (the ``rpc.server.call.duration`` metric or the spans) and how
+    many spans the latency figures rest on (a sample, with the ratio seen, when fewer than the calls); per-method
+    rates are only given for windows of at least 1 s (see :data:`~zoomer_serve.report.build.MIN_RATE_WINDOW_S`)."""
     if report.empty:
         console.print(NO_REQUESTS)
         return
@@ -161,6 +198,9 @@ def render_report(report: Report, console: Any) -> None:
                            (str(report.total_errors), "bold"), f" errors over {window_text(window_s)}  ",
                            f"({report.store_path})")
     console.print(header)
+    console.print(Text(f"{counts_source(report)}; latency, phases and slowest traces from {sample_note(report)}"))
+    for note in report.notes:
+        console.print(Text(f"note: {note}"))
     for table in (methods_table(report), statuses_table(report), phases_table(report), batching_table(report),
                   slowest_table(report)):
         if table is not None:
