@@ -8,6 +8,7 @@ queued behind the stuck export vanished (a demo server stopped after 4 s of load
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -108,3 +109,36 @@ def test_c03_a_helper_process_counts_what_it_had_queued_when_the_budget_ran_out(
     note("C03", f"collector {collector}, helper process stuck at shutdown", total, stats.exported,
          stats.dropped + stats.unknown)
     assert stats.exported == 0 and stats.dropped + stats.unknown == total, stats
+
+
+def test_a_helper_answering_a_long_flush_keeps_reading_the_servers_frames(hung_port):
+    """C03/C12: while the helper process answers a flush that cannot end soon (a hung collector), it goes on
+    reading the server's frames, so the server's writes never wait for the flush (before, the helper read no
+    frame until the flush was over: the pipe filled up, the server's writer blocked on it, and a server under
+    load, as during a shutdown's flush, filled its queue and dropped records as "queue full")."""
+    cfg = _config("grpc", hung_port, mode="process", timeout_ms=60_000, max_queue_size=4096)
+    pipeline = ExportPipeline(cfg, {"service.name": "c03"})
+    pipeline.start()
+    recorder = RequestRecorder(sink=pipeline.submit, otel_context=False)
+    recorder.start("svc.S/M").end()
+    flushing = threading.Thread(target=pipeline.flush, args=(60.0,), daemon=True)
+    flushing.start()
+    deadline = time.monotonic() + 30
+    while pipeline._flush_seq == 0 and time.monotonic() < deadline:  # the FLUSH frame is written
+        time.sleep(0.01)
+
+    def send() -> None:  # about 2 MB: many times what the pipe holds
+        for _ in range(100):
+            for _ in range(2):
+                span = recorder.start("svc.S/M")
+                span.set_attribute("payload", "x" * 10_000)
+                span.end()
+            pipeline.hand_off(timeout_s=60.0)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    sender.join(30)
+    try:
+        assert not sender.is_alive() and flushing.is_alive()  # every write went through, the flush goes on
+    finally:
+        pipeline.shutdown(0.5)

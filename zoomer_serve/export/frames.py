@@ -5,9 +5,9 @@ A frame is a 4-byte big-endian payload length followed by a pickled ``(kind, bod
 - ``(RECORDS, (parent_counters, [record, ...]))``: span records (:mod:`zoomer_serve.recording.records`) and the
   server side's loss counters so far (``{"queue_full": spans, "helper_lost": spans, "too_large": spans}``,
   cumulative, reported by the helper in ``otel.sdk.exporter.span.exported``);
-- ``(FLUSH, seq)``: export everything received so far now; the helper answers ``{"event": "flushed", "seq":
-  seq, "ok": bool}`` on stdout once it has been sent (or failed; ``ok``: whether the flush succeeded,
-  :meth:`~zoomer_serve.export.worker.ExportWorker.flush`);
+- ``(FLUSH, (seq, metrics))``: export everything received so far now (the RPC metrics too when ``metrics``);
+  the helper answers ``{"event": "flushed", "seq": seq, "ok": bool}`` on stdout once it has been sent (or
+  failed; ``ok``: whether the flush succeeded, :meth:`~zoomer_serve.export.worker.ExportWorker.flush`);
 - ``(SHUTDOWN, budget_s)``: flush within ``budget_s`` seconds, report ``{"event": "stats", ...}`` and exit.
 
 Frames are at most :data:`MAX_FRAME_BYTES` long: the server splits a batch whose pickle is larger, and drops

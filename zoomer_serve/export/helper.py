@@ -11,7 +11,9 @@ It runs an :class:`~zoomer_serve.export.worker.ExportWorker` on the records that
   every second). The server uses the last one to count what a helper that died took with it: spans it had not
   reported are lost, except the ``N`` of a request it may have sent, whose outcome is unknown;
 - ``{"event": "flushed", "seq": N, "ok": B}`` after a ``FLUSH`` frame's records were sent (or failed); ``ok`` is
-  :meth:`ExportWorker.flush`'s answer (False when anything was lost since the previous flush);
+  :meth:`ExportWorker.flush`'s answer (False when anything was lost since the previous flush). The frames behind
+  a ``FLUSH`` keep being read meanwhile (a server under load goes on sending records: were they left in the
+  pipe, its queue would fill up and drop them);
 - ``{"event": "stats", ...counters}`` last, after everything was flushed or the budget ran out.
 
 Its lifetime follows the server's, not the server's signals: it runs in a session of its own (Ctrl+C and
@@ -127,13 +129,20 @@ class Helper:
             counters, batch = body
             self.worker.parent_counters = dict(counters)
             self.worker.put(batch)
-        elif kind == frames.FLUSH:
-            ok = self.worker.flush(self.budget_s)
-            self.out.emit({"event": "flushed", "seq": body, "ok": ok})
+        elif kind == frames.FLUSH:  # answered on a thread of its own: the frames behind it keep being read
+            seq, metrics = body
+            request = self.worker.request_flush(self.budget_s, metrics)
+            threading.Thread(target=self._answer_flush, args=(request, seq), name="zoomer-export-flushed",
+                             daemon=True).start()
         else:
             self.budget_s = float(body)
             return True
         return False
+
+    def _answer_flush(self, request: Any, seq: Any) -> None:
+        """Write the ``flushed`` line once the flush is over (``ok`` False when it did not end within the budget)."""
+        ok = request is not None and request.done.wait(self.budget_s) and request.ok
+        self.out.emit({"event": "flushed", "seq": seq, "ok": ok})
 
     def _bad_frame(self, what: str) -> None:
         self.bad_frames += 1

@@ -270,16 +270,17 @@ class ExportPipeline:
         process); True when done within ``timeout_s``. Cheap: no export is waited for."""
         return self._drain_once(max(0.0, timeout_s))
 
-    def flush(self, timeout_s: float) -> bool:
-        """Export everything recorded so far now and wait for it, within ``timeout_s`` seconds. True when the
-        flush succeeded: nothing was lost since the previous flush, here (a full queue, a record too large for a
-        frame, a helper process that died: lost or of unknown outcome) or in the worker (refused or rejected by
-        the collector, see :meth:`~zoomer_serve.export.worker.ExportWorker.flush`). False otherwise, or when the
-        time ran out; the losses are counted either way."""
+    def flush(self, timeout_s: float, metrics: bool = True) -> bool:
+        """Export everything recorded so far now (``metrics=False``: the spans only, the RPC metrics go with a
+        later export) and wait for it, within ``timeout_s`` seconds. True when the flush succeeded: nothing was
+        lost since the previous flush, here (a full queue, a record too large for a frame, a helper process that
+        died: lost or of unknown outcome) or in the worker (refused or rejected by the collector, see
+        :meth:`~zoomer_serve.export.worker.ExportWorker.flush`). False otherwise, or when the time ran out; the
+        losses are counted either way."""
         deadline = time.monotonic() + timeout_s
         if not self.hand_off(timeout_s):
             return False
-        worker_ok = self._flush_worker(deadline)
+        worker_ok = self._flush_worker(deadline, metrics)
         losses = self._losses()
         ok = worker_ok and losses == self._losses_at_flush
         self._losses_at_flush = losses
@@ -290,11 +291,11 @@ class ExportPipeline:
         own)."""
         return self.dropped + self.dropped_record_too_large + self.lost_in_helper + self.unknown_in_helper
 
-    def _flush_worker(self, deadline: float) -> bool:
+    def _flush_worker(self, deadline: float, metrics: bool) -> bool:
         """Have the worker (thread or helper process) flush what it got; its answer, False when none came by
         ``deadline`` (``time.monotonic()``)."""
         if self._worker is not None:
-            return self._worker.flush(max(0.0, deadline - time.monotonic()))
+            return self._worker.flush(max(0.0, deadline - time.monotonic()), metrics)
         with self._write_lock:
             helper = self._helper
             if helper is None:
@@ -302,7 +303,7 @@ class ExportPipeline:
             self._flush_seq += 1
             seq = self._flush_seq
             try:
-                helper.send(frames.encode(frames.FLUSH, seq))
+                helper.send(frames.encode(frames.FLUSH, (seq, metrics)))
             except (OSError, ValueError):
                 return False
         event = helper.wait_event("flushed", deadline - time.monotonic(), seq)

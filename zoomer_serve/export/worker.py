@@ -94,6 +94,7 @@ class _FlushRequest:
 
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     ok: bool = False
+    metrics: bool = True  # False: the spans only (the RPC metrics go with the next export, or the last)
 
 
 @dataclass
@@ -180,19 +181,27 @@ class ExportWorker:
         else:
             self._received += spans
 
-    def flush(self, timeout_s: float) -> bool:
+    def flush(self, timeout_s: float, metrics: bool = True) -> bool:
         """Export every span and the metrics of every record put so far, now (not at the next schedule), and
         wait up to ``timeout_s`` seconds. True when the flush succeeded: no span was lost since the previous
         flush (refused by the collector, rejected in a partial success, too large, or not let into the queue)
         and the collector accepted every metric point sent now. A partial success that rejects nothing (a
         warning message only) is a success. False as well when the time ran out. Losses are counted either way
-        (:class:`ExportStats`)."""
-        request = _FlushRequest()
+        (:class:`ExportStats`). ``metrics=False``: the spans only (see :meth:`request_flush`)."""
+        request = self.request_flush(timeout_s, metrics)
+        return request is not None and request.done.wait(timeout_s) and request.ok
+
+    def request_flush(self, timeout_s: float, metrics: bool = True) -> _FlushRequest | None:
+        """Queue a flush of everything put so far, behind it, and return it without waiting for it (its
+        ``done`` is set when it is over, ``ok`` is :meth:`flush`'s answer); None when the queue had no room
+        within ``timeout_s`` seconds. ``metrics=False``: the spans only (shutdown's flushes, whose last export
+        sends the RPC metrics: their points are cumulative, one export at the end says it all)."""
+        request = _FlushRequest(metrics=metrics)
         try:
             self._queue.put(request, timeout=timeout_s)
         except queue.Full:
-            return False
-        return request.done.wait(timeout_s) and request.ok
+            return None
+        return request
 
     def _span_losses(self) -> int:
         """Spans this worker has counted as lost so far (any reason)."""
@@ -202,7 +211,7 @@ class ExportWorker:
         """Flush on the export thread, then tell the caller whether anything was lost since the last flush."""
         now = time.monotonic()
         self._flush(now + self.cfg.timeout_ms / 1000)
-        metrics_ok = self._export_metrics(now + self._metrics_timeout_s)
+        metrics_ok = self._export_metrics(now + self._metrics_timeout_s) if request.metrics else True
         losses = self._span_losses()
         request.ok = metrics_ok and losses == self._losses_at_flush
         self._losses_at_flush = losses
