@@ -2,7 +2,8 @@
 
 ``python tests/lifecycle_apps.py wrapped``: a gRPC server wrapped exactly as README.md shows (the interceptor,
 ``server.wait_for_termination()``, Ctrl+C handled as README.md says), serving ``test.Echo/Unary``; prints
-``{"event": "ready", "port": P}``.
+``{"event": "ready", "port": P}``. ``wrapped-thrift``: the same with a Thrift server built by ``make_thrift_server``
+(``serve_forever()``, Ctrl+C handled as ``examples/thrift_server`` does), serving ``Echo.echo`` (:data:`ECHO_IDL`).
 
 ``python tests/lifecycle_apps.py fork-os N`` / ``fork-pool N`` / ``fork-pool-recycle N`` / ``fork-grpc N``:
 telemetry configured in the parent, then N children made by ``os.fork`` / a ``multiprocessing`` fork pool (plain,
@@ -56,6 +57,34 @@ def wrapped() -> None:
         server.wait_for_termination()
     except KeyboardInterrupt:  # Ctrl+C: let calls in flight finish, as README.md shows
         server.stop(grace=5).wait()
+
+
+ECHO_IDL = "service Echo { string echo(1: string s) }"
+
+
+def echo_thrift() -> Any:
+    """The thriftpy2 module of :data:`ECHO_IDL` (the test's clients load the same)."""
+    import io
+
+    import thriftpy2
+
+    return thriftpy2.load_fp(io.StringIO(ECHO_IDL), module_name="lifecycle_echo_thrift")
+
+
+class _ThriftEcho:
+    def echo(self, s: str) -> str:
+        return s
+
+
+def wrapped_thrift() -> None:
+    from interceptors import make_thrift_server
+
+    server = make_thrift_server(echo_thrift().Echo, _ThriftEcho(), "127.0.0.1", 0, client_timeout=None)
+    print(json.dumps({"event": "ready", "port": server.port}), flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:  # Ctrl+C: stop accepting, let calls in progress finish
+        server.stop(grace_s=5)
 
 
 def _record(name: str, n: int) -> None:
@@ -205,6 +234,8 @@ def fork_scenario(mode: str, n: int) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "wrapped":
         wrapped()
+    elif sys.argv[1] == "wrapped-thrift":
+        wrapped_thrift()
     elif sys.argv[1].startswith(("spawn-", "forkserver-")):
         spawn_scenario(sys.argv[1], int(sys.argv[2]), sys.argv[3])
     else:

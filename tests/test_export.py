@@ -75,6 +75,23 @@ def test_unsampled_records_that_do_not_fit_count_as_lost_records_not_as_spans():
     assert (stats.dropped_queue, stats.dropped_records) == (2, 31)
 
 
+def test_records_that_come_once_shutdown_began_are_counted_as_such_not_as_queue_full(caplog):
+    """C12: a request that ends while the pipeline shuts down (a server still answering) is counted and logged
+    as ended after shutdown began, never as "queue full" (whose advice, a larger queue, would not help)."""
+    cfg = ExportConfig(max_queue_size=100, max_export_batch_size=50, mode="none")
+    pipeline = ExportPipeline(cfg, {"service.name": "x"})
+    rec = zoomer_serve.RequestRecorder(sink=pipeline.submit, otel_context=False)
+    rec.start("a/before").end()
+    pipeline._closing = True  # as shutdown() sets it first
+    for _ in range(3):
+        rec.start("a/after").end()
+    with caplog.at_level(logging.WARNING, logger="zoomer_serve.export"):
+        stats = pipeline.shutdown(0.5)
+    assert (stats.records_after_shutdown, stats.dropped_queue, stats.dropped_records) == (3, 0, 0)
+    assert "3 requests ended after telemetry began shutting down" in caplog.text
+    assert "queue full" not in caplog.text
+
+
 def _records(n: int, attributes: dict | None = None) -> list[tuple]:
     got: list[tuple] = []
     recorder = zoomer_serve.RequestRecorder(sink=got.append, otel_context=False)

@@ -31,6 +31,28 @@ def test_end_is_exactly_once_even_from_many_threads():
     assert results.count(True) == 1 and len(got) == 1
 
 
+def test_held_requests_start_only_once_released_and_in_flight_counts_open_spans():
+    """C12: a process about to end on SIGTERM holds the requests that start after its last count (off the main
+    thread); ``in_flight`` says how many are still open; released (the process did not end), they go on."""
+    got = []
+    recorder = RequestRecorder(sink=got.append, otel_context=False)
+    open_span = recorder.start("s/open")
+    recorder.start("s/done").end()
+    assert recorder.in_flight == 1
+    recorder.hold_new_requests()
+    recorder.start("s/main").end()  # the main thread (the signal handler's) is never held
+    started = threading.Event()
+    thread = threading.Thread(target=lambda: (recorder.start("s/held").end(), started.set()))
+    thread.start()
+    assert not started.wait(0.3)
+    open_span.end()
+    assert recorder.in_flight == 0 and [rec[r.R_NAME] for rec in got] == ["s/done", "s/main", "s/open"]
+    recorder.release_requests()
+    assert started.wait(30)
+    thread.join()
+    assert recorder.in_flight == 0 and got[-1][r.R_NAME] == "s/held"
+
+
 def test_phase_outside_a_request_records_nothing_and_inside_makes_children():
     got = []
     rec = RequestRecorder(sink=got.append, otel_context=False)

@@ -5,7 +5,13 @@
 then does what the process would have done without zoomer-serve:
 
 - the default SIGTERM action (Kubernetes, ``docker stop``, systemd): flush and stop telemetry within its shutdown
-  budget (the export timeout plus one second), then die of SIGTERM as before;
+  budget (the export timeout plus one second), then die of SIGTERM as before. The server's threads go on
+  answering calls while telemetry flushes, and those calls are exported too (flushes are repeated while they
+  get shorter); then requests that start are held (they get no answer, as when the process dies without
+  zoomer-serve) while the last records are exported, the requests still in progress are waited for (up to
+  :data:`~zoomer_serve.runtime.FINISH_WAIT_S`), and those that ended too late to be exported are counted
+  (:func:`zoomer_serve.records_after_shutdown`) and logged in one line. If the process does not die (PID 1 of a
+  container ignores SIGTERM's default action), the held requests go on;
 - the default SIGINT action (Ctrl+C): hand every queued record to the export helper process (milliseconds; the
   helper runs in a session of its own, outlives the Ctrl+C and drains when the process exits), then raise
   KeyboardInterrupt as before; calls that still end during the server's own graceful stop are recorded too, and
@@ -86,27 +92,37 @@ def _make_handler(get_active: Callable[[], Any]) -> Callable[[int, Any], None]:
     def handler(signum: int, frame: Any) -> None:
         previous = _previous.get(signum, signal.SIG_DFL)
         telemetry = get_active()
+        held = None  # the telemetry whose recorder holds new requests until the process ends
         if telemetry is not None and telemetry.shutting_down and not telemetry.shut_down:
             _deferred.append(signum)  # the shutdown under way finishes first, then the signal is delivered again
             return
         if telemetry is not None and not getattr(_state, "busy", False):
             _state.busy = True  # a second signal during our own save goes straight to what follows
+            terminal = previous is signal.SIG_DFL
+            held = telemetry if terminal else None
             try:
-                _save(telemetry, terminal=previous is signal.SIG_DFL)
+                _save(telemetry, terminal)
             except Exception as exc:  # never let telemetry stand between a signal and the application
                 logger.warning("zoomer-serve: could not save telemetry on signal %d: %r", signum, exc)
             finally:
                 _state.busy = False
-        _chain(signum, frame, previous)
+        try:
+            _chain(signum, frame, previous)
+        finally:
+            if held is not None:  # still alive (PID 1 of a container ignores SIGTERM's default action)
+                held.release_requests()
 
     handler._zoomer_handler = True  # type: ignore[attr-defined]
     return handler
 
 
 def _save(telemetry: Any, terminal: bool) -> None:
-    """Before a default action that ends the process: the whole shutdown; else the quick hand-off."""
+    """Before a default action that ends the process: the whole shutdown, then the count of the calls the
+    server's threads answered too late to be exported (see the module docstring); else the quick hand-off."""
     if terminal:
+        telemetry.ending = True
         telemetry.shutdown()
+        telemetry.finish_before_exit()
     elif telemetry.pipeline is not None:
         telemetry.pipeline.hand_off(HAND_OFF_TIMEOUT_S)
 

@@ -7,7 +7,8 @@ every telemetry the process configures in turn: adapters that are created before
 :func:`configure` is called later their requests go to the new telemetry. A request recorded while no
 telemetry is active (after :func:`shutdown`) is dropped and counted (:func:`records_after_shutdown`).
 :func:`shutdown` (also registered with ``atexit``, and run before SIGTERM's default action) flushes within the
-export timeout plus one second; :func:`force_flush` exports what was recorded so far without stopping. How
+export timeout plus one second, first while still recording (a server's threads may go on answering calls), then
+closing; :func:`force_flush` exports what was recorded so far without stopping. How
 signals and fork are handled: :mod:`zoomer_serve.lifecycle`.
 
 **Spawned workers.** A ``multiprocessing`` worker started by the ``spawn`` or ``forkserver`` method (also a
@@ -62,22 +63,29 @@ _stopping: Telemetry | None = None  # the last one shut down by shutdown()
 _recorder: RequestRecorder | None = None  # the process's recorder, kept from one telemetry to the next
 _after_shutdown = [0]  # records that came while no telemetry was active
 _after_shutdown_lock = threading.Lock()
+FINISH_WAIT_S = 0.2
+"""How long a process ending on SIGTERM waits for the requests in progress to end (seconds), after telemetry was
+shut down and before it counts them (:meth:`Telemetry.finish_before_exit`)."""
+_after_shutdown_warn = [True]  # False once warned, and while a shutdown under way counts them for its own report
 
 
 def _count_after_shutdown(record: tuple[Any, ...]) -> None:
-    """The sink of the recorder while no telemetry is active: counts the record, warns the first time."""
+    """The sink of the recorder while no telemetry is active: counts the record, warns the first time (unless a
+    shutdown under way reports the count itself)."""
     with _after_shutdown_lock:
         _after_shutdown[0] += 1
-        first = _after_shutdown[0] == 1
-    if first:
+        warn = _after_shutdown_warn[0]
+        _after_shutdown_warn[0] = False
+    if warn:
         logger.warning("zoomer-serve: a request was recorded after telemetry was shut down; it is dropped, as "
                        "are later ones until configure() is called again (counted: records_after_shutdown())")
 
 
 def records_after_shutdown() -> int:
     """Span records (a request's span with its phases, or a span made with the OpenTelemetry API) dropped because
-    they ended while no telemetry was active:
-    after :func:`shutdown`, or on a recorder whose telemetry was shut down, until the next :func:`configure`."""
+    they ended while no telemetry was active: after :func:`shutdown`, or on a recorder whose telemetry was shut
+    down, until the next :func:`configure`; and those that ended while a shutdown was closing the export (its last
+    drain), which it logs in one line."""
     return _after_shutdown[0]
 
 
@@ -99,6 +107,8 @@ class Telemetry:
     meter_provider: Any
     _stats: ExportStats | None = None
     shutting_down: bool = False
+    ending: bool = False  # the process ends right after the shutdown (see finish_before_exit)
+    _after_shutdown_from: int | None = None  # records_after_shutdown() when this telemetry let go of the recorder
     _shutdown_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
     gpu: Any = None  # zoomer_serve.telemetry.GpuTelemetry, or None (no GPU, or ZOOMER_GPU=off)
     host: Any = None  # zoomer_serve.host.HostTelemetry, or None (ZOOMER_HOST=off)
@@ -134,13 +144,19 @@ class Telemetry:
         return self._stats is not None
 
     def _shutdown(self, timeout_s: float | None) -> ExportStats:
+        """Export while still recording (a server's threads may go on answering calls meanwhile), then let go of
+        the recorder and close: only requests that end during the closing drain are not exported; they are
+        counted (:func:`records_after_shutdown`) and logged once, by :meth:`report_records_after_shutdown`."""
         budget = self.config.export.export_budget_ms / 1000 if timeout_s is None else timeout_s
         deadline = time.monotonic() + budget + 1.0  # one deadline for every part, whatever the collector does
-        self.recorder.run_before_shutdown()  # first: spans that adapters still hold open
-        if self.gpu is not None:  # first: it sends its last allocation totals through the pipeline
+        if self.pipeline is not None:  # half the budget: the closing drain has the rest, a collector down or not
+            self.pipeline.flush_while_open(time.monotonic() + budget / 2)
+        self.recorder.run_before_shutdown()  # spans that adapters still hold open
+        if self.gpu is not None:  # it sends its last allocation totals through the pipeline
             self.gpu.shutdown()
         if self.host is not None:
             self.host.shutdown()
+        self._let_go_of_recorder()
         threads = [threading.Thread(target=_shutdown_provider, args=(p, budget), daemon=True)
                    for p in (self.tracer_provider, self.meter_provider) if p is not None]
         for t in threads:
@@ -149,8 +165,57 @@ class Telemetry:
         stats = self.pipeline.shutdown(remaining) if self.pipeline is not None else ExportStats()
         for t in threads:  # SDK providers still retrying past the deadline are left behind (daemon threads)
             t.join(max(0.0, deadline - time.monotonic()))
-        self.recorder.sink = _count_after_shutdown  # until the next configure() gives the recorder a new sink
+        if not self.ending:
+            self.report_records_after_shutdown()
         return stats
+
+    def _let_go_of_recorder(self) -> None:
+        """From now on the recorder's records are counted, not exported, until the next configure() gives it a
+        new sink; so is a record that reaches the closing pipeline. In a process that ends right after
+        (``ending``), requests that start from now on are held: only those in progress can end meanwhile."""
+        with _after_shutdown_lock:
+            self._after_shutdown_from = _after_shutdown[0]
+            _after_shutdown_warn[0] = False  # this shutdown reports them itself
+        if self.ending:
+            self.recorder.hold_new_requests()
+        self.recorder.sink = _count_after_shutdown
+        if self.pipeline is not None:
+            self.pipeline.after_close = _count_after_shutdown
+
+    def report_records_after_shutdown(self, in_progress: int = 0) -> int:
+        """Log once how many requests ended after this telemetry began shutting down, too late to be exported
+        (a server that kept answering while telemetry was flushed), and ``in_progress``, those still under way
+        as the process ends; later ones are warned about once. Returns the first number (0 before the shutdown
+        let go of the recorder, and when called again)."""
+        with _after_shutdown_lock:
+            start, self._after_shutdown_from = self._after_shutdown_from, None
+            if start is None:
+                return 0
+            records = _after_shutdown[0] - start
+            _after_shutdown_warn[0] = True
+        if records or in_progress:
+            from zoomer_serve.export.pipeline import log_records_after_shutdown
+
+            log_records_after_shutdown(records, in_progress)
+        return records
+
+    def finish_before_exit(self, wait_s: float = FINISH_WAIT_S) -> None:
+        """For a process that ends right after (SIGTERM's default action), once :meth:`shutdown` (with
+        ``ending`` set) is over: hold the requests that start from now on, if the shutdown did not already
+        (their callers get no answer, as when the process ends without zoomer-serve), wait up to ``wait_s``
+        seconds for those in progress to end, then log how many ended after the shutdown began closing and how
+        many were still in progress. Every call answered before the process ends is then either exported or in
+        that count. :meth:`release_requests` lets the held ones go on (the process did not end)."""
+        recorder = self.recorder
+        recorder.hold_new_requests()
+        end = time.monotonic() + wait_s
+        while recorder.in_flight > 0 and time.monotonic() < end:
+            time.sleep(0.002)
+        self.report_records_after_shutdown(max(0, recorder.in_flight))
+
+    def release_requests(self) -> None:
+        """Undo the hold of :meth:`finish_before_exit`."""
+        self.recorder.release_requests()
 
     def force_flush(self, timeout_s: float | None = None) -> bool:
         """Export everything recorded so far (spans, the RPC metrics, and the SDK providers' data) and wait for

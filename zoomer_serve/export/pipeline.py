@@ -32,7 +32,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -71,11 +71,16 @@ class ExportPipeline:
         self.dropped = 0  # sampled spans dropped on the server side (queue full or worker gone)
         self.dropped_records = 0  # records dropped there, sampled or not (their calls miss the RPC metrics)
         self.submitted = 0  # sampled spans handed to the worker
+        self._moved_records = 0  # records taken from the queue (for the worker, or lost on the way)
         self.dropped_record_too_large = 0  # sampled spans of records too large for any frame
         self.lost_in_helper = 0  # sampled spans that a helper which died held and had not sent
         self.unknown_in_helper = 0  # sampled spans that a helper which died may have sent (not reported)
         self._gone_stats = ExportStats()  # the last counters of the helpers that died (their exports, ...)
         self.helper_restarts = 0
+        self.records_after_close = 0  # records submitted once shutdown began (by the default after_close)
+        self.after_close: Callable[[tuple[Any, ...]], None] = self._count_after_close
+        """Takes each record submitted once :meth:`shutdown` began (the request ended while telemetry was
+        shutting down); by default it is counted in ``records_after_close``, and so logged at shutdown."""
         self._queue: collections.deque[tuple[Any, ...]] = collections.deque()
         self._max = cfg.max_queue_size
         self._wake_at = max(1, cfg.max_queue_size // 2)
@@ -96,10 +101,14 @@ class ExportPipeline:
 
     # -- request path -------------------------------------------------------------------------------
     def submit(self, record: tuple[Any, ...]) -> None:
-        """Queue one record; never blocks, never raises. Drops (and counts) it when the queue is full."""
+        """Queue one record; never blocks, never raises. Drops (and counts) it when the queue is full; once the
+        pipeline is shutting down, hands it to :attr:`after_close` instead (a request that ended meanwhile)."""
         q = self._queue
         n = len(q)
-        if n >= self._max or self._closing:
+        if self._closing:
+            self.after_close(record)
+            return
+        if n >= self._max:
             self.dropped += r.exported_spans(record)
             self.dropped_records += 1
             return
@@ -172,6 +181,7 @@ class ExportPipeline:
             pass
         spans = sum(map(r.exported_spans, batch))
         self.submitted += spans
+        self._moved_records += len(batch)
         if self._worker is not None:
             self._worker.put(batch)
         elif self.cfg.mode == "process":
@@ -230,6 +240,9 @@ class ExportPipeline:
             logger.warning("zoomer-serve: the export helper process is gone (%s); starting a new one, and "
                            "counting the spans it took with it (logged once)", exc or "it exited")
 
+    def _count_after_close(self, record: tuple[Any, ...]) -> None:
+        self.records_after_close += 1
+
     def _lose(self, spans: int, records: int) -> None:
         """Count a batch that will not reach the worker: its sampled spans and its records."""
         self.dropped += spans
@@ -269,6 +282,25 @@ class ExportPipeline:
         """Move every queued record to the worker now (to the helper process's pipe, where it outlives this
         process); True when done within ``timeout_s``. Cheap: no export is waited for."""
         return self._drain_once(max(0.0, timeout_s))
+
+    def flush_while_open(self, deadline: float, rounds: int = 4) -> None:
+        """Before :meth:`shutdown`, while the server may still be answering calls: flush, and flush again while
+        the server recorded more than a frame of records meanwhile and the flushes get shorter, at most
+        ``rounds`` times and until ``deadline`` (``time.monotonic()``). Records keep being taken all along: what
+        the server answers during an export is exported too, and the closing drain of :meth:`shutdown` is left
+        what came during the last round only. A flush no shorter than the one before means the export does not
+        keep up with the server (or the collector is slow): more rounds would not shorten the closing drain."""
+        last = float("inf")
+        for _ in range(rounds):
+            began, moved, queued = time.monotonic(), self._moved_records, len(self._queue)
+            if began >= deadline:
+                return
+            self.flush(deadline - began, metrics=False)
+            took = time.monotonic() - began
+            came = self._moved_records - moved - queued + len(self._queue)  # recorded during this flush
+            if came <= _FRAME_RECORDS or took >= last:
+                return
+            last = took
 
     def flush(self, timeout_s: float, metrics: bool = True) -> bool:
         """Export everything recorded so far now (``metrics=False``: the spans only, the RPC metrics go with a
@@ -344,6 +376,7 @@ class ExportPipeline:
         _add_counters(stats, asdict(self._gone_stats))
         stats.lost_in_helper += self.lost_in_helper
         stats.unknown += self.unknown_in_helper
+        stats.records_after_shutdown += self.records_after_close
         stats.helper_restarts += self.helper_restarts
         self.final_stats = stats
         _log_losses(stats, self.cfg.traces_endpoint)
@@ -386,7 +419,19 @@ def _log_losses(stats: ExportStats, endpoint: str) -> None:
     if stats.dropped_records:
         logger.warning("zoomer-serve: %d records did not reach the exporter; their calls are missing from the RPC "
                        "metrics (and their spans, when sampled, are counted above)", stats.dropped_records)
+    if stats.records_after_shutdown:
+        log_records_after_shutdown(stats.records_after_shutdown)
     if stats.unknown:
         logger.warning("zoomer-serve: the outcome of %d spans is unknown: they were in flight when the shutdown "
                        "budget ran out or when an export helper process died, or the export helper did not report "
                        "them; they may or may not have reached %s", stats.unknown, endpoint)
+
+
+def log_records_after_shutdown(records: int, in_progress: int = 0) -> None:
+    """The one warning about requests that ended once telemetry began shutting down, and those still in
+    progress when the process ended (neither exported)."""
+    still = (f"; {in_progress} more were still in progress as the process ended (their answers may have been sent)"
+             if in_progress else "")
+    logger.warning("zoomer-serve: %d %s ended after telemetry began shutting down (the server kept answering "
+                   "while telemetry was being flushed); not exported%s", records,
+                   "request" if records == 1 else "requests", still)

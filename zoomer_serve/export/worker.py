@@ -50,7 +50,9 @@ class ExportStats:
     ``dropped_queue``: sampled spans that did not fit a queue (server side included); ``dropped_records``: records
     (sampled or not) that never reached a worker: their calls are missing from the RPC metrics too;
     ``dropped_record_too_large``: spans of records too large for a frame to the helper process
-    (:data:`zoomer_serve.export.frames.MAX_FRAME_BYTES`); ``lost_in_helper``: spans handed to a helper process that
+    (:data:`zoomer_serve.export.frames.MAX_FRAME_BYTES`); ``records_after_shutdown``: records (requests) that
+    ended once shutdown had begun, too late for the last export (their spans are not in ``dropped``);
+    ``lost_in_helper``: spans handed to a helper process that
     died holding them, before it sent them (in the pipe, its queue or its pending batch); ``helper_restarts``:
     helper processes started again after one died; ``unknown``: spans whose outcome is not known, neither counted
     as exported nor as dropped: those of the export request in flight when the shutdown budget ran out (the
@@ -70,6 +72,7 @@ class ExportStats:
     dropped_too_large: int = 0
     dropped_record_too_large: int = 0
     lost_in_helper: int = 0
+    records_after_shutdown: int = 0
     helper_restarts: int = 0
     unknown: int = 0
     metric_points_exported: int = 0

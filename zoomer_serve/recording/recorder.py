@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import itertools
 import sys
 import threading
 import time
@@ -30,6 +31,9 @@ from zoomer_serve.recording.propagation import ParentContext, new_span_id, rando
 from zoomer_serve.recording.sampling import Sampler
 
 Sink = Callable[[tuple[Any, ...]], None]
+HOLD_S = 2.0
+"""The longest a request waits in :meth:`RequestRecorder.start` while new requests are held (seconds): the
+process was to end long before (fail open)."""
 F = TypeVar("F", bound=Callable[..., Any])
 
 _current: contextvars.ContextVar[RequestSpan | None] = contextvars.ContextVar("zoomer_request", default=None)
@@ -265,6 +269,8 @@ class RequestSpan:
             self._open.pop()
         except IndexError:
             return False
+        if self._flags & r.F_REQUEST:
+            next(self._recorder._ended)
         for observer in self._recorder.observers:
             try:
                 observer.on_end(self)
@@ -325,8 +331,30 @@ class RequestRecorder:
         self.otel_attach: Callable[[RequestSpan], Any] | None = None
         self.otel_detach: Callable[[Any], None] = lambda token: None
         self.before_shutdown: tuple[Callable[[], None], ...] = ()
+        self._started = itertools.count()  # next() is atomic: request spans started and ended, for in_flight
+        self._ended = itertools.count()
+        self._hold: threading.Event | None = None  # set by hold_new_requests(): start() waits on it
         if otel_context:
             self._setup_otel_bridge()
+
+    @property
+    def in_flight(self) -> int:
+        """Request spans (``is_request``) started and not yet ended: requests in progress (one never ended stays
+        counted)."""
+        return next(self._started) - next(self._ended)  # both advance by one: the difference stays right
+
+    def hold_new_requests(self) -> None:
+        """Make :meth:`start` wait (off the main thread, up to :data:`HOLD_S`) until :meth:`release_requests`:
+        for a process that is about to end, so that no request starts, and gets answered, after its last count
+        of what was recorded (see :meth:`zoomer_serve.Telemetry.finish_before_exit`)."""
+        if self._hold is None:
+            self._hold = threading.Event()
+
+    def release_requests(self) -> None:
+        """Let the requests that :meth:`hold_new_requests` held go on."""
+        hold, self._hold = self._hold, None
+        if hold is not None:
+            hold.set()
 
     def _setup_otel_bridge(self) -> None:
         from opentelemetry import context as otel_context
@@ -389,6 +417,11 @@ class RequestRecorder:
         count it in the ``rpc.*.call.duration`` metrics. ``sampled``: None lets the sampler decide; True or False
         decides instead (a batch span follows its member requests).
         """
+        hold = self._hold
+        if hold is not None and threading.current_thread() is not threading.main_thread():
+            hold.wait(HOLD_S)
+        if is_request:
+            next(self._started)
         trace_id = parent.trace_id if parent is not None else 0
         if sampled is None and parent is not None:
             sampled = self.sampler.should_sample(trace_id, parent)
