@@ -11,6 +11,13 @@ or ``maxtasksperchild=1``) / forked workers that each start a gRPC server; every
 records some before and after. Prints one JSON line with what was sent: ``{"event": "done", "spans": {name:
 count}, "parent_helper": [pid before, pid after]}``.
 
+``python tests/lifecycle_apps.py prefork-grpc N PORT``: a pre-forking server: telemetry configured in the parent (the
+interceptor built), then N forked children that each serve ``test.Echo/Unary`` with a gRPC server of their own on
+the same ``PORT`` (``grpc.so_reuseport``); prints ``{"event": "ready"}`` once all serve, stops them with SIGTERM
+when a line comes on stdin, then prints ``{"event": "done"}``. ``python tests/lifecycle_apps.py load PORT SECONDS
+THREADS``: a load client: THREADS threads call ``test.Echo/Unary`` back to back (waiting for the server to
+come up), for SECONDS after their first answer; prints ``{"event": "done", "codes": {status: count}}``.
+
 ``python tests/lifecycle_apps.py spawn-pool N ENDPOINT`` / ``forkserver-pool`` / ``spawn-executor`` /
 ``spawn-dataloader``: telemetry configured in code in the parent (``endpoint=ENDPOINT``, ``service_name="spawny"``),
 then N tasks run in workers started by the ``spawn`` or ``forkserver`` method (a ``multiprocessing`` pool, a
@@ -200,6 +207,70 @@ def _fork_grpc(n: int, spans: dict[str, int]) -> None:
         os.waitpid(pid, 0)
 
 
+def prefork_scenario(n: int, port: int) -> None:
+    from interceptors import ZoomerServerInterceptor
+
+    interceptor = ZoomerServerInterceptor()  # telemetry configured in the parent, before the fork
+    read_end, write_end = os.pipe()
+    children = []
+    for _ in range(n):
+        pid = os.fork()
+        if pid == 0:
+            os.close(read_end)
+            server = grpc.server(futures.ThreadPoolExecutor(4), interceptors=[interceptor],
+                                 options=[("grpc.so_reuseport", 1)])
+            server.add_generic_rpc_handlers((echo_handler(),))
+            server.add_insecure_port(f"127.0.0.1:{port}")
+            server.start()
+            os.write(write_end, b"serving\n")
+            server.wait_for_termination()  # until the parent's SIGTERM: zoomer-serve flushes, then it dies of it
+            os._exit(0)
+        children.append(pid)
+    os.close(write_end)
+    with os.fdopen(read_end) as reader:
+        for _ in range(n):
+            reader.readline()
+    print(json.dumps({"event": "ready"}), flush=True)
+    sys.stdin.readline()
+    for pid in children:
+        os.kill(pid, signal.SIGTERM)
+    for pid in children:
+        os.waitpid(pid, 0)
+    print(json.dumps({"event": "done"}), flush=True)
+
+
+def load(port: int, seconds: float, threads: int) -> None:
+    import threading
+    import time
+    from collections import Counter
+
+    codes: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def run() -> None:
+        # a connection of its own (no shared subchannel): the kernel spreads connections over the children
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+            call = channel.unary_unary(f"/{ECHO}/Unary")
+            stop = None
+            while stop is None or time.monotonic() < stop:
+                try:
+                    call(b"x", timeout=60, wait_for_ready=True)
+                    code = "OK"
+                except grpc.RpcError as exc:
+                    code = exc.code().name
+                if stop is None:
+                    stop = time.monotonic() + seconds
+                with lock:
+                    codes[code] += 1
+
+    workers = [threading.Thread(target=run) for _ in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    print(json.dumps({"event": "done", "codes": dict(codes)}), flush=True)
+
+
 def fork_scenario(mode: str, n: int) -> None:
     import zoomer_serve
 
@@ -236,6 +307,10 @@ if __name__ == "__main__":
         wrapped()
     elif sys.argv[1] == "wrapped-thrift":
         wrapped_thrift()
+    elif sys.argv[1] == "prefork-grpc":
+        prefork_scenario(int(sys.argv[2]), int(sys.argv[3]))
+    elif sys.argv[1] == "load":
+        load(int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]))
     elif sys.argv[1].startswith(("spawn-", "forkserver-")):
         spawn_scenario(sys.argv[1], int(sys.argv[2]), sys.argv[3])
     else:

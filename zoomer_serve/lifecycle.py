@@ -27,7 +27,10 @@ shutdown is over, then takes its course.
 **Fork.** In a child made by ``os.fork`` (or a ``multiprocessing`` fork start method, or a pre-forking server),
 :func:`_after_fork_in_child` lets go of the parent's export helper without touching it, gives the child its own
 ``service.instance.id`` and ``process.pid``, and a pipeline whose helper process starts once the child records
-something. In ``multiprocessing`` children, which leave through ``os._exit`` (no ``atexit``), telemetry is
+something; what the child records while it starts is held (bounded, see :mod:`zoomer_serve.export.pipeline`),
+not dropped. It is not started at the fork: a ``multiprocessing`` fork pool of short tasks that never record
+would pay for a fresh interpreter per worker (measured: 40 tasks with ``maxtasksperchild=1`` took 7.7 s instead
+of 0.9 s, 0.18 s of CPU more per worker). In ``multiprocessing`` children, which leave through ``os._exit`` (no ``atexit``), telemetry is
 flushed by a ``multiprocessing.util.Finalize`` that the child's exit runs. A child that calls ``os._exit``
 itself must call :func:`zoomer_serve.shutdown` first.
 

@@ -258,7 +258,8 @@ class Telemetry:
     def reset_in_child(self) -> None:
         """In a forked child (see :mod:`zoomer_serve.lifecycle`): let go of the parent's export without touching
         it, and export this process's records as its own instance (``service.instance.id``, ``process.pid``)
-        through a helper process of its own, started when the first record comes."""
+        through a helper process of its own, started when the first record comes (what comes while it starts is
+        held, see :mod:`zoomer_serve.export.pipeline`)."""
         self._shutdown_lock = threading.Lock()  # another thread of the parent may have held it at the fork
         self.resource = child_resource_attributes(self.resource, self.config)
         if self.pipeline is not None:

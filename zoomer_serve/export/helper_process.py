@@ -48,17 +48,42 @@ class HelperProcess:
         return self._proc.pid if self._proc is not None else None
 
     def start(self, timeout_s: float = READY_TIMEOUT_S) -> HelperProcess:
+        """Start it and wait until it is ready (:meth:`launch`, then :meth:`wait_ready`).
+
+        Raises:
+            RuntimeError: it did not say it was ready within ``timeout_s`` seconds (it is killed).
+            OSError: it could not be started.
+        """
+        self.launch()
+        if not self.wait_ready(timeout_s):
+            self.kill()
+            raise RuntimeError("zoomer-serve: the export helper process did not start within "
+                               f"{timeout_s:.0f} s (python -m zoomer_serve.export.helper; see its stderr)")
+        return self
+
+    def launch(self) -> HelperProcess:
+        """Start the process without waiting for it (a fresh interpreter: about 0.2 s on an idle machine,
+        seconds on a busy one); :meth:`ready` says when it takes frames.
+
+        Raises:
+            OSError: it could not be started.
+        """
         env = dict(os.environ, ZOOMER_WORKER_CONFIG=json.dumps(self._spec))
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "zoomer_serve.export.helper"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             env=env, close_fds=True, start_new_session=True)
         threading.Thread(target=self._read_events, name="zoomer-export-events", daemon=True).start()
-        if self.wait_event("ready", timeout_s) is None:
-            self._proc.kill()
-            self._proc.wait()
-            raise RuntimeError("zoomer-serve: the export helper process did not start within "
-                               f"{timeout_s:.0f} s (python -m zoomer_serve.export.helper; see its stderr)")
         return self
+
+    def ready(self) -> bool:
+        """Whether it said it was ready (never blocks)."""
+        with self._cond:
+            return "ready" in self._events
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds for it to say it is ready; False when it did not (or its stdout
+        closed first)."""
+        return self.wait_event("ready", timeout_s) is not None
 
     def _read_events(self) -> None:
         proc = self._proc

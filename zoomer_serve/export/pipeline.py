@@ -18,6 +18,20 @@ write in between releases the lock, so request threads wait at most about one fr
 A frame is also bounded by bytes (:data:`~zoomer_serve.export.frames.MAX_FRAME_BYTES`): a larger one is split,
 and a record larger on its own is dropped and counted (``dropped_record_too_large``), never sent.
 
+**While a helper process starts, or is behind.** A forked child (a pre-forking server's worker) starts its own
+helper when it first records, and a helper that died is started again; a fresh interpreter takes about 0.2 s on
+an idle machine but seconds on a busy one (0.6 to 5.6 s measured in a pre-forked gRPC server under full load on
+2 vCPUs), and records keep coming. The writer never waits for it: it keeps taking the queue, pickles what it
+takes into full frames and holds them in a buffer until the helper says it is ready, then writes them, oldest
+first. It writes no further ahead than half the helper's own queue (:func:`~zoomer_serve.export.worker.
+queue_batches` frames of 128 records) past what the helper last reported having taken (its ``progress`` lines),
+so that the helper does not drop a burst; what is ahead waits in the buffer too. A flush, a signal's hand-off
+and the shutdown write everything. The buffer is bounded by :data:`BUFFER_BYTES`: records past it are dropped
+and counted as a full queue (``dropped``), and logged once. A helper that does not say it is ready within
+:data:`~zoomer_serve.export.helper_process.READY_TIMEOUT_S` is killed, and what the buffer held for it is
+counted the same way. A configured parent waits for its helper before serving instead (see
+:meth:`ExportPipeline.start`).
+
 A helper process that dies (killed, out of memory) is started again by the writer thread, at most once per
 :data:`RESTART_BACKOFF_S`; what it took with it is counted from its last lines
 (:meth:`~zoomer_serve.export.helper_process.HelperProcess.taken_spans`): the spans written to it that it had not
@@ -29,17 +43,18 @@ Export never stays off for the rest of the process's life.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
 from typing import Any
 
 from zoomer_serve.config import ExportConfig, SpanLimits
 from zoomer_serve.export import frames
 from zoomer_serve.export.helper_process import READY_TIMEOUT_S, HelperProcess
-from zoomer_serve.export.worker import ExportStats, ExportWorker
+from zoomer_serve.export.worker import ExportStats, ExportWorker, queue_batches
 from zoomer_serve.recording import records as r
 
 logger = logging.getLogger("zoomer_serve.export")
@@ -47,6 +62,8 @@ _WRITER_PERIOD_S = 0.5
 _FRAME_RECORDS = 128  # records per pickled frame: bounds how long one pickle.dumps holds the interpreter
 RESTART_BACKOFF_S = 5.0
 """Least time between two starts of a helper process after one died (seconds)."""
+BUFFER_BYTES = 32 * 1024 * 1024
+"""Most bytes of pickled records held while the helper process starts or is behind (see the module docstring)."""
 
 
 class ExportPipeline:
@@ -88,10 +105,17 @@ class ExportPipeline:
         self._closing = False
         self._writer: threading.Thread | None = None
         self._write_lock = threading.Lock()  # one thread at a time moves records to the worker
-        self._helper: HelperProcess | None = None
+        self._helper: HelperProcess | None = None  # the helper that takes frames
+        self._starting: HelperProcess | None = None  # one started, not ready yet
+        self._ready_by = 0.0  # time.monotonic() by which it must be ready
+        # the buffer: frames held while the helper starts or is behind, (frame, spans, records), oldest first
+        self._held: collections.deque[tuple[bytes, int, int]] = collections.deque()
+        self._held_bytes = 0
+        self._held_tail: list[tuple[Any, ...]] = []  # records held, fewer than a frame's
+        self._helper_room = queue_batches(cfg) * _FRAME_RECORDS // 2  # records the helper may be behind by
+        self._logged_buffer_full = False
         self._helpers_started = 0
         self._next_start = 0.0  # time.monotonic() before which no helper is started again
-        self._deadline = float("inf")  # time.monotonic() by which shutdown must be done
         self._logged_helper_gone = False
         self._flush_seq = 0
         self._losses_at_flush = 0  # _losses() when the last flush was over
@@ -134,9 +158,15 @@ class ExportPipeline:
         self._writer.start()
 
     def _start_helper(self, timeout_s: float = READY_TIMEOUT_S) -> HelperProcess:
-        spec = {"export": asdict(self.cfg), "resource": self.resource, "version": self.version,
+        return self._adopt(HelperProcess(self._helper_spec()).start(timeout_s))
+
+    def _helper_spec(self) -> dict[str, Any]:
+        return {"export": asdict(self.cfg), "resource": self.resource, "version": self.version,
                 "limits": asdict(self.limits)}
-        helper = HelperProcess(spec).start(timeout_s)
+
+    def _adopt(self, helper: HelperProcess) -> HelperProcess:
+        """``helper`` is ready: it takes the frames from now on."""
+        self._helper = helper
         self._helpers_started += 1
         if self._helpers_started > 1:
             self.helper_restarts += 1
@@ -153,24 +183,27 @@ class ExportPipeline:
             self._wake.wait(_WRITER_PERIOD_S)
             self._wake.clear()
             self._drain_once()
-        self._drain_once()
+        self._drain_once(force=True)
 
-    def _drain_once(self, timeout_s: float = -1) -> bool:
+    def _drain_once(self, timeout_s: float = -1, force: bool = False) -> bool:
         """Move everything queued to the worker; False when the write lock was not had within ``timeout_s``
-        (-1: wait as long as it takes)."""
+        (-1: wait as long as it takes). ``force``: also what the buffer holds, however far behind the helper
+        process is (see :meth:`_send_to_helper`)."""
         if not self._write_lock.acquire(timeout=timeout_s):
             return False
         try:
-            self._drain_locked()
+            self._drain_locked(force)
         finally:
             self._write_lock.release()
         return True
 
-    def _drain_locked(self) -> None:
+    def _drain_locked(self, force: bool = False) -> None:
         if self._disowned:
             return
         q = self._queue
         if not q:
+            if self._starting is not None or self._held or self._held_tail:
+                self._send_to_helper([], 0, force)  # what the buffer holds, once the helper takes it
             return
         batch = []
         popleft = q.popleft
@@ -185,46 +218,159 @@ class ExportPipeline:
         if self._worker is not None:
             self._worker.put(batch)
         elif self.cfg.mode == "process":
-            self._send_to_helper(batch, spans)
+            self._send_to_helper(batch, spans, force)
         else:
             self._lose(spans, len(batch))
 
-    def _send_to_helper(self, batch: list[tuple[Any, ...]], spans: int) -> None:
+    def _send_to_helper(self, batch: list[tuple[Any, ...]], spans: int, force: bool = False) -> None:
+        """Write ``batch`` to the helper process, after what the buffer holds; hold it instead while the helper
+        starts, or while it is behind (unless ``force``: a flush, a hand-off, the shutdown)."""
         helper = self._live_helper()
         if helper is None:
-            self._lose(spans, len(batch))
+            if self._starting is not None:
+                self._hold(batch)
+            else:
+                self._lose(spans, len(batch))
             return
-        left_spans, left_records = spans, len(batch)
-        for frame, frame_spans, frame_records in self._frames(batch):
+        if not (self._held or self._held_tail) and (force or not self._behind(helper)):
+            self._write(helper, self._frames(batch), spans, len(batch))
+            return
+        self._hold(batch)
+        self._release_held(helper, force)
+
+    def _write(self, helper: HelperProcess, frame_list: Iterable[tuple[bytes, int, int]], spans: int,
+               records: int) -> bool:
+        """Write ``(frame, spans, records)`` frames to ``helper``, in all ``spans`` and ``records``; False when it
+        is gone (what was not written is counted as lost)."""
+        for frame, frame_spans, frame_records in frame_list:
             try:
                 helper.send(frame)
             except (OSError, ValueError) as exc:
-                self._lose(left_spans, left_records)
+                self._lose(spans, records)
                 self._helper_gone(helper, exc)
-                return
+                return False
             helper.sent_spans += frame_spans
             helper.sent_records += frame_records
-            left_spans -= frame_spans
-            left_records -= frame_records
+            spans -= frame_spans
+            records -= frame_records
+        return True
 
     def _live_helper(self) -> HelperProcess | None:
-        """The running helper, started again if the last one died (at most once per RESTART_BACKOFF_S)."""
+        """The helper that takes frames now, or None: one is starting (see :meth:`_started`), none could be
+        started, or the last one died less than RESTART_BACKOFF_S after the last start."""
         helper = self._helper
         if helper is not None and helper.alive():
             return helper
         if helper is not None:
             self._helper_gone(helper, None)
+        if self._starting is None and not self._launch():
+            return None
+        return self._started()
+
+    def _launch(self) -> bool:
+        """Start a helper without waiting for it (at most once per RESTART_BACKOFF_S); True when started."""
         now = time.monotonic()
         if now < self._next_start:
-            return None
+            return False
         self._next_start = now + RESTART_BACKOFF_S
         try:
-            self._helper = self._start_helper(min(READY_TIMEOUT_S, max(1.0, self._deadline - now - 1.0)))
-        except (RuntimeError, OSError) as exc:
+            self._starting = HelperProcess(self._helper_spec()).launch()
+        except OSError as exc:
             logger.warning("zoomer-serve: could not start the export helper process (%r); records are dropped "
                            "and counted until it starts", exc)
+            return False
+        self._ready_by = now + READY_TIMEOUT_S
+        return True
+
+    def _started(self) -> HelperProcess | None:
+        """The starting helper once it is ready (it takes the frames from then on); None while it starts, or
+        when it exited or was not ready within READY_TIMEOUT_S (it is killed; what the buffer holds is counted as
+        lost)."""
+        starting = self._starting
+        if starting is None:
             return None
-        return self._helper
+        if starting.ready():
+            self._starting = None
+            return self._adopt(starting)
+        if starting.alive() and time.monotonic() < self._ready_by:
+            return None
+        self._abandon_start(f"it {'was not ready within' if starting.alive() else 'exited before'} "
+                            f"{READY_TIMEOUT_S:.0f} s; see its stderr")
+        return None
+
+    def _abandon_start(self, why: str) -> None:
+        """Kill the starting helper and count what the buffer holds as lost."""
+        starting, self._starting = self._starting, None
+        if starting is not None:
+            starting.kill()
+        held_spans, _ = self._lose_held()
+        logger.warning("zoomer-serve: could not start the export helper process (python -m "
+                       "zoomer_serve.export.helper: %s); %d spans it was to take are counted as lost, and records "
+                       "are dropped and counted until one starts", why, held_spans)
+
+    # -- the buffer (see the module docstring) ------------------------------------------------------------
+    def _behind(self, helper: HelperProcess) -> bool:
+        """Whether the helper has not reported taking all but half its queue of what was written to it (its
+        ``progress`` lines, at most one a second, say how many records its worker took or dropped)."""
+        counters = helper.counters
+        taken = int(counters.get("records", 0)) + int(counters.get("dropped_records", 0))
+        return helper.sent_records - taken >= self._helper_room
+
+    def _hold(self, batch: list[tuple[Any, ...]]) -> None:
+        """Keep ``batch`` after what the buffer holds: full frames pickled, the rest (under a frame) as records;
+        frames past :data:`BUFFER_BYTES` are dropped and counted."""
+        records = self._held_tail + batch
+        full = len(records) - len(records) % _FRAME_RECORDS
+        self._held_tail = records[full:]
+        for frame, spans, n in self._frames(records[:full]):
+            if self._held_bytes + len(frame) > BUFFER_BYTES:
+                self._lose(spans, n)
+                self._log_buffer_full()
+                continue
+            self._held.append((frame, spans, n))
+            self._held_bytes += len(frame)
+
+    def _log_buffer_full(self) -> None:
+        if not self._logged_buffer_full:
+            self._logged_buffer_full = True
+            logger.warning("zoomer-serve: the export helper process is %s and the records held meanwhile reached "
+                           "%d bytes; dropping and counting what does not fit (logged once)",
+                           "still starting" if self._starting is not None else "behind", self._held_bytes)
+
+    def _release_held(self, helper: HelperProcess, force: bool) -> None:
+        """Write what the buffer holds to ``helper``, oldest first, as long as it is not behind (all of it when
+        ``force``); once the buffer is empty, the loss counters as they are now (each held frame carries those of
+        when it was made). A helper that is gone leaves the rest held, for the next one."""
+        held = self._held
+        while held and (force or not self._behind(helper)):
+            frame, spans, n = held.popleft()
+            self._held_bytes -= len(frame)
+            if not self._write(helper, [(frame, spans, n)], spans, n):
+                return
+        if held or (not force and self._behind(helper)):
+            return
+        tail, self._held_tail = self._held_tail, []
+        counters = (frames.encode(frames.RECORDS, (self._counters(), [])), 0, 0)
+        self._write(helper, itertools.chain(self._frames(tail), [counters]), sum(map(r.exported_spans, tail)),
+                    len(tail))
+
+    def _lose_held(self) -> tuple[int, int]:
+        """Count what the buffer holds as lost and empty it; returns its (spans, records)."""
+        held, tail = self._held, self._held_tail
+        self._held, self._held_tail, self._held_bytes = collections.deque(), [], 0
+        spans = sum(s for _, s, _ in held) + sum(map(r.exported_spans, tail))
+        records = sum(n for _, _, n in held) + len(tail)
+        self._lose(spans, records)
+        return spans, records
+
+    def _await_helper(self, deadline: float) -> None:
+        """Wait until a starting helper is ready (up to ``deadline``, ``time.monotonic()``), then write it
+        everything queued or held."""
+        starting = self._starting
+        if starting is not None:
+            starting.wait_ready(deadline - time.monotonic())
+        with self._write_lock:
+            self._drain_locked(force=True)
 
     def _helper_gone(self, helper: HelperProcess, exc: BaseException | None) -> None:
         """Count what a helper that died took with it; the next drain starts a new one."""
@@ -281,7 +427,7 @@ class ExportPipeline:
     def hand_off(self, timeout_s: float = 1.0) -> bool:
         """Move every queued record to the worker now (to the helper process's pipe, where it outlives this
         process); True when done within ``timeout_s``. Cheap: no export is waited for."""
-        return self._drain_once(max(0.0, timeout_s))
+        return self._drain_once(max(0.0, timeout_s), force=True)
 
     def flush_while_open(self, deadline: float, rounds: int = 4) -> None:
         """Before :meth:`shutdown`, while the server may still be answering calls: flush, and flush again while
@@ -312,6 +458,7 @@ class ExportPipeline:
         deadline = time.monotonic() + timeout_s
         if not self.hand_off(timeout_s):
             return False
+        self._await_helper(deadline)
         worker_ok = self._flush_worker(deadline, metrics)
         losses = self._losses()
         ok = worker_ok and losses == self._losses_at_flush
@@ -347,9 +494,11 @@ class ExportPipeline:
         self._disowned = True
         self._closing = True
         self._queue = collections.deque()
-        if self._helper is not None:
-            self._helper.disown()
-            self._helper = None
+        for helper in (self._helper, self._starting):
+            if helper is not None:
+                helper.disown()
+        self._helper = self._starting = None
+        self._held, self._held_tail, self._held_bytes = collections.deque(), [], 0
         self._worker = None
         self.final_stats = ExportStats()
 
@@ -360,7 +509,7 @@ class ExportPipeline:
         if self.final_stats is not None:
             return self.final_stats
         budget = self.cfg.export_budget_ms / 1000 if timeout_s is None else timeout_s
-        deadline = self._deadline = time.monotonic() + budget + 1.0
+        deadline = time.monotonic() + budget + 1.0
         self._closing = True
         self._wake.set()
         if self._writer is not None:
@@ -368,8 +517,8 @@ class ExportPipeline:
         stats = ExportStats()
         if self._worker is not None:
             stats = self._worker.shutdown(max(0.1, deadline - time.monotonic() - 0.5))
-        elif self._helper is not None:
-            stats = self._stop_helper(self._helper, deadline)
+        elif self.cfg.mode == "process":
+            stats = self._shut_down_helper(deadline)
         stats.dropped_queue += self.dropped
         stats.dropped_records += self.dropped_records
         stats.dropped_record_too_large += self.dropped_record_too_large
@@ -381,6 +530,19 @@ class ExportPipeline:
         self.final_stats = stats
         _log_losses(stats, self.cfg.traces_endpoint)
         return stats
+
+    def _shut_down_helper(self, deadline: float) -> ExportStats:
+        """Have the helper export what it was given and what the start-up buffer holds, and stop it, by
+        ``deadline``; one still starting gets until a second before it."""
+        self._await_helper(deadline - 1.0)
+        with self._write_lock:
+            if self._starting is not None:
+                self._abandon_start("it was still starting when the shutdown budget ran out")
+            self._lose_held()  # none took it (the helper died, and none was started again in time)
+            helper = self._helper
+        if helper is None:
+            return ExportStats()
+        return self._stop_helper(helper, deadline)
 
     def _stop_helper(self, helper: HelperProcess, deadline: float) -> ExportStats:
         with self._write_lock:

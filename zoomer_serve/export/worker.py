@@ -116,6 +116,12 @@ class _Tally:
         return self.rejected + self.too_large + self.failed
 
 
+def queue_batches(cfg: ExportConfig) -> int:
+    """How many batches (in the helper process: frames, of up to 128 records each) an export worker's queue holds
+    before it drops and counts what comes next: ``OTEL_BSP_MAX_QUEUE_SIZE`` / 16, at least 4."""
+    return max(4, cfg.max_queue_size // 16)
+
+
 class ExportWorker:
     """Consumes record batches (``put``), encodes sampled spans, exports them in batches of at most
     ``cfg.max_export_batch_size`` every ``cfg.schedule_delay_ms`` (or sooner when a batch is full), and
@@ -141,7 +147,7 @@ class ExportWorker:
         self._stop = threading.Event()
         # record batches; None stops the thread; a _FlushRequest asks for a flush of everything before it
         self._queue: queue.Queue[list[tuple[Any, ...]] | _FlushRequest | None] = queue.Queue(
-            maxsize=max(4, cfg.max_queue_size // 16))
+            maxsize=queue_batches(cfg))
         self._encoder = SpanEncoder(resource, SCOPE_NAME, version, limits)
         self._sender = make_sender(cfg, self._stop, "traces")
         self._metric_sender = make_sender(cfg, self._stop, "metrics")
