@@ -107,7 +107,7 @@ def test_report_formats_parse_and_hold_whole_names(store: Path, fmt: str) -> Non
     proc = zoomer("report", "--store", str(store), "--format", fmt)
     assert proc.returncode == 0, proc.stderr
     tables = PARSERS[fmt](proc.stdout)
-    requests = tables["Requests (SERVER spans), latency in ms"]
+    requests = tables["Requests, latency in ms"]
     assert {(r["service"], r["method"]) for r in requests} == {(LONG_SERVICE, LONG_METHOD), (LONG_SERVICE, "Burst")}
     by_method = {r["method"]: r for r in requests}
     assert str(by_method[LONG_METHOD]["reqs"]) == "30" and str(by_method["Burst"]["reqs"]) == str(BURST)
@@ -316,7 +316,7 @@ def test_demo_prints_json_tables_and_names_its_html_report(tmp_path: Path) -> No
                           capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(proc.stdout)
-    requests = next(t for t in data["tables"] if t["title"].startswith("Requests (SERVER spans)"))
+    requests = next(t for t in data["tables"] if t["title"].startswith("Requests, latency in ms"))
     assert {r["service"] for r in requests["rows"]} == {"zoomer-demo-ranker"}
     assert sum(r["reqs"] for r in requests["rows"]) > 10
     html = store.with_suffix(".html")
@@ -342,7 +342,7 @@ def test_loadtest_csv_tables_on_stdout_and_a_quiet_stderr(tmp_path: Path) -> Non
     tables = csv_tables(done.stdout)
     client_server = tables["Load test: client (locust) vs server (spans), latency in ms"]
     assert {r["side"] for r in client_server} >= {"client grpc", "server"}
-    requests = tables["Requests (SERVER spans), latency in ms"]
+    requests = tables["Requests, latency in ms"]
     assert {r["service"] for r in requests} == {"zoomer-demo-ranker"}
     assert f"zoomer-serve analyze --store {store.resolve()}" in done.stderr
     assert "Response time percentiles" in done.stderr  # locust's summary

@@ -78,13 +78,10 @@ def methods_table(report: Report) -> Table:
     """Per service and method: count, rate, errors (:attr:`MethodStats.error_count`), the spans the latency
     percentiles (ms) rest on, the percentiles."""
     numeric = ("reqs", "req/s", "errors", "err%", "spans", "p50", "p90", "p99", "max")
-    if report.counts_from == COUNTS_FROM_SPANS:
-        title = "Requests (SERVER spans), latency in ms"
-    else:
-        title = f"Requests ({counts_source(report)}), latency in ms of the SERVER spans"
+    title = "Requests, latency in ms"  # one title whatever the counts come from: --format keys tables by it
     table = _table(title, [("service", LEFT), ("method", LEFT)] + [(n, RIGHT) for n in numeric],
                    fold=("service", "method"))
-    caption = ERRORS_CAPTION
+    caption = f"reqs: {counts_source(report)}; latency: the SERVER spans; {ERRORS_CAPTION}"
     if report.sampled:
         caption += "; spans: the SERVER spans the latency percentiles rest on, a sample of the requests"
     table.caption, table.caption_justify = caption, "left"
