@@ -141,3 +141,18 @@ class Client:
 
     def close(self) -> None:
         self.channel.close()
+
+
+def send_calls(client: Client, calls: dict[bytes, tuple[grpc.StatusCode, int]]) -> None:
+    """Call ``Unary`` with each request ``n`` times, checking each answer: the echo for OK, else an RpcError with
+    the given code (``calls``: request -> (status code, n))."""
+    import pytest
+
+    for request, (code, n) in calls.items():
+        for _ in range(n):
+            if code is grpc.StatusCode.OK:
+                assert client.unary(request) == request
+                continue
+            with pytest.raises(grpc.RpcError) as failed:
+                client.unary(request)
+            assert failed.value.code() is code

@@ -52,14 +52,7 @@ class _Scorer:
 def _call_grpc(target: str) -> None:
     client = grpc_echo.Client(target)
     try:
-        for request, (code, n) in GRPC_CALLS.items():
-            for _ in range(n):
-                if code is grpc.StatusCode.OK:
-                    assert client.unary(request) == request
-                    continue
-                with pytest.raises(grpc.RpcError) as failed:
-                    client.unary(request)
-                assert failed.value.code() is code
+        grpc_echo.send_calls(client, GRPC_CALLS)
     finally:
         client.close()
 

@@ -66,14 +66,7 @@ def _serve_calls(telemetry: zoomer_serve.Telemetry) -> None:
     server, target = grpc_echo.start_server([ZoomerServerInterceptor(server_address="127.0.0.1")])
     client = grpc_echo.Client(target)
     try:
-        for request, (code, n) in CALLS.items():
-            for _ in range(n):
-                if code is grpc.StatusCode.OK:
-                    assert client.unary(request) == request
-                    continue
-                with pytest.raises(grpc.RpcError) as failed:
-                    client.unary(request)
-                assert failed.value.code() is code
+        grpc_echo.send_calls(client, CALLS)
     finally:
         client.close()
         server.stop(None)
