@@ -326,6 +326,9 @@ def test_http_rejections(tmp_path: Path) -> None:
         stats = collector.stop()
     assert stats["rejected_invalid"] == 6 and stats["rejected_too_large"] == 2
     assert stats["http_404"] == 2 and stats["http_405"] == 1 and stats["http_415"] == 2
+    # every refusal has its http_<status>: the gzip bomb's 413 and the undecodable bodies' 400s were answered after
+    # ingestion and were counted as rejected only (a trial saw rejected_too_large 2 beside http_413 1)
+    assert (stats["http_413"], stats["http_400"]) == (2, 6), stats
     rows = query(collector.store_path, "SELECT trace_id, span_id, parent_span_id, kind, duration_ns, service_name "
                                        "FROM spans WHERE name = 'json-span'")
     assert rows == [("5b8efff798038103d269b633813fc60c", "eee19b7ec3c1b174", "eee19b7ec3c1b173", "SERVER",

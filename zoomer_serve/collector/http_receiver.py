@@ -543,7 +543,9 @@ class _Connection:
                        else result.response.SerializeToString())
             await self._send(200, payload, content_type, close=False)
             return
-        await self._send_status(_HTTP_STATUS[result.outcome], result.message, content_type, close=False)
+        status = _HTTP_STATUS[result.outcome]
+        self.receiver.ingestor.count(f"http_{status}")  # the ingestor counted it as rejected_* already
+        await self._send_status(status, result.message, content_type, close=False)
 
     async def _fail(self, exc: HttpError, req: _Request, reply_type: str) -> bool:
         """Answer an error raised before ingestion; counted as ``http_<status>`` (and ``rejected_invalid`` /
