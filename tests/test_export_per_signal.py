@@ -146,7 +146,11 @@ def test_the_senders_and_the_sdk_exporters_use_their_signals_settings():
         metrics.close()
     span_exporter, metric_exporter = sdk_span_exporter(exp), sdk_metric_exporter(exp)
     try:
-        assert ".grpc." in type(span_exporter).__module__ and ".http." in type(metric_exporter).__module__
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
+            OTLPMetricExporter as HttpMetricExporter,
+        )
+
+        assert ".grpc." in type(span_exporter).__module__ and isinstance(metric_exporter, HttpMetricExporter)
         kwargs = _sdk_exporter_kwargs(exp.otlp("metrics"))
         assert (kwargs["endpoint"], kwargs["headers"]) == ("http://localhost:4318/v1/metrics", {"x-metrics-key": "M"})
         assert kwargs["compression"].value == "gzip"

@@ -400,13 +400,16 @@ def make_sender(cfg: ExportConfig, stop: threading.Event, signal: str = "traces"
 
 def sdk_metric_exporter(cfg: ExportConfig) -> Any:
     """The OpenTelemetry SDK's OTLP metric exporter, with the metrics' endpoint, protocol, headers, timeout and
-    compression."""
+    compression; its failures counted and its log kept to the first failure (:mod:`zoomer_serve.export.
+    sdk_metrics`)."""
+    from zoomer_serve.export.sdk_metrics import counted_exporter
+
     otlp = cfg.otlp("metrics")
     if otlp.protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc import metric_exporter
     else:
         from opentelemetry.exporter.otlp.proto.http import metric_exporter  # type: ignore[no-redef]
-    return metric_exporter.OTLPMetricExporter(**_sdk_exporter_kwargs(otlp))
+    return counted_exporter(metric_exporter.OTLPMetricExporter, **_sdk_exporter_kwargs(otlp))
 
 
 def sdk_span_exporter(cfg: ExportConfig) -> Any:
