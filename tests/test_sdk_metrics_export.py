@@ -64,3 +64,22 @@ def test_exports_that_succeed_are_counted_and_log_nothing(collector, caplog: pyt
     assert (exporter.exports, exporter.failed_exports) == (2, 0)
     assert not [r for r in caplog.records if r.name == "zoomer_serve.export" or r.name in SDK_EXPORTER_LOGGERS]
     assert max(p["value"] for p in collector.metric_points("zoomer.test.calls")) == 5
+
+
+def test_the_telemetrys_shutdown_sums_up_the_failures_even_when_the_sdk_is_still_retrying(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """``configure()`` with the collector down: the SDK meter provider's final export is still being retried
+    when zoomer-serve's shutdown deadline passes (the provider is left behind on its thread); the summary of the
+    failed exports is logged all the same (``serve-demo`` failing to bind its port printed none)."""
+    import zoomer_serve
+
+    tel = zoomer_serve.configure(service_name="sdk-down", endpoint=f"http://127.0.0.1:{_closed_port()}",
+                                 protocol="grpc")
+    try:
+        tel.meter_provider.get_meter("t").create_counter("zoomer.test.calls").add(1)
+        caplog.set_level(logging.INFO)
+        tel.force_flush(1.0)
+    finally:
+        tel.shutdown(timeout_s=1.0)
+    ours = [r.getMessage() for r in caplog.records if r.name == "zoomer_serve.export"]
+    assert any("exports of the OpenTelemetry SDK's metrics" in m and "failed" in m for m in ours), ours

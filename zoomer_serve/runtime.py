@@ -165,6 +165,10 @@ class Telemetry:
         stats = self.pipeline.shutdown(remaining) if self.pipeline is not None else ExportStats()
         for t in threads:  # SDK providers still retrying past the deadline are left behind (daemon threads)
             t.join(max(0.0, deadline - time.monotonic()))
+        if self.meter_provider is not None:
+            from zoomer_serve.export.sdk_metrics import summarize_failures
+
+            summarize_failures()
         if not self.ending:
             self.report_records_after_shutdown()
         return stats

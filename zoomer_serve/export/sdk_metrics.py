@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from typing import Any
 
 logger = logging.getLogger("zoomer_serve.export")
@@ -45,15 +46,19 @@ class CountedExport:
     exports = 0
     """Exports attempted."""
     endpoint_name = ""
+    exporting_points: int | None = None
+    """Data points of the export under way (None when none is)."""
 
     def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> Any:
         from opentelemetry.sdk.metrics.export import MetricExportResult
 
         _exporting.quiet = self.failed_exports > 0
+        self.exporting_points = data_points(metrics_data)
         try:
             result = super().export(metrics_data, timeout_millis=timeout_millis, **kwargs)  # type: ignore[misc]
         finally:
             _exporting.quiet = False
+            self.exporting_points = None
         self.exports += 1
         if result is MetricExportResult.FAILURE:
             self.failed_exports += 1
@@ -64,13 +69,34 @@ class CountedExport:
                                "are counted and summed up at shutdown (logged once)", self.endpoint_name)
         return result
 
+    _summarized = False
+
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
         super().shutdown(timeout_millis=timeout_millis, **kwargs)  # type: ignore[misc]
-        if self.failed_exports:
+        self.summarize()
+
+    def summarize(self) -> None:
+        """Log the failed exports once (nothing when none failed): at the exporter's shutdown, or from
+        :func:`summarize_failures` when that shutdown is still retrying at zoomer-serve's deadline."""
+        pending = self.exporting_points
+        if (self.failed_exports or pending is not None) and not self._summarized:
+            self._summarized = True
+            still = ("" if pending is None else
+                     f"; one more, with {pending} data points, was still under way at the shutdown deadline")
             logger.warning("zoomer-serve: %d of %d exports of the OpenTelemetry SDK's metrics (GPU and host "
-                           "telemetry) to %s failed, with %d data points in them (cumulative series: an export "
+                           "telemetry) to %s failed, with %d data points in them%s (cumulative series: an export "
                            "that succeeded after a failure carried their totals)", self.failed_exports,
-                           self.exports, self.endpoint_name, self.failed_points)
+                           self.exports, self.endpoint_name, self.failed_points, still)
+
+
+_EXPORTERS: weakref.WeakSet[CountedExport] = weakref.WeakSet()
+
+
+def summarize_failures() -> None:
+    """:meth:`CountedExport.summarize` for every exporter made here (the telemetry's shutdown calls it once its
+    deadline has passed, whether or not the SDK's shutdown is still retrying)."""
+    for exporter in list(_EXPORTERS):
+        exporter.summarize()
 
 
 def data_points(metrics_data: Any) -> int:
@@ -90,4 +116,5 @@ def counted_exporter(exporter_class: type, **kwargs: Any) -> Any:
     cls = type(f"Counted{exporter_class.__name__}", (CountedExport, exporter_class), {})
     exporter = cls(**kwargs)
     exporter.endpoint_name = kwargs.get("endpoint", "")
+    _EXPORTERS.add(exporter)
     return exporter
