@@ -10,7 +10,8 @@ from _never_lost import note
 
 import zoomer_serve
 from zoomer_serve.config import ConfigError, ExportConfig, ZoomerConfig
-from zoomer_serve.export import ExportPipeline
+from zoomer_serve.export import ExportPipeline, rpc_metrics
+from zoomer_serve.recording import records as r
 
 
 def _record_spans(n: int, name: str = "svc.S/M") -> None:
@@ -128,27 +129,36 @@ def test_the_writer_pickles_a_large_batch_in_frames_of_at_most_128_records():
     assert [rec for _, (_, records) in decoded for rec in records] == batch
 
 
-def test_frames_are_bounded_by_bytes_and_a_record_too_large_for_any_frame_is_dropped_and_counted(monkeypatch):
+def test_frames_are_bounded_by_bytes_and_a_record_too_large_for_any_frame_loses_its_spans_only(monkeypatch):
     """C14: a burst of large records goes to the helper as several frames, each within MAX_FRAME_BYTES (once a
-    75 MB frame made the helper exit for the rest of the process's life); a single record over the bound is
-    dropped and counted (spans and records), never sent."""
+    75 MB frame made the helper exit for the rest of the process's life); a single request record over the bound
+    loses its spans, counted, and goes on reduced to what the RPC metrics read, unsampled (it was dropped whole,
+    and its call with it); a record that is no request's is dropped whole and counted."""
     from zoomer_serve.export import frames as frames_mod
 
     monkeypatch.setattr(frames_mod, "MAX_FRAME_BYTES", 200_000)
     pipeline = ExportPipeline(ExportConfig(mode="none"), {"service.name": "x"})
     small = _records(50)
     large = _records(10, {"blob": "x" * 60_000})
-    huge = _records(2, {"blob": "y" * 300_000})
-    batch = small[:25] + large[:5] + huge[:1] + large[5:] + huge[1:] + small[25:]
+    huge = _records(2, {"blob": "y" * 300_000, "rpc.method": "a/b", "zoomer.rpc.request.bytes": 7})
+    not_request: list[tuple] = []
+    zoomer_serve.RequestRecorder(sink=not_request.append, otel_context=False).start(
+        "op", attributes={"blob": "z" * 300_000}, is_request=False).end()
+    batch = small[:25] + large[:5] + huge[:1] + large[5:] + not_request + huge[1:] + small[25:]
     made = list(pipeline._frames(batch))
     assert all(len(frame) - 4 <= 200_000 for frame, _, _ in made)
     assert len(made) >= 4
     sent = [rec for _, (_, records) in _decode_frames([f for f, _, _ in made]) for rec in records]
-    assert sent == small[:25] + large + small[25:]
-    assert sum(n for _, _, n in made) == 60 and sum(s for _, s, _ in made) == 60
-    assert (pipeline.dropped_record_too_large, pipeline.dropped_records) == (2, 2)
+    reduced = [rpc_metrics.metrics_only(rec) for rec in huge]
+    assert sent == small[:25] + large[:5] + reduced[:1] + large[5:] + reduced[1:] + small[25:]
+    for rec, whole in zip(reduced, huge):
+        assert rec[r.R_ATTRS] == {"rpc.method": "a/b", "zoomer.rpc.request.bytes": 7}
+        assert rec[r.R_FLAGS] == r.F_REQUEST and r.exported_spans(rec) == 0
+        assert rec[r.R_START_NS:r.R_STATUS + 1] == whole[r.R_START_NS:r.R_STATUS + 1]
+    assert sum(n for _, _, n in made) == 62 and sum(s for _, s, _ in made) == 60
+    assert (pipeline.dropped_record_too_large, pipeline.dropped_records) == (3, 1)
     stats = pipeline.shutdown(0.5)
-    assert stats.dropped_record_too_large == 2 and stats.dropped >= 2
+    assert stats.dropped_record_too_large == 3 and stats.dropped >= 3
 
 
 def test_sdk_disabled_records_nothing(monkeypatch):

@@ -3,6 +3,7 @@ and an export that never stops for good; counted against what the real embedded 
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -34,6 +35,14 @@ def _handler(request: bytes, context: Any) -> bytes:
         with phase(123):
             pass
         return request
+    if cmd == b"huge":  # an attribute and an event of arg bytes each, and a phase: one record over a frame
+        span = current_request()
+        assert span is not None
+        span.set_attribute("my.huge", "A" * int(arg))
+        span.add_event("my.huge.event", {"v": "B" * int(arg)})
+        with phase("huge.work"):
+            pass
+        return b"huge"
     if cmd == b"attrs":
         span = current_request()
         assert span is not None
@@ -43,7 +52,8 @@ def _handler(request: bytes, context: Any) -> bytes:
 
 
 def _serve(recorder: Any) -> tuple[grpc.Server, int]:
-    generic = grpc.method_handlers_generic_handler("t.Big", {"Call": grpc.unary_unary_rpc_method_handler(_handler)})
+    generic = grpc.method_handlers_generic_handler("t.Big", {"Call": grpc.unary_unary_rpc_method_handler(_handler),
+                                                                 "Huge": grpc.unary_unary_rpc_method_handler(_handler)})
     server = grpc.server(futures.ThreadPoolExecutor(4), interceptors=[ZoomerServerInterceptor(recorder=recorder)])
     server.add_generic_rpc_handlers((generic,))
     port = server.add_insecure_port("127.0.0.1:0")
@@ -102,6 +112,56 @@ def test_bursts_of_huge_exceptions_and_attributes_never_stop_export(collector, m
     for span in big:
         assert len(span["attributes"]) == 128  # OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT's default
         assert all(len(v) <= 1000 for v in span["attributes"].values() if isinstance(v, str))
+
+
+def _last_counts(collector: Any, metric: str) -> dict[tuple[str, str], int]:
+    """``metric``'s count per (method, status code): the last cumulative point of each attribute set."""
+    counts: dict[tuple[str, str], int] = {}
+    for p in collector.metric_points(metric):
+        key = (p["attributes"]["rpc.method"], p["attributes"]["rpc.response.status_code"])
+        counts[key] = max(counts.get(key, 0), p["count"])
+    return counts
+
+
+@pytest.mark.slow
+def test_a_call_whose_span_is_too_large_for_a_frame_loses_its_span_only_and_stays_in_the_rpc_metrics(
+        collector, monkeypatch, caplog):
+    """C14: handlers set a 5 MB and a 10 MB attribute plus an event as large, so their records are over a frame
+    to the export helper (8 MiB): the record was dropped whole, and with it the call from
+    ``rpc.server.call.duration`` (the report showed no such call at all). Now the span (and its phase) is
+    dropped and counted as too large, and the call is still counted, with its method and status, in the call
+    duration and request / response size histograms; nothing is logged as missing from the RPC metrics."""
+    monkeypatch.setenv("OTEL_SEMCONV_STABILITY_OPT_IN", "rpc/dup")  # the size histograms too
+    telemetry = zoomer_serve.configure(service_name="huge", endpoint=collector.grpc_endpoint,
+                                       schedule_delay_ms=200, timeout_ms=20_000, set_global_providers=False)
+    server, port = _serve(telemetry.recorder)
+    ordinary, huge = 12, 4
+    with caplog.at_level(logging.WARNING, logger="zoomer_serve"):
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call, big = channel.unary_unary("/t.Big/Call"), channel.unary_unary("/t.Big/Huge")
+                for i in range(ordinary):
+                    assert call(b"ok", timeout=30) == b"ok"
+                    if i % 3 == 0 and i // 3 < huge:
+                        assert big(f"huge:{(5 if i % 2 else 10) * MB}".encode(), timeout=60) == b"huge"
+        finally:
+            server.stop(None)
+        stats = zoomer_serve.shutdown()
+    assert stats is not None
+    spans = collector.spans()
+    note("C14", "spans over a frame to the export helper (5 and 10 MB attribute and event) among ordinary calls",
+         ordinary + huge, len(spans), stats.dropped_record_too_large, unit="spans (calls all in the metrics)")
+    assert sorted(s["name"] for s in spans) == ["t.Big/Call"] * ordinary
+    expected = {("t.Big/Call", "OK"): ordinary, ("t.Big/Huge", "OK"): huge}
+    assert _last_counts(collector, "rpc.server.call.duration") == expected
+    assert _last_counts(collector, "rpc.server.request.size") == expected
+    assert _last_counts(collector, "rpc.server.response.size") == expected
+    assert (stats.dropped_record_too_large, stats.dropped_records, stats.dropped) == (2 * huge, 0, 2 * huge), stats
+    points = collector.metric_points("otel.sdk.exporter.span.exported")
+    assert max(p["value"] for p in points if p["attributes"] == {"error.type": "too_large"}) == 2 * huge
+    assert max(p["value"] for p in points if not p["attributes"]) == ordinary
+    logged = caplog.text
+    assert "missing from the RPC metrics" not in logged and "did not reach the exporter" not in logged, logged
 
 
 @pytest.mark.slow

@@ -10,9 +10,9 @@ A frame is a 4-byte big-endian payload length followed by a pickled ``(kind, bod
   failed; ``ok``: whether the flush succeeded, :meth:`~zoomer_serve.export.worker.ExportWorker.flush`);
 - ``(SHUTDOWN, budget_s)``: flush within ``budget_s`` seconds, report ``{"event": "stats", ...}`` and exit.
 
-Frames are at most :data:`MAX_FRAME_BYTES` long: the server splits a batch whose pickle is larger, and drops
-(and counts) a single record that is larger on its own; the helper skips (and counts) a longer frame instead
-of stopping.
+Frames are at most :data:`MAX_FRAME_BYTES` long: the server splits a batch whose pickle is larger; of a single
+record that is larger on its own it drops (and counts) the spans and sends only what the RPC metrics read; the
+helper skips (and counts) a longer frame instead of stopping.
 """
 
 from __future__ import annotations

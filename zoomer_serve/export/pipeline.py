@@ -15,8 +15,9 @@ export schedule delay (``OTEL_BSP_SCHEDULE_DELAY``, 5 s by default). Why frames 
 written before the next is pickled: pickling holds the interpreter lock for the whole call (about 2.6 µs per
 record), and a thread waiting for the lock only forces a switch after ``sys.getswitchinterval()`` (5 ms); the
 write in between releases the lock, so request threads wait at most about one frame's pickling (0.3 ms).
-A frame is also bounded by bytes (:data:`~zoomer_serve.export.frames.MAX_FRAME_BYTES`): a larger one is split,
-and a record larger on its own is dropped and counted (``dropped_record_too_large``), never sent.
+A frame is also bounded by bytes (:data:`~zoomer_serve.export.frames.MAX_FRAME_BYTES`): a larger one is split;
+a record larger on its own loses its spans, counted (``dropped_record_too_large``), and goes on reduced to what
+the RPC metrics read, so that its call still counts.
 
 **While a helper process starts, or is behind.** A forked child (a pre-forking server's worker) starts its own
 helper when it first records, and a helper that died is started again; a fresh interpreter takes about 0.2 s on
@@ -54,7 +55,7 @@ from dataclasses import asdict
 from typing import Any
 
 from zoomer_serve.config import ExportConfig, SpanLimits
-from zoomer_serve.export import frames
+from zoomer_serve.export import frames, rpc_metrics
 from zoomer_serve.export.helper_process import READY_TIMEOUT_S, HelperProcess
 from zoomer_serve.export.worker import ExportStats, ExportWorker, queue_batches
 from zoomer_serve.recording import records as r
@@ -92,6 +93,7 @@ class ExportPipeline:
         self.submitted = 0  # sampled spans handed to the worker
         self._moved_records = 0  # records taken from the queue (for the worker, or lost on the way)
         self.dropped_record_too_large = 0  # sampled spans of records too large for any frame
+        self._logged_too_large = False  # the warning about such records is logged once
         self.lost_in_helper = 0  # sampled spans that a helper which died held and had not sent
         self.unknown_in_helper = 0  # sampled spans that a helper which died may have sent (not reported)
         self._gone_stats = ExportStats()  # the last counters of the helpers that died (their exports, ...)
@@ -403,7 +405,8 @@ class ExportPipeline:
     def _frames(self, batch: list[tuple[Any, ...]]) -> Iterator[tuple[bytes, int, int]]:
         """The helper's frames for ``batch``, made one at a time, as ``(frame, spans, records)``: at most
         :data:`_FRAME_RECORDS` records and :data:`~zoomer_serve.export.frames.MAX_FRAME_BYTES` bytes each. A
-        chunk whose pickle is too large is split in halves; a single record too large is dropped and counted."""
+        chunk whose pickle is too large is split in halves; a single record too large goes as :meth:`_too_large`
+        says."""
         for i in range(0, len(batch), _FRAME_RECORDS):
             yield from self._bounded_frames(batch[i:i + _FRAME_RECORDS])
 
@@ -416,13 +419,25 @@ class ExportPipeline:
             yield from self._bounded_frames(chunk[:mid])
             yield from self._bounded_frames(chunk[mid:])
         else:
-            spans = r.exported_spans(chunk[0])
-            self.dropped_record_too_large += spans
-            self.dropped_records += 1
-            if self.dropped_record_too_large == spans:
-                logger.warning("zoomer-serve: dropped a span record of %d bytes (frames to the export helper are "
-                               "limited to %d bytes); counting such records (logged once; see the OTEL_*_LIMIT "
-                               "span limits)", len(payload), frames.MAX_FRAME_BYTES)
+            yield from self._too_large(chunk[0], len(payload))
+
+    def _too_large(self, rec: tuple[Any, ...], size: int) -> Iterator[tuple[bytes, int, int]]:
+        """The frame for a record of ``size`` pickled bytes, too large for any frame: its spans are dropped and
+        counted (``dropped_record_too_large``, reported as ``too_large``); a request record goes on reduced to what
+        the RPC metrics read (:func:`~zoomer_serve.export.rpc_metrics.metrics_only`), so that its call still
+        counts. Any other record, or one still too large reduced, is dropped whole (``dropped_records``)."""
+        self.dropped_record_too_large += r.exported_spans(rec)
+        if not self._logged_too_large:
+            self._logged_too_large = True
+            logger.warning("zoomer-serve: a span record of %d bytes is over the frames to the export helper (%d "
+                           "bytes): its spans are dropped and counted as too large, a request's call still counts "
+                           "in the RPC metrics (logged once; see the OTEL_*_LIMIT span limits)", size, frames.MAX_FRAME_BYTES)
+        if rec[r.R_FLAGS] & r.F_REQUEST:
+            payload = frames.pickled(frames.RECORDS, (self._counters(), [rpc_metrics.metrics_only(rec)]))
+            if len(payload) <= frames.MAX_FRAME_BYTES:
+                yield frames.framed(payload), 0, 1
+                return
+        self.dropped_records += 1
 
     # -- flush, fork, shutdown ----------------------------------------------------------------------
     def hand_off(self, timeout_s: float = 1.0) -> bool:

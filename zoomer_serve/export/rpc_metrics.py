@@ -289,3 +289,21 @@ _COUNTERS = {
 
 def _key_values(items: Any) -> list[KeyValue]:
     return [KeyValue.FromString(encode_key_value(str(k), v)) for k, v in items]
+
+
+RECORD_ATTRIBUTE_KEYS = (*METRIC_ATTRIBUTE_KEYS, REQUEST_BYTES, RESPONSE_BYTES, _QUEUE_WAIT, _BATCH_SIZE)
+"""Every attribute of a request record that :meth:`RpcMetrics.record` reads."""
+
+
+def metrics_only(rec: Sequence[Any]) -> tuple[Any, ...]:
+    """``rec`` reduced to what the RPC metrics read (:meth:`RpcMetrics.record`): its kind, times, flags and
+    :data:`RECORD_ATTRIBUTE_KEYS` attributes, with no status message, events, links, children or scope, and not
+    sampled (so no span is exported from it). For a record too large to hand to the export helper whole
+    (:data:`zoomer_serve.export.frames.MAX_FRAME_BYTES`): its call still counts, its spans are dropped."""
+    attrs = rec[r.R_ATTRS] or {}
+    reduced = list(rec[:r.R_SCOPE])
+    reduced[r.R_STATUS_MSG] = None
+    reduced[r.R_ATTRS] = {key: attrs[key] for key in RECORD_ATTRIBUTE_KEYS if key in attrs}
+    reduced[r.R_EVENTS] = reduced[r.R_LINKS] = reduced[r.R_CHILDREN] = None
+    reduced[r.R_FLAGS] = rec[r.R_FLAGS] & ~r.F_SAMPLED
+    return tuple(reduced)

@@ -50,7 +50,8 @@ class ExportStats:
     ``dropped_queue``: sampled spans that did not fit a queue (server side included); ``dropped_records``: records
     (sampled or not) that never reached a worker: their calls are missing from the RPC metrics too;
     ``dropped_record_too_large``: spans of records too large for a frame to the helper process
-    (:data:`zoomer_serve.export.frames.MAX_FRAME_BYTES`); ``records_after_shutdown``: records (requests) that
+    (:data:`zoomer_serve.export.frames.MAX_FRAME_BYTES`; a request record goes on without them, so its call still
+    counts in the RPC metrics); ``records_after_shutdown``: records (requests) that
     ended once shutdown had begun, too late for the last export (their spans are not in ``dropped``);
     ``lost_in_helper``: spans handed to a helper process that
     died holding them, before it sent them (in the pipe, its queue or its pending batch); ``helper_restarts``:
