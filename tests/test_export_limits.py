@@ -11,6 +11,7 @@ import time
 from concurrent import futures
 from typing import Any
 
+import duckdb
 import grpc
 import pytest
 from _never_lost import note
@@ -18,6 +19,7 @@ from _never_lost import note
 import zoomer_serve
 from interceptors import ZoomerServerInterceptor
 from zoomer_serve import current_request, phase
+from zoomer_serve.export import rpc_metrics
 
 MB = 1_000_000
 
@@ -243,6 +245,111 @@ def test_a_killed_helper_is_started_again_and_what_it_took_is_counted(collector)
     note("C14", "export helper process killed (kill -9) holding spans", 65, len(stored), stats.lost_in_helper)
     assert len(stored) + stats.lost_in_helper == 65, (len(stored), stats)
     assert stats.lost_in_helper == 40 and names == {"after/kill"}
+
+
+def _call_n(port: int, n: int) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_unary("/t.Big/Call")
+        for _ in range(n):
+            assert call(b"ok", timeout=30) == b"ok"
+
+
+def _calls_dropped(collector: Any) -> dict[str, int]:
+    """The store's ``zoomer.exporter.call.dropped`` counts by ``error.type``, non-zero ones: the largest point of
+    each (cumulative over the process's life: each helper's series carries the counts of those before it)."""
+    out: dict[str, int] = {}
+    for p in collector.metric_points(rpc_metrics.CALL_DROPPED):
+        kind = p["attributes"]["error.type"]
+        out[kind] = max(out.get(kind, 0), int(p["value"]))
+    return {k: v for k, v in out.items() if v}
+
+
+def test_calls_a_killed_helper_aggregated_are_counted_missing_from_the_call_metric(collector):
+    """C14, the calls: a real gRPC server's export helper process is killed (``kill -9``) after one export of the
+    RPC metrics (30 calls) and holding 40 more calls it had aggregated but not exported in any metric export
+    (``OTEL_METRIC_EXPORT_INTERVAL`` is long); 25 calls go through the helper started again. The trial: those 40
+    calls were gone from ``rpc.server.call.duration`` and nothing said so. Now the server counts them
+    (``records_lost_in_helper``, from the helper's last ``metric_records``), the new helper exports them as
+    ``zoomer.exporter.call.dropped{error.type=helper_lost}``, and the report says so: calls sent = calls in the
+    metric + calls counted missing, in the server's counters and in the store."""
+    from zoomer_serve.report.calls import read_calls
+
+    telemetry = zoomer_serve.configure(service_name="metered", endpoint=collector.grpc_endpoint,
+                                       schedule_delay_ms=100, metric_export_interval_ms=600_000,
+                                       set_global_providers=False)
+    pipeline = telemetry.pipeline
+    assert pipeline is not None and pipeline._helper is not None
+    helper = pipeline._helper
+    server, port = _serve(telemetry.recorder)
+    try:
+        _call_n(port, 30)
+        assert pipeline.flush(30.0)  # the metrics export: the collector holds these 30 calls
+        assert helper.counters["metric_records"] == 30
+        _call_n(port, 40)
+        deadline = time.monotonic() + 30
+        while helper.sent_records < 70 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the writer handed them to the helper (it wakes every 500 ms)
+        assert helper.sent_records == 70
+        os.kill(helper.pid, signal.SIGKILL)
+        _call_n(port, 25)
+        while pipeline.helper_pid in (None, helper.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pipeline.helper_pid not in (None, helper.pid)
+    finally:
+        server.stop(None)
+    stats = zoomer_serve.shutdown()
+    assert stats is not None and stats.helper_restarts == 1, stats
+    collector.finish()
+    con = duckdb.connect(str(collector.store_path), read_only=True)
+    try:
+        in_metric = sum(c.calls for c in read_calls(con).values())
+    finally:
+        con.close()
+    dropped = _calls_dropped(collector)
+    sent = 95
+    note("C14", "calls of a killed export helper, in the metric or counted missing", sent, in_metric,
+         sum(dropped.values()), unit="calls")
+    assert (in_metric, dropped) == (30 + 25, {"helper_lost": 40}), (in_metric, dropped)
+    assert in_metric + sum(dropped.values()) == sent
+    assert stats.records_lost_in_helper == 40 and stats.dropped_records == 0, stats
+
+
+def test_calls_of_a_helper_killed_just_before_shutdown_are_counted_missing(collector):
+    """C14, with no call after the kill: the export helper is killed (``kill -9``) holding 20 calls it had not
+    exported in a metric export, and the server shuts down without writing to it again. Those calls are counted
+    missing from the RPC metrics at shutdown (and logged); the store's metric holds the 30 of the export before:
+    30 + 20 = the 50 calls sent."""
+    from zoomer_serve.report.calls import read_calls
+
+    telemetry = zoomer_serve.configure(service_name="metered", endpoint=collector.grpc_endpoint,
+                                       schedule_delay_ms=100, metric_export_interval_ms=600_000,
+                                       set_global_providers=False)
+    pipeline = telemetry.pipeline
+    assert pipeline is not None and pipeline._helper is not None
+    helper = pipeline._helper
+    server, port = _serve(telemetry.recorder)
+    try:
+        _call_n(port, 30)
+        assert pipeline.flush(30.0)
+        _call_n(port, 20)
+        deadline = time.monotonic() + 30
+        while helper.sent_records < 50 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert helper.sent_records == 50
+        os.kill(helper.pid, signal.SIGKILL)
+    finally:
+        server.stop(None)
+    stats = zoomer_serve.shutdown()
+    assert stats is not None
+    note("C14", "calls of an export helper killed just before shutdown", 50, 30, stats.records_lost_in_helper,
+         unit="calls")
+    assert stats.records_lost_in_helper == 20, stats
+    collector.finish()
+    con = duckdb.connect(str(collector.store_path), read_only=True)
+    try:
+        assert sum(c.calls for c in read_calls(con).values()) == 30
+    finally:
+        con.close()
 
 
 def test_a_helper_reports_its_exports_without_being_asked_so_killing_it_after_counts_nothing_lost(collector):

@@ -9,7 +9,10 @@ It runs an :class:`~zoomer_serve.export.worker.ExportWorker` on the records that
   request of spans (``N``: its spans) and one once that request's outcome is counted (``N`` = 0), and otherwise
   between two turns of its loop when its counters changed, at most once a second (no thread of its own wakes
   every second). The server uses the last one to count what a helper that died took with it: spans it had not
-  reported are lost, except the ``N`` of a request it may have sent, whose outcome is unknown;
+  reported are lost, except the ``N`` of a request it may have sent, whose outcome is unknown. One is also
+  written right after each export of the RPC metrics the collector accepted in full: its ``metric_records``
+  (records whose calls those metrics hold) lets the server count the calls of a helper that died after it as
+  missing from the metrics;
 - ``{"event": "flushed", "seq": N, "ok": B}`` after a ``FLUSH`` frame's records were sent (or failed); ``ok`` is
   :meth:`ExportWorker.flush`'s answer (False when anything was lost since the previous flush). The frames behind
   a ``FLUSH`` keep being read meanwhile (a server under load goes on sending records: were they left in the
@@ -98,6 +101,7 @@ class Helper:
         self._reported_at = float("-inf")  # time.monotonic() of it
         worker.on_turn = self.report_progress
         worker.on_export = self.report_export
+        worker.on_metrics = self.report_metrics
 
     def run(self, stdin: BinaryIO) -> None:
         self.out.emit({"event": "ready", "pid": os.getpid()})
@@ -171,6 +175,14 @@ class Helper:
         self._reported = dict(vars(self.worker.stats))
         self._reported_at = time.monotonic()
         self.out.emit({"event": "progress", **self._reported, "in_flight": in_flight})
+
+    def report_metrics(self) -> None:
+        """Write a progress line now, after an export of the RPC metrics that the collector accepted in full
+        (:attr:`ExportWorker.on_metrics`): its ``metric_records`` tells a server that later finds this helper dead
+        which of the calls it wrote here the collector's metrics hold (the rest are counted as missing)."""
+        self._reported = dict(vars(self.worker.stats))
+        self._reported_at = time.monotonic()
+        self.out.emit({"event": "progress", **self._reported, "in_flight": self.worker.in_flight})
 
     def on_sigterm(self, _signum: int, _frame: Any) -> None:
         """Keep taking the server's last frames for the budget, then flush and exit (see the module docstring)."""

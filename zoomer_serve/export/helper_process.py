@@ -199,6 +199,15 @@ class HelperProcess:
         in_flight = min(unreported, max(0, int(self.counters.get("in_flight", 0))))
         return unreported - in_flight, in_flight
 
+    def calls_missing_from_metrics(self) -> int:
+        """Of the records written to a helper that is gone (:attr:`sent_records`), those whose calls are in no RPC
+        metric export it reported accepted (``metric_records`` of its last line) and that it did not report dropped
+        (``dropped_records``, counted with its other counters): their calls are missing from the RPC metrics.
+        Call after :meth:`taken_spans` (which reads its lines to the end)."""
+        c = self.counters
+        covered = int(c.get("metric_records", 0)) + int(c.get("dropped_records", 0))
+        return max(0, self.sent_records - covered)
+
     def stop(self, deadline: float) -> dict[str, Any] | None:
         """Ask for the final flush (budget: up to ``deadline``, ``time.monotonic()``), close its stdin and wait
         for its ``stats`` line and its exit; kill it at the deadline. Returns the stats, or None when it did

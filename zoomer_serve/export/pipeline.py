@@ -39,7 +39,11 @@ A helper process that dies (killed, out of memory) is started again by the write
 :data:`RESTART_BACKOFF_S`; what it took with it is counted from its last lines
 (:meth:`~zoomer_serve.export.helper_process.HelperProcess.taken_spans`): the spans written to it that it had not
 reported exported or dropped are ``lost_in_helper``, except those of the export request it was sending, whose
-outcome is ``unknown`` (the collector may have stored them). Every record lost while none runs is counted too.
+outcome is ``unknown`` (the collector may have stored them). The records (calls) written to it that no RPC metric
+export it reported accepted covers are ``records_lost_in_helper``: their calls are missing from the metrics
+(:meth:`~zoomer_serve.export.helper_process.HelperProcess.calls_missing_from_metrics`). Every record lost while
+none runs is counted too. The calls missing from the metrics, by reason, go to the helper with every frame
+(:meth:`_counters`), so that the next one exports them (``zoomer.exporter.call.dropped``).
 Export never stays off for the rest of the process's life.
 """
 
@@ -96,6 +100,8 @@ class ExportPipeline:
         self._logged_too_large = False  # the warning about such records is logged once
         self.lost_in_helper = 0  # sampled spans that a helper which died held and had not sent
         self.unknown_in_helper = 0  # sampled spans that a helper which died may have sent (not reported)
+        self.records_lost_in_helper = 0  # records written to a helper that died, their calls in no metric export
+        self.records_too_large = 0  # records too large for any frame (of dropped_records)
         self._gone_stats = ExportStats()  # the last counters of the helpers that died (their exports, ...)
         self.helper_restarts = 0
         self.records_after_close = 0  # records submitted once shutdown began (by the default after_close)
@@ -220,6 +226,7 @@ class ExportPipeline:
         self.submitted += spans
         self._moved_records += len(batch)
         if self._worker is not None:
+            self._worker.parent_counters = self._counters()
             self._worker.put(batch)
         elif self.cfg.mode == "process":
             self._send_to_helper(batch, spans, force)
@@ -383,6 +390,8 @@ class ExportPipeline:
         lost, unknown = helper.taken_spans()
         self.lost_in_helper += lost
         self.unknown_in_helper += unknown
+        if self.cfg.metrics:  # OTEL_METRICS_EXPORTER=none: no call is in any metric, none is missing from one
+            self.records_lost_in_helper += helper.calls_missing_from_metrics()
         _add_counters(self._gone_stats, helper.counters)
         if not self._logged_helper_gone:
             self._logged_helper_gone = True
@@ -398,9 +407,15 @@ class ExportPipeline:
         self.dropped_records += records
 
     def _counters(self) -> dict[str, int]:
-        """The server side's loss counters that the helper reports with its own (see frames.RECORDS)."""
-        return {"queue_full": self.dropped, "too_large": self.dropped_record_too_large,
-                "helper_lost": self.lost_in_helper}
+        """The server side's loss counters that the helper reports with its own (see frames.RECORDS), with those of
+        the helpers that died (their series end with them: the next helper's carry the process's totals)."""
+        gone = self._gone_stats  # so that each helper's series holds the process's counts so far, as cumulative
+        return {"queue_full": self.dropped + gone.dropped_queue,
+                "too_large": self.dropped_record_too_large + gone.dropped_too_large,
+                "helper_lost": self.lost_in_helper, "exported": gone.exported, "rejected": gone.dropped_rejected,
+                "export_failed": gone.dropped_export - gone.dropped_rejected - gone.dropped_too_large,
+                "calls_queue_full": self.dropped_records - self.records_too_large + self._gone_stats.dropped_records,
+                "calls_too_large": self.records_too_large, "calls_helper_lost": self.records_lost_in_helper}
 
     def _frames(self, batch: list[tuple[Any, ...]]) -> Iterator[tuple[bytes, int, int]]:
         """The helper's frames for ``batch``, made one at a time, as ``(frame, spans, records)``: at most
@@ -438,6 +453,7 @@ class ExportPipeline:
                 yield frames.framed(payload), 0, 1
                 return
         self.dropped_records += 1
+        self.records_too_large += 1
 
     # -- flush, fork, shutdown ----------------------------------------------------------------------
     def hand_off(self, timeout_s: float = 1.0) -> bool:
@@ -540,6 +556,7 @@ class ExportPipeline:
         stats.dropped_record_too_large += self.dropped_record_too_large
         _add_counters(stats, asdict(self._gone_stats))
         stats.lost_in_helper += self.lost_in_helper
+        stats.records_lost_in_helper += self.records_lost_in_helper
         stats.unknown += self.unknown_in_helper
         stats.records_after_shutdown += self.records_after_close
         stats.helper_restarts += self.helper_restarts
@@ -556,6 +573,9 @@ class ExportPipeline:
                 self._abandon_start("it was still starting when the shutdown budget ran out")
             self._lose_held()  # none took it (the helper died, and none was started again in time)
             helper = self._helper
+            if helper is not None and not helper.alive():  # it died after the last frame it took: count what it took
+                self._helper_gone(helper, None)
+                helper = None
         if helper is None:
             return ExportStats()
         return self._stop_helper(helper, deadline)
@@ -597,6 +617,10 @@ def _log_losses(stats: ExportStats, endpoint: str) -> None:
     if stats.dropped_records:
         logger.warning("zoomer-serve: %d records did not reach the exporter; their calls are missing from the RPC "
                        "metrics (and their spans, when sampled, are counted above)", stats.dropped_records)
+    if stats.records_lost_in_helper:
+        logger.warning("zoomer-serve: %d calls are missing from the RPC metrics: an export helper process died "
+                       "holding them before a metric export covered them (counted in zoomer.exporter.call.dropped, "
+                       "error.type=helper_lost)", stats.records_lost_in_helper)
     if stats.records_after_shutdown:
         log_records_after_shutdown(stats.records_after_shutdown)
     if stats.unknown:

@@ -18,6 +18,11 @@ Instruments (semantic conventions for RPC, stable names), cumulative temporality
   ``too_large`` (too large for any export request), ``export_failed`` or ``queue_full`` those it lost.
 - ``otel.sdk.exporter.metric_data_point.exported``: counter, unit ``{data_point}``, the same for the metric
   data points of earlier exports (``rejected``; ``export_failed`` for the rest, too large ones included).
+- ``zoomer.exporter.call.dropped``: counter, unit ``{call}``, calls (request records, sampled or not) missing from
+  ``rpc.server.call.duration`` and the other call metrics, by ``error.type``: ``queue_full`` (a full queue on the
+  way to the exporter), ``too_large`` (a record too large for a frame to the export helper process),
+  ``helper_lost`` (an export helper process died before a metric export covering them succeeded). Calls in the
+  metric + these = calls the server answered (those that ended after shutdown began are only logged).
 
 Every request record counts, sampled or not. The worker records one histogram point per record here
 (a dict lookup and a ``bisect``: about 2 µs) instead of going through the OpenTelemetry SDK's
@@ -279,11 +284,14 @@ _BATCH_HISTOGRAMS = {
 }
 SPAN_EXPORTED = "otel.sdk.exporter.span.exported"
 METRIC_POINT_EXPORTED = "otel.sdk.exporter.metric_data_point.exported"
+CALL_DROPPED = "zoomer.exporter.call.dropped"
 # the exporter's own counters: name -> (description, unit)
 _COUNTERS = {
     SPAN_EXPORTED: ("The number of spans for which the export has finished, either successful or failed", "{span}"),
     METRIC_POINT_EXPORTED: ("The number of metric data points for which the export has finished, either "
                             "successful or failed", "{data_point}"),
+    CALL_DROPPED: ("The number of calls missing from the RPC call metrics because their records were lost on the "
+                   "way to the exporter", "{call}"),
 }
 
 

@@ -24,6 +24,7 @@ from zoomer_serve import semconv as sc
 from zoomer_serve.config import ExportConfig, SpanLimits
 from zoomer_serve.export.otlp_wire import FIELD_FRAMING_BYTES, SpanEncoder, request_bytes
 from zoomer_serve.export.rpc_metrics import (
+    CALL_DROPPED,
     METRIC_POINT_EXPORTED,
     SPAN_EXPORTED,
     MetricsRequestEncoder,
@@ -54,7 +55,11 @@ class ExportStats:
     counts in the RPC metrics); ``records_after_shutdown``: records (requests) that
     ended once shutdown had begun, too late for the last export (their spans are not in ``dropped``);
     ``lost_in_helper``: spans handed to a helper process that
-    died holding them, before it sent them (in the pipe, its queue or its pending batch); ``helper_restarts``:
+    died holding them, before it sent them (in the pipe, its queue or its pending batch);
+    ``records_lost_in_helper``: records (calls) written to a helper process that died before a metric export
+    covering them succeeded: their calls are missing from the RPC metrics; ``metric_records``: records whose
+    calls the last fully accepted export of the RPC metrics covered (cumulative; summed over helper processes);
+    ``helper_restarts``:
     helper processes started again after one died; ``unknown``: spans whose outcome is not known, neither counted
     as exported nor as dropped: those of the export request in flight when the shutdown budget ran out (the
     collector may yet store them), those of the export request a helper process was sending when it died, and
@@ -73,6 +78,8 @@ class ExportStats:
     dropped_too_large: int = 0
     dropped_record_too_large: int = 0
     lost_in_helper: int = 0
+    records_lost_in_helper: int = 0
+    metric_records: int = 0
     records_after_shutdown: int = 0
     helper_restarts: int = 0
     unknown: int = 0
@@ -176,6 +183,10 @@ class ExportWorker:
         # called on the export thread with the spans of an export request just before it is sent, and with 0 once
         # its outcome is counted: the helper process reports both, so that what it may have sent is known.
         self.on_export: Callable[[int], None] | None = None
+        # called on the export thread once an export of the RPC metrics was accepted in full (``stats.metric_records``
+        # just grew): the helper process reports it at once, so that a server that finds it dead knows which calls
+        # the metrics in the collector hold.
+        self.on_metrics: Callable[[], None] | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -313,6 +324,11 @@ class ExportWorker:
         self._pending_bytes = 0
         self._last_flush = time.monotonic()
 
+    @property
+    def in_flight(self) -> int:
+        """Spans of the export request being sent now, not yet counted (0: none)."""
+        return self._in_flight
+
     def _announce(self, in_flight: int) -> None:
         """Tell :attr:`on_export` how many spans are now in flight (0: none, their outcome is counted)."""
         if self.on_export is not None:
@@ -400,9 +416,10 @@ class ExportWorker:
         s, parent = self.stats, self.parent_counters
         return {
             SPAN_EXPORTED: {
-                (): s.exported,
-                (("error.type", "export_failed"),): s.dropped_export - s.dropped_rejected - s.dropped_too_large,
-                (("error.type", "rejected"),): s.dropped_rejected,
+                (): s.exported + parent.get("exported", 0),
+                (("error.type", "export_failed"),): s.dropped_export - s.dropped_rejected - s.dropped_too_large
+                + parent.get("export_failed", 0),
+                (("error.type", "rejected"),): s.dropped_rejected + parent.get("rejected", 0),
                 (("error.type", "too_large"),): s.dropped_too_large + parent.get("too_large", 0),
                 (("error.type", "queue_full"),): s.dropped_queue + parent.get("queue_full", 0),
                 (("error.type", "helper_lost"),): parent.get("helper_lost", 0),
@@ -411,6 +428,11 @@ class ExportWorker:
                 (): s.metric_points_exported,
                 (("error.type", "export_failed"),): s.metric_points_dropped - s.metric_points_rejected,
                 (("error.type", "rejected"),): s.metric_points_rejected,
+            },
+            CALL_DROPPED: {
+                (("error.type", "queue_full"),): s.dropped_records + parent.get("calls_queue_full", 0),
+                (("error.type", "too_large"),): parent.get("calls_too_large", 0),
+                (("error.type", "helper_lost"),): parent.get("calls_helper_lost", 0),
             },
         }
 
@@ -422,6 +444,7 @@ class ExportWorker:
             return True
         with self._metrics_lock:
             points = self._metrics.data_points(self._metrics_start_ns, time.time_ns(), self._counters())
+            covered = self.stats.records  # every record aggregated so far is in these points
         requests, too_large = self._metrics_encoder.pack(points, self.cfg.max_request_bytes)
         tally = _Tally(too_large=too_large)
         for request in requests:
@@ -441,6 +464,10 @@ class ExportWorker:
             self._log_once("metrics-too-large", "zoomer-serve: %d metric data points do not fit an export request "
                            "to %s (ZOOMER_EXPORT_MAX_REQUEST_BYTES=%d, and the collector's own limit); they are left "
                            "out and counted (logged once)", tally.too_large, endpoint, self.cfg.max_request_bytes)
+        if tally.dropped == 0 and covered > stats.metric_records:
+            stats.metric_records = covered
+            if self.on_metrics is not None:
+                self.on_metrics()
         return tally.dropped == 0
 
     def shutdown(self, timeout_s: float) -> ExportStats:

@@ -162,9 +162,14 @@ NAMES: tuple[Name, ...] = (
          "the NVIDIA driver's version", _RES),
     # -- export ---------------------------------------------------------------------------------------------------
     Name("otel.sdk.exporter.span.exported", "metric", "{span}", "counter", "spans whose export finished; with "
-         "`error.type` (`rejected`, `too_large`, `export_failed`, `queue_full`) those lost", _EXP),
+         "`error.type` (`rejected`, `too_large`, `export_failed`, `queue_full`, `helper_lost`) those lost", _EXP),
     Name("otel.sdk.exporter.metric_data_point.exported", "metric", "{data_point}", "counter",
          "the same for metric data points", _EXP),
+    Name("zoomer.exporter.call.dropped", "metric", "{call}", "counter",
+         "calls missing from `rpc.server.call.duration` (and the other call metrics) because their records were "
+         "lost on the way to the exporter, by `error.type`: `queue_full`, `too_large`, `helper_lost` (an export "
+         "helper process died before a metric export covered them); calls in the metric + these = calls answered",
+         _EXP),
     # -- GPU: request spans ---------------------------------------------------------------------------------------
     Name(tn.GPU_DEVICES, "span attribute", "", "SERVER span", "the watched CUDA device indices (int list)", _GPU),
     Name(tn.MEM_ALLOCATED_START, "span attribute", "By", "SERVER span",
