@@ -272,6 +272,7 @@ def test_calls_a_killed_helper_aggregated_are_counted_missing_from_the_call_metr
     (``records_lost_in_helper``, from the helper's last ``metric_records``), the new helper exports them as
     ``zoomer.exporter.call.dropped{error.type=helper_lost}``, and the report says so: calls sent = calls in the
     metric + calls counted missing, in the server's counters and in the store."""
+    from zoomer_serve.report import build_report
     from zoomer_serve.report.calls import read_calls
 
     telemetry = zoomer_serve.configure(service_name="metered", endpoint=collector.grpc_endpoint,
@@ -312,6 +313,10 @@ def test_calls_a_killed_helper_aggregated_are_counted_missing_from_the_call_metr
     assert (in_metric, dropped) == (30 + 25, {"helper_lost": 40}), (in_metric, dropped)
     assert in_metric + sum(dropped.values()) == sent
     assert stats.records_lost_in_helper == 40 and stats.dropped_records == 0, stats
+    report = build_report(collector.store_path)  # what zoomer-serve report says
+    assert report.total_requests == 55 and report.export_losses.calls == {"helper_lost": 40}
+    assert any(n.startswith("40 calls are missing from rpc.server.call.duration") and "helper process died" in n
+               for n in report.notes), report.notes
 
 
 def test_calls_of_a_helper_killed_just_before_shutdown_are_counted_missing(collector):

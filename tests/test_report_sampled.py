@@ -11,6 +11,7 @@ import io
 import json
 import re
 import sys
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -266,3 +267,72 @@ def test_metric_points_add_up_over_exports_instances_restarts_and_temporalities(
     assert f"counted by the {DURATION} metric where the store has it, else from SERVER spans" in text
     assert Counter(line.split()[1] for line in text.splitlines() if line.startswith("  svc")) == Counter(
         {"Scorer/score": 2, "pkg.S/M": 2, "pkg.S/Other": 2})  # each method in the Requests and Status tables
+
+
+def test_calls_and_spans_lost_on_a_full_queue_are_counted_and_the_report_and_analysis_say_so(
+        collector, monkeypatch, capsys):
+    """C12-style loss accounting: ``OTEL_BSP_MAX_QUEUE_SIZE=4`` under load from 8 client threads, so the server's
+    export queue overflows. The trial: the server logged "N records did not reach the exporter", the store held
+    ``otel.sdk.exporter.span.exported{error.type=queue_full}``, yet ``zoomer-serve report`` printed the calls left
+    in the metric with no note. Now the calls missing from the metric are exported as
+    ``zoomer.exporter.call.dropped{error.type=queue_full}``: calls sent = calls in the metric + calls counted
+    missing, and spans sent = spans stored + spans counted lost; the report (terminal and ``--json``, key
+    ``export_losses``) and ``analyze`` say how many and why."""
+    _configure(collector, monkeypatch, OTEL_BSP_MAX_QUEUE_SIZE="4", OTEL_BSP_MAX_EXPORT_BATCH_SIZE="2")
+    server, target = grpc_echo.start_server([ZoomerServerInterceptor(server_address="127.0.0.1")])
+    per_thread = 150
+
+    def load() -> None:
+        client = grpc_echo.Client(target)
+        try:
+            for _ in range(per_thread):
+                assert client.unary(b"ok") == b"ok"
+        finally:
+            client.close()
+
+    clients = [threading.Thread(target=load) for _ in range(8)]
+    try:
+        for t in clients:
+            t.start()
+        for t in clients:
+            t.join()
+    finally:
+        server.stop(None)
+    sent = 8 * per_thread
+    stats = zoomer_serve.shutdown()
+    assert stats is not None and stats.dropped_records > 0, stats  # the queue did overflow
+    stored = len(collector.spans("SERVER"))
+    report = build_report(collector.store_path)
+    missing = report.export_losses.calls
+    assert missing == {"queue_full": stats.dropped_records}, (missing, stats)
+    assert report.total_requests + stats.dropped_records == sent, (report.total_requests, stats)
+    assert report.export_losses.spans == {"queue_full": stats.dropped_queue}, (report.export_losses, stats)
+    assert stored + stats.dropped_queue == sent, (stored, stats)
+    calls_note = (f"{stats.dropped_records} calls are missing from {DURATION} and the counts above (a full export "
+                  f"queue: {stats.dropped_records}; zoomer.exporter.call.dropped)")
+    spans_note = (f"{stats.dropped_queue} spans were lost on the way to the store (a full export queue: "
+                  f"{stats.dropped_queue}; otel.sdk.exporter.span.exported with error.type)")
+    assert report.notes == [calls_note, spans_note]
+    text = _text(report)
+    assert f"note: {calls_note}" in text and f"note: {spans_note}" in text
+
+    parser = argparse.ArgumentParser()
+    report_cli.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["report", "--store", str(collector.store_path), "--json"])
+    assert args.func(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["export_losses"] == {"spans": {"queue_full": stats.dropped_queue},
+                                    "calls": {"queue_full": stats.dropped_records}}
+    assert out["total_requests"] == sent - stats.dropped_records and out["notes"] == [calls_note, spans_note]
+
+    doc = analyze([], collector.store_path).to_dict()  # analyze --store --json
+    assert doc["store"]["export_losses"] == out["export_losses"]
+    assert doc["store"]["notes"] == [calls_note, spans_note]
+    from zoomer_serve.analysis import cli as analysis_cli
+
+    parser = argparse.ArgumentParser()
+    analysis_cli.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["analyze", "--store", str(collector.store_path)])
+    assert args.func(args) == 0
+    terminal = " ".join(capsys.readouterr().out.split())
+    assert f"note: {calls_note}" in terminal and f"note: {spans_note}" in terminal

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +23,7 @@ from zoomer_serve.analysis.timeline import (
     request_gpu_time,
 )
 from zoomer_serve.analysis.trace_detectors import detect_trace
+from zoomer_serve.report.calls import loss_notes
 
 if TYPE_CHECKING:
     from zoomer_serve.analysis.store import StoreData
@@ -66,6 +67,7 @@ class AnalysisResult:
                        for r in self.traces],
             "store": None if self.store is None else {
                 "path": str(self.store.path), **self._store_counts(),
+                "export_losses": asdict(self.store.losses), "notes": loss_notes(self.store.losses),
                 "tables": {k: t.to_dict(rows) for k, t in self.store_tables.items()}},
             "collectives": {k: t.to_dict(rows) for k, t in self.collective_tables.items()} or None,
         }

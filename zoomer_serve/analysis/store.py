@@ -33,8 +33,8 @@ from zoomer_serve.artifacts.storage import StorageError
 from zoomer_serve.batching.names import QUEUE_PHASE
 from zoomer_serve.collector.parquet import open_source
 from zoomer_serve.collector.store import StoreError
-from zoomer_serve.report.calls import MethodCalls, RequestCounts, read_calls, request_counts
-from zoomer_serve.report.model import COUNTS_FROM_METRIC, COUNTS_FROM_SPANS
+from zoomer_serve.report.calls import MethodCalls, RequestCounts, read_calls, read_losses, request_counts
+from zoomer_serve.report.model import COUNTS_FROM_METRIC, COUNTS_FROM_SPANS, ExportLosses
 from zoomer_serve.semconv import error_sql, method_sql, status_sql
 
 NS_PER_MS = 1e6
@@ -182,6 +182,8 @@ class StoreData:
         calls: per (service, method), the calls the ``rpc.server.call.duration`` metric counted, every one,
             sampled or not (:func:`zoomer_serve.report.calls.read_calls`); empty when the store has no such metric
             (and for a time window of a store, whose calls the cumulative points cannot tell).
+        losses: what the exporters counted as lost on the way to the store: calls missing from the metric and
+            spans (:func:`zoomer_serve.report.calls.read_losses`).
     """
 
     path: Path | str
@@ -192,6 +194,7 @@ class StoreData:
     cpu_profiles: list[CpuProfile] = field(default_factory=list)
     gpu: bool = False
     calls: dict[tuple[str, str], MethodCalls] = field(default_factory=dict)
+    losses: ExportLosses = field(default_factory=ExportLosses)
     _attrs: list[dict[str, Any]] | None = field(default=None, repr=False, init=False)
     _parsed: np.ndarray | None = field(default=None, repr=False, init=False)
 
@@ -237,6 +240,7 @@ def load_store(store_path: str | os.PathLike[str]) -> StoreData:
         cpu = con.execute(_CPU_PROFILES_SQL).fetchall()
         gpu_spans = con.execute(_GPU_SEEN_SQL).fetchone()
         calls = read_calls(con)
+        losses = read_losses(con)
     except duckdb.Error as exc:
         raise StoreAnalysisError(f"cannot read {path}: {exc}") from exc
     finally:
@@ -270,7 +274,7 @@ def load_store(store_path: str | os.PathLike[str]) -> StoreData:
         dtypes={"metric": object, "instance": object, "hw_id": object, "time_ns": np.int64, "value": np.float64})
     profiles = [p for p in (_cpu_profile(*row) for row in cpu) if p is not None]
     gpu = bool(len(memory) or len(metrics) or (gpu_spans and gpu_spans[0]))
-    return StoreData(path, requests, phases, memory, metrics, profiles, gpu, calls)
+    return StoreData(path, requests, phases, memory, metrics, profiles, gpu, calls, losses)
 
 
 def _i(value: Any, default: int) -> int:

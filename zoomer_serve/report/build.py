@@ -19,7 +19,14 @@ from zoomer_serve.artifacts.storage import StorageError
 from zoomer_serve.batching import names as bn
 from zoomer_serve.collector.parquet import open_source
 from zoomer_serve.collector.store import StoreError
-from zoomer_serve.report.calls import MethodCalls, read_calls, request_counts, short_metric
+from zoomer_serve.report.calls import (
+    MethodCalls,
+    loss_notes,
+    read_calls,
+    read_losses,
+    request_counts,
+    short_metric,
+)
 from zoomer_serve.report.model import (
     COUNTS_FROM_METRIC,
     COUNTS_FROM_MIXED,
@@ -253,6 +260,7 @@ def build_report(store_path: str | os.PathLike[str], slowest: int = 10) -> Repor
         slow = [SlowTrace(t, s, m, d / NS_PER_MS, st)
                 for t, s, m, d, st in con.execute(_SLOWEST_SQL, [slowest]).fetchall()]
         calls = read_calls(con)
+        losses = read_losses(con)
     except duckdb.Error as exc:  # a DuckDB file, but not a zoomer-serve store (other columns)
         raise ReportError(f"{path} is not a zoomer-serve store: {str(exc).splitlines()[0]}") from None
     finally:
@@ -273,5 +281,7 @@ def build_report(store_path: str | os.PathLike[str], slowest: int = 10) -> Repor
         counts_from=counts_from,
         span_sample_ratio=ratio,
         notes=[note for (service, method), c in sorted(calls.items())
-               if (note := short_metric(service, method, c, _spans(rows.get((service, method))))) is not None],
+               if (note := short_metric(service, method, c, _spans(rows.get((service, method))))) is not None]
+        + loss_notes(losses),
+        export_losses=losses,
     )

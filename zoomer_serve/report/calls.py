@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 import duckdb
 
-from zoomer_serve.report.model import COUNTS_FROM_METRIC, COUNTS_FROM_SPANS
+from zoomer_serve.export.rpc_metrics import CALL_DROPPED, SPAN_EXPORTED
+from zoomer_serve.report.model import COUNTS_FROM_METRIC, COUNTS_FROM_SPANS, ExportLosses
 from zoomer_serve.semconv import RPC_SERVER_CALL_DURATION, method_sql, metric_error_sql, metric_status_sql
 
 CALLS_METRIC = RPC_SERVER_CALL_DURATION
@@ -135,3 +136,64 @@ def short_metric(service: str, method: str, calls: MethodCalls | None, spans: in
         return None
     return (f"{service} {method}: {CALLS_METRIC} counts {calls.calls} calls but the store has {spans} spans "
             "(metric points lost?); counted by its spans")
+
+
+SPANS_LOST_METRIC = SPAN_EXPORTED
+CALLS_LOST_METRIC = CALL_DROPPED
+
+_LOSSES_SQL = """
+WITH pts AS (
+    SELECT DISTINCT metric_name, coalesce(service_name, 'unknown_service') AS service_name,
+           CAST(resource_attributes AS VARCHAR) AS resource, coalesce(scope_name, '') AS scope,
+           attributes->>'$."error.type"' AS error_type, coalesce(start_ns, 0) AS start_ns, time_ns, value
+    FROM metric_points
+    WHERE metric_name IN (?, ?) AND metric_type = 'sum' AND value IS NOT NULL
+      AND attributes->>'$."error.type"' IS NOT NULL
+),
+series AS (
+    SELECT metric_name, service_name, resource, scope, error_type, start_ns, arg_max(value, time_ns) AS value
+    FROM pts GROUP BY ALL
+),
+process AS (
+    SELECT metric_name, error_type, max(value) AS value FROM series
+    GROUP BY metric_name, service_name, resource, scope, error_type
+)
+SELECT metric_name, error_type, sum(value) FROM process GROUP BY ALL ORDER BY metric_name, error_type
+"""
+
+
+def read_losses(con: duckdb.DuckDBPyConnection) -> ExportLosses:
+    """The store's export loss counters (see :class:`ExportLosses`); only non-zero counts. A process's counters
+    are cumulative over its life, across export helper processes (each restarted one exports the counts of those
+    before it), so each process counts the largest of its series' last points. Empty when the store has no
+    ``metric_points`` table. Raises ``duckdb.Error`` when the table has other columns."""
+    tables = {row[0] for row in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    losses = ExportLosses()
+    if "metric_points" not in tables:
+        return losses
+    for metric, error_type, value in con.execute(_LOSSES_SQL, [SPANS_LOST_METRIC, CALLS_LOST_METRIC]).fetchall():
+        n = int(value or 0)
+        if n > 0:
+            (losses.spans if metric == SPANS_LOST_METRIC else losses.calls)[str(error_type)] = n
+    return losses
+
+
+_WHY = {"queue_full": "a full export queue", "too_large": "too large to export",
+        "helper_lost": "an export helper process died holding them", "export_failed": "a failed export",
+        "rejected": "rejected by the collector"}
+
+
+def loss_notes(losses: ExportLosses) -> list[str]:
+    """The notes the report and the store analysis print for non-zero export losses: how many and why."""
+    notes = []
+    if losses.calls_missing:
+        notes.append(f"{losses.calls_missing} calls are missing from {CALLS_METRIC} and the counts above "
+                     f"({_reasons(losses.calls)}; {CALLS_LOST_METRIC})")
+    if losses.spans_lost:
+        notes.append(f"{losses.spans_lost} spans were lost on the way to the store ({_reasons(losses.spans)}; "
+                     f"{SPANS_LOST_METRIC} with error.type)")
+    return notes
+
+
+def _reasons(counts: dict[str, int]) -> str:
+    return ", ".join(f"{_WHY.get(k, k)}: {v}" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))

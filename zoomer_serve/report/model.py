@@ -141,6 +141,31 @@ class SlowTrace:
     status: str
 
 
+@dataclass
+class ExportLosses:
+    """What the exporters of the processes that wrote a store counted as lost on the way to it, from their own
+    counters in the store (:func:`zoomer_serve.report.calls.read_losses`).
+
+    Attributes:
+        spans: spans lost, per ``error.type`` (``otel.sdk.exporter.span.exported`` with ``error.type``:
+            ``queue_full``, ``too_large``, ``helper_lost``, ``export_failed``, ``rejected``).
+        calls: calls missing from ``rpc.server.call.duration`` (and the other call metrics), hence from the
+            request counts, per ``error.type`` (``zoomer.exporter.call.dropped``: ``queue_full``, ``too_large``,
+            ``helper_lost``).
+    """
+
+    spans: dict[str, int] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def spans_lost(self) -> int:
+        return sum(self.spans.values())
+
+    @property
+    def calls_missing(self) -> int:
+        return sum(self.calls.values())
+
+
 @dataclass(frozen=True)
 class Report:
     """Everything ``zoomer-serve report`` shows.
@@ -162,7 +187,10 @@ class Report:
         span_sample_ratio: over the methods counted by the metric, their spans / their calls (the sampling
             ratio seen; 1.0 when every call has its span); None when no method is.
         notes: what the reader should know about the counts (a method whose metric counted fewer calls than it
-            has spans is counted by its spans, and said so here).
+            has spans is counted by its spans, and said so here; calls missing from the metric and spans lost
+            on the way to the store, with their reasons, from ``export_losses``).
+        export_losses: what the exporters counted as lost on the way to the store (:class:`ExportLosses`;
+            ``--json``: ``{"spans": {error.type: n}, "calls": {error.type: n}}``, only non-zero counts).
     """
 
     store_path: str
@@ -177,6 +205,7 @@ class Report:
     counts_from: str = COUNTS_FROM_SPANS
     span_sample_ratio: float | None = None
     notes: list[str] = field(default_factory=list)
+    export_losses: ExportLosses = field(default_factory=ExportLosses)
 
     @property
     def empty(self) -> bool:
