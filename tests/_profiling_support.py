@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +15,14 @@ from typing import Any
 
 from interceptors import ZoomerServerInterceptor
 from zoomer_serve.demo.service import build_server
-from zoomer_serve.profiling import AdminConfig, ProfilerConfig, ProfilerController, parse_request_label
+from zoomer_serve.profiling import (
+    AdminConfig,
+    ProfilerConfig,
+    ProfilerController,
+    SessionOptions,
+    State,
+    parse_request_label,
+)
 from zoomer_serve.profiling.admin import add_profiler_control
 
 TOKEN = "test-admin-token-7f3a"
@@ -116,3 +125,61 @@ def check_profile_export(rows: list[dict[str, Any]], session_id: str, covered: s
                                                                               profile["span_id"])]
     assert {(c["trace_id"], c["parent_span_id"]) for c in children} == expected
     return profile
+
+
+class SessionGate:
+    """A session companion that holds the session thread while the profiler runs: in ``begin`` (the profiler
+    started, no request admitted yet) and in ``stop`` (the bound was reached, the profiler not yet stopped), each
+    until the test lets it go; so that requests run in both windows, every time."""
+
+    def __init__(self) -> None:
+        self.begun, self.stopping = threading.Event(), threading.Event()
+        self.go_on, self.go_stop = threading.Event(), threading.Event()
+
+    def begin(self, session_id: str, folder: Path, max_duration_ms: int) -> SessionGate:
+        self.begun.set()
+        self.go_on.wait(30)
+        return self
+
+    def stop(self) -> None:
+        if not self.stopping.is_set():
+            self.stopping.set()
+            self.go_stop.wait(30)
+
+    def finish(self) -> dict[str, Any]:
+        return {}
+
+
+def bounded_session_with_strays(controller: ProfilerController, send: Callable[[int], None], bound: int,
+                                strays: int) -> Any:
+    """Run a session of ``bound`` requests on ``controller`` with ``strays`` requests sent (``send(n)`` sends n,
+    one after another) while its profiler runs but the session does not admit: as it starts, and after its bound
+    was reached (held there by a :class:`SessionGate`). Returns the finished session's info."""
+    gate = SessionGate()
+    controller.companions = [gate]
+    controller.start(SessionOptions(max_requests=bound), wait=False)
+    assert gate.begun.wait(30)
+    send(strays)
+    gate.go_on.set()
+    deadline = time.monotonic() + 30
+    while controller.state is not State.RUNNING and time.monotonic() < deadline:
+        time.sleep(0.01)
+    send(bound)
+    assert gate.stopping.wait(30)
+    send(strays)
+    gate.go_stop.set()
+    assert controller.wait_idle(60)
+    return controller.last
+
+
+def phase_ranges(data: dict[str, Any], names: tuple[str, ...] = ("preprocess", "forward", "postprocess")
+                 ) -> list[dict[str, Any]]:
+    """The ``record_function`` ranges of a trace named one of ``names`` (the demo's phases)."""
+    return [ev for ev in data["traceEvents"] if ev.get("ph") == "X" and ev.get("cat") == "user_annotation"
+            and ev["name"] in names]
+
+
+def within(inner: dict[str, Any], outer: dict[str, Any]) -> bool:
+    """``inner`` lies in ``outer`` on the same thread (trace events, µs)."""
+    return ((inner["pid"], inner["tid"]) == (outer["pid"], outer["tid"]) and outer["ts"] <= inner["ts"]
+            and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"])

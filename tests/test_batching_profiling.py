@@ -7,8 +7,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
-from _profiling_support import check_profile_export, read_chrome_trace
+from _profiling_support import (
+    bounded_session_with_strays,
+    check_profile_export,
+    phase_ranges,
+    read_chrome_trace,
+    request_ranges,
+    within,
+)
 
 from interceptors import ZoomerServerInterceptor
 from zoomer_serve.demo.load import drive_load
@@ -154,3 +162,45 @@ def test_the_analysis_gives_each_member_its_share_of_the_batch_gpu_time(tmp_path
     assert sum(int(table["gpu_ops"][i]) for i in rows.values()) == 3
     assert float(table["batch_gpu_time_us"][rows[hexed[C]]]) == pytest.approx(gpu[C])
     assert float(table["cpu_time_us"][rows[hexed[C]]]) == 0.0
+
+
+@pytest.mark.slow
+def test_a_bounded_session_on_the_batching_demo_records_only_the_batches_serving_its_requests(
+        telemetry: Any, tmp_path: Path) -> None:
+    """Requests sent one after another while the profiler runs outside the session's admission (as it starts and
+    after its bound) each run in a batch of their own: neither those batches' ranges nor their ``forward`` phases
+    nor the requests' own phases go into the trace; each phase range there lies in a request range of the
+    session or in a batch range whose member is one."""
+    import numpy as np
+
+    from zoomer_serve.demo import ranker_pb2_grpc
+    from zoomer_serve.demo.load import make_request
+
+    bound = 3
+    rng = np.random.default_rng(7)
+    controller = ProfilerController(ProfilerConfig(profiles_dir=tmp_path / "profiles"), telemetry).attach()
+    server, port = build_server(build_model(device="cpu"), interceptors=[ZoomerServerInterceptor(telemetry.recorder)],
+                                max_workers=4, config=ServiceConfig(batch_max_size=4, batch_max_delay_ms=1))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = ranker_pb2_grpc.RankerStub(channel)
+
+            def send(n: int) -> None:
+                for _ in range(n):
+                    assert len(stub.Predict(make_request(rng, 4), timeout=30).scores) == 4
+
+            info = bounded_session_with_strays(controller, send, bound=bound, strays=2)
+    finally:
+        controller.close(timeout_s=60)
+        server.stop(None).wait(5)
+    assert info is not None and info.outcome == "done" and info.requests == bound, info
+    data = read_chrome_trace(Path(info.trace_path))
+    ranges = request_ranges(data)
+    events = [e for e in data["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "user_annotation"]
+    batches = {parse_batch_label(e["name"]): e for e in events if parse_batch_label(e["name"])}
+    members = {(m[1], m[2]) for m in (parse_member_label(e["name"]) for e in events) if m is not None}
+    assert len(ranges) == bound and len(batches) == bound and members == set(ranges)
+    phases = phase_ranges(data)
+    assert {name: sum(ev["name"] == name for ev in phases) for name in ("preprocess", "forward", "postprocess")} \
+        == {"preprocess": bound, "forward": bound, "postprocess": bound}
+    assert all(any(within(ev, r) for r in (*ranges.values(), *batches.values())) for ev in phases)

@@ -20,11 +20,14 @@ import pytest
 import torch
 from _profiling_support import (
     TOKEN,
+    bounded_session_with_strays,
     check_profile_export,
+    phase_ranges,
     read_chrome_trace,
     request_ranges,
     serve_with_profiling,
     traces,
+    within,
 )
 
 from zoomer_serve.config import ConfigError
@@ -499,3 +502,35 @@ def test_profile_cli_against_a_server_without_the_admin_service_says_what_is_mis
     assert len(lines) == 1 and lines[0].startswith("zoomer-serve profile: UNIMPLEMENTED"), done.stderr
     assert f"127.0.0.1:{port} does not serve the ProfilerControl admin service" in lines[0]
     assert "add_profiler_control" in lines[0]
+
+
+@pytest.mark.slow
+def test_a_request_bounded_session_records_the_phases_of_its_requests_only(model: DLRM, telemetry: Any,
+                                                                           profiles_dir: Path) -> None:
+    """A session of 5 requests while 11 were served (3 while its profiler started, 3 after the 5th, before the
+    profiler stopped) held 5 request ranges but 11 of each phase range (``preprocess``, ``forward``,
+    ``postprocess``), the extra ones outside every request range, so ``analyze`` counted 11 forwards for a
+    5-request session. Every phase range belongs to one of the session's requests."""
+    import numpy as np
+
+    from zoomer_serve.demo import ranker_pb2_grpc
+    from zoomer_serve.demo.load import make_request
+
+    rng = np.random.default_rng(5)
+    with serve_with_profiling(telemetry, model, profiles_dir) as served, \
+            grpc.insecure_channel(served.target) as channel:
+        stub = ranker_pb2_grpc.RankerStub(channel)
+
+        def send(n: int) -> None:
+            for _ in range(n):
+                assert len(stub.Predict(make_request(rng, 4), timeout=30).scores) == 4
+
+        info = bounded_session_with_strays(served.controller, send, bound=5, strays=3)
+    assert info is not None and info.outcome == "done" and info.requests == 5
+    data = read_chrome_trace(Path(info.trace_path))
+    ranges = request_ranges(data)
+    assert len(ranges) == 5
+    phases = phase_ranges(data)
+    assert {name: sum(ev["name"] == name for ev in phases) for name in ("preprocess", "forward", "postprocess")} \
+        == {"preprocess": 5, "forward": 5, "postprocess": 5}
+    assert all(any(within(ev, r) for r in ranges.values()) for ev in phases)

@@ -47,7 +47,7 @@ from zoomer_serve.batching.shares import RULE_ITEMS, check_rule, split_int
 from zoomer_serve.config import ConfigError
 from zoomer_serve.recording import RequestRecorder, RequestSpan, current_request, internal_error
 from zoomer_serve.recording import records as r
-from zoomer_serve.recording.recorder import _profiler_enabled
+from zoomer_serve.recording.recorder import _profiler_enabled, profile_scope
 
 _mono_ns = time.monotonic_ns
 _PHASE_KEY = "zoomer.phase"
@@ -374,13 +374,17 @@ class Batch:
     def _open_range(self) -> None:
         """Open the batch's profiler range on this thread and mark its members (see
         :mod:`zoomer_serve.profiling.labels`); a thread join of the batch span, so the batch's phases on other
-        threads open it there too."""
+        threads open it there too. Under a zoomer-serve session only when the batch serves one of its requests
+        (:meth:`~zoomer_serve.recording.recorder.ProfileScope.hold_batch`)."""
         from zoomer_serve.profiling.labels import batch_label, member_label
         from zoomer_serve.profiling.session import RequestRange
 
         span = self.span
         assert span is not None
         try:
+            scope = profile_scope()
+            if scope is not None and not scope.hold_batch(span, [m.span for m in self.members]):
+                return  # it serves no request of the session: neither its range nor its phases go into the trace
             join = RequestRange(batch_label(span.trace_id, span.span_id))
             rf = join.enter()
             for m, w in zip(self.members, self.weights):
@@ -388,13 +392,15 @@ class Batch:
                     marker = RequestRange(member_label(span.span_id, m.span.trace_id, m.span.span_id, w))
                     marker.exit(marker.enter())
             span.add_thread_join(join)
-            self._range = (join, rf)
+            self._range = (join, rf, scope)
         except Exception as exc:
             internal_error("batching.profiler_range", exc)
 
     def _close_range(self) -> None:
-        join, rf = self._range
+        join, rf, scope = self._range
         self._range = None
         assert self.span is not None
         self.span.remove_thread_join(join)
         join.exit(rf)
+        if scope is not None:
+            scope.release_batch(self.span)

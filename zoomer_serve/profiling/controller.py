@@ -12,7 +12,8 @@ States (:class:`~zoomer_serve.profiling.session.State`): ``idle`` → ``armed`` 
 session thread starts the profiler; one long-lived thread runs every session of a controller, see
 :mod:`zoomer_serve.profiling.worker`) → ``running`` (each new server request span runs inside a
 ``record_function`` range named :func:`~zoomer_serve.profiling.labels.request_label` and advances
-``KinetoStepTracker`` when it ends) → ``writing`` (the bound was reached or stop was called: no new
+``KinetoStepTracker`` when it ends; only the phases of those requests, and of batches serving them, become
+ranges: :meth:`~zoomer_serve.profiling.session.Session.holds`) → ``writing`` (the bound was reached or stop was called: no new
 request is covered; the covered requests still running get ``drain_timeout_ms`` to end; the profiler stops;
 the trace is written, then summarized and gzip-compressed by a child process (large traces cost the server
 neither its interpreter lock nor its memory), and the spans and metrics are exported) → ``idle``.
@@ -67,6 +68,7 @@ from zoomer_serve.profiling.session import (
 from zoomer_serve.profiling.summary import TraceSummary, summary_from_json
 from zoomer_serve.profiling.worker import SessionWorker
 from zoomer_serve.recording import RequestRecorder, RequestSpan, internal_error
+from zoomer_serve.recording.recorder import set_profile_scope
 
 logger = logging.getLogger("zoomer_serve.profiling")
 TRACE_SUFFIX = ".pt.trace.json.gz"
@@ -275,6 +277,7 @@ class ProfilerController:
         capture = Capture(session.options, activities)
         summary: TraceSummary | None = None
         runs: list[CompanionRun] = []
+        set_profile_scope(session)  # from before the profiler starts until it stopped: only its requests' phases
         try:
             try:
                 capture.start({"zoomer_session_id": session.session_id, "zoomer_trigger": session.trigger,
@@ -302,6 +305,7 @@ class ProfilerController:
             finally:
                 self._closing = None
                 session.close()
+                set_profile_scope(None, replacing=session)
             summary = self._write(session, capture)
             session.drop_uncovered(summary.requests)
             session.outcome = "done"
@@ -311,6 +315,7 @@ class ProfilerController:
         finally:
             self._admitting = None
             self._closing = None
+            set_profile_scope(None, replacing=session)
             self._finish_companions(session, runs)
             self._finish(session, summary)
 

@@ -5,7 +5,9 @@ with the request's ids (:func:`~zoomer_serve.profiling.labels.request_label`) an
 closes it, counts the request as covered, and advances ``KinetoStepTracker`` by one step. While the range is
 open it is one of the span's thread joins (:class:`RequestRange`): a ``phase`` of the request that runs on
 another thread (an executor thread of a grpc.aio server) opens a range of the same name there, so that
-thread's operators and kernels are the request's too.
+thread's operators and kernels are the request's too. The session is also the profiler's scope
+(:class:`~zoomer_serve.recording.recorder.ProfileScope`, :meth:`Session.holds`) from before the profiler starts
+until it stopped: only its admitted requests' phases, and those of the batches serving them, become ranges.
 
 
 Companions (:class:`SessionCompanion`) record something else for the same window as the kernel profiler (the
@@ -19,6 +21,7 @@ import fnmatch
 import itertools
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -178,6 +181,7 @@ class Session:
         self._leaving = 0  # leaves between taking their range and counting the request
         self._excluded = excluded_methods
         self._covers: dict[str, bool] = {}
+        self._batches: set[RequestSpan] = set()  # batches serving a request of the session (hold_batch)
 
     # -- request path -------------------------------------------------------------------------------
     def covers(self, span: RequestSpan) -> bool:
@@ -255,6 +259,30 @@ class Session:
         if full:
             self.request_stop("max_requests")
 
+    # -- profile scope (zoomer_serve.recording.recorder.ProfileScope) ------------------------------------
+    def holds(self, span: RequestSpan | None) -> bool:
+        """True while ``span`` is one of the session's requests with its range open (admitted, not yet ended)
+        or a batch that serves one (:meth:`hold_batch`): its phases become profiler ranges, nested in that range.
+        Phases outside them (requests past ``max_requests``, before the session ran or after its bound, work
+        outside any request) add no range to the trace, though the profiler still runs."""
+        if span is None:
+            return False
+        entry = self.open.get(span)
+        return (entry is not None and entry[2] is not None) or span in self._batches
+
+    def hold_batch(self, batch: RequestSpan, members: Sequence[RequestSpan | None]) -> bool:
+        """A batch starts: held (its range and phases go into the trace) when at least one member is a request of
+        the session (admitted, with a range of its own or adopted through this batch, :meth:`adopt`)."""
+        with self._lock:
+            if self._closed or not any(m is not None and m in self.open for m in members):
+                return False
+            self._batches.add(batch)
+            return True
+
+    def release_batch(self, batch: RequestSpan) -> None:
+        with self._lock:
+            self._batches.discard(batch)
+
     # -- session thread -----------------------------------------------------------------------------
     def request_stop(self, reason: str) -> bool:
         """Ask the session to end; True for the first request (its reason is kept)."""
@@ -279,6 +307,7 @@ class Session:
             self._closed = True
             left = list(self.open.items())
             self.open.clear()
+            self._batches.clear()
             self.incomplete += len(left) + self._leaving
         for span, (rf, _, join) in left:
             if join is not None:

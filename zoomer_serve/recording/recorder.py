@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 from zoomer_serve.config import SpanLimits
@@ -309,6 +309,39 @@ class ThreadJoin(Protocol):
     def enter(self) -> Any: ...
 
     def exit(self, token: Any) -> None: ...
+
+
+class ProfileScope(Protocol):
+    """Which work the running profiler records as ranges, set by the profiling session that runs it
+    (:func:`set_profile_scope`; :class:`~zoomer_serve.profiling.session.Session`). ``holds(span)``: the
+    :class:`phase` ranges of ``span`` (a request, or a batch, or None outside any) go into the trace.
+    ``hold_batch(batch, members)``: a batch starts with those member spans; True (and the batch is held until
+    ``release_batch(batch)``) when it serves at least one request of the session. None of them may raise."""
+
+    def holds(self, span: RequestSpan | None) -> bool: ...
+
+    def hold_batch(self, batch: RequestSpan, members: Sequence[RequestSpan | None]) -> bool: ...
+
+    def release_batch(self, batch: RequestSpan) -> None: ...
+
+
+_profile_scope: ProfileScope | None = None
+
+
+def set_profile_scope(scope: ProfileScope | None, replacing: ProfileScope | None = None) -> bool:
+    """Set the scope of the profiler that runs now (None: every phase under any running profiler becomes a range,
+    as for a ``torch.profiler`` session of the application's own). With ``replacing``, only when that is the
+    scope set now (a session clears only its own); True when set."""
+    global _profile_scope
+    if replacing is not None and _profile_scope is not replacing:
+        return False
+    _profile_scope = scope
+    return True
+
+
+def profile_scope() -> ProfileScope | None:
+    """The scope set by :func:`set_profile_scope` (None when no zoomer-serve session runs the profiler)."""
+    return _profile_scope
 
 
 class RequestRecorder:
@@ -633,11 +666,14 @@ class phase:
     call a phase of its own). A phase is the child of the phase open around it in the same task or thread (or
     the one that started it, when its context was copied), else of the request span: coroutines of one request
     gathered together are siblings. While a torch.profiler session runs, the block is also a
-    ``torch.profiler.record_function`` range of the same name, so kernel profiles line up with phases. On a
+    ``torch.profiler.record_function`` range of the same name, so kernel profiles line up with phases; while
+    that profiler is a zoomer-serve session's, only for the session's requests and the batches serving them
+    (:class:`ProfileScope`: a request outside a bounded session adds no range to its trace). On a
     thread other than the request's own (an executor thread), the request's outermost phase there also enters
     the request's thread joins (:meth:`RequestSpan.add_thread_join`: its profiler range while a profiling
     session covers it, its allocator tag while allocation history records), so that thread's work is the
-    request's. Outside a request it only opens that profiler range (when profiling) and records nothing. An
+    request's. Outside a request it only opens that profiler range (when profiling, outside a zoomer-serve
+    session) and records nothing. An
     exception leaving the block marks the phase span ERROR (unless an adapter calls it the way its calls end:
     :func:`register_quiet_exception`) and propagates unchanged.
     """
@@ -660,10 +696,12 @@ class phase:
             self._joined = _join_thread(req)
         if _profiler_enabled():
             try:
-                import torch
+                scope = _profile_scope
+                if scope is None or scope.holds(req):
+                    import torch
 
-                self._range = torch.profiler.record_function(self.name)
-                self._range.__enter__()
+                    self._range = torch.profiler.record_function(self.name)
+                    self._range.__enter__()
             except Exception as exc:
                 internal_error("phase.record_function", exc)
                 self._range = None
