@@ -264,6 +264,36 @@ def _calls_dropped(collector: Any) -> dict[str, int]:
     return {k: v for k, v in out.items() if v}
 
 
+def _metered(collector: Any) -> tuple[Any, Any, Any]:
+    """Telemetry exporting to ``collector`` whose RPC metrics go out only when flushed (a 600 s interval):
+    ``(telemetry, pipeline, helper)``, the helper process running."""
+    telemetry = zoomer_serve.configure(service_name="metered", endpoint=collector.grpc_endpoint,
+                                       schedule_delay_ms=100, metric_export_interval_ms=600_000,
+                                       set_global_providers=False)
+    pipeline = telemetry.pipeline
+    assert pipeline is not None and pipeline._helper is not None
+    return telemetry, pipeline, pipeline._helper
+
+
+def _wait_handed_over(helper: Any, records: int) -> None:
+    """Wait until the writer has handed ``records`` records in all to ``helper`` (it wakes every 500 ms)."""
+    deadline = time.monotonic() + 30
+    while helper.sent_records < records and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert helper.sent_records == records
+
+
+def _calls_in_metric(collector: Any) -> int:
+    """Calls in the store's ``rpc.server.call.duration`` (as the report counts them)."""
+    from zoomer_serve.report.calls import read_calls
+
+    con = duckdb.connect(str(collector.store_path), read_only=True)
+    try:
+        return sum(c.calls for c in read_calls(con).values())
+    finally:
+        con.close()
+
+
 def test_calls_a_killed_helper_aggregated_are_counted_missing_from_the_call_metric(collector):
     """C14, the calls: a real gRPC server's export helper process is killed (``kill -9``) after one export of the
     RPC metrics (30 calls) and holding 40 more calls it had aggregated but not exported in any metric export
@@ -273,24 +303,16 @@ def test_calls_a_killed_helper_aggregated_are_counted_missing_from_the_call_metr
     ``zoomer.exporter.call.dropped{error.type=helper_lost}``, and the report says so: calls sent = calls in the
     metric + calls counted missing, in the server's counters and in the store."""
     from zoomer_serve.report import build_report
-    from zoomer_serve.report.calls import read_calls
 
-    telemetry = zoomer_serve.configure(service_name="metered", endpoint=collector.grpc_endpoint,
-                                       schedule_delay_ms=100, metric_export_interval_ms=600_000,
-                                       set_global_providers=False)
-    pipeline = telemetry.pipeline
-    assert pipeline is not None and pipeline._helper is not None
-    helper = pipeline._helper
+    telemetry, pipeline, helper = _metered(collector)
     server, port = _serve(telemetry.recorder)
     try:
         _call_n(port, 30)
         assert pipeline.flush(30.0)  # the metrics export: the collector holds these 30 calls
         assert helper.counters["metric_records"] == 30
         _call_n(port, 40)
+        _wait_handed_over(helper, 70)
         deadline = time.monotonic() + 30
-        while helper.sent_records < 70 and time.monotonic() < deadline:
-            time.sleep(0.05)  # the writer handed them to the helper (it wakes every 500 ms)
-        assert helper.sent_records == 70
         os.kill(helper.pid, signal.SIGKILL)
         _call_n(port, 25)
         while pipeline.helper_pid in (None, helper.pid) and time.monotonic() < deadline:
@@ -301,11 +323,7 @@ def test_calls_a_killed_helper_aggregated_are_counted_missing_from_the_call_metr
     stats = zoomer_serve.shutdown()
     assert stats is not None and stats.helper_restarts == 1, stats
     collector.finish()
-    con = duckdb.connect(str(collector.store_path), read_only=True)
-    try:
-        in_metric = sum(c.calls for c in read_calls(con).values())
-    finally:
-        con.close()
+    in_metric = _calls_in_metric(collector)
     dropped = _calls_dropped(collector)
     sent = 95
     note("C14", "calls of a killed export helper, in the metric or counted missing", sent, in_metric,
@@ -324,23 +342,13 @@ def test_calls_of_a_helper_killed_just_before_shutdown_are_counted_missing(colle
     exported in a metric export, and the server shuts down without writing to it again. Those calls are counted
     missing from the RPC metrics at shutdown (and logged); the store's metric holds the 30 of the export before:
     30 + 20 = the 50 calls sent."""
-    from zoomer_serve.report.calls import read_calls
-
-    telemetry = zoomer_serve.configure(service_name="metered", endpoint=collector.grpc_endpoint,
-                                       schedule_delay_ms=100, metric_export_interval_ms=600_000,
-                                       set_global_providers=False)
-    pipeline = telemetry.pipeline
-    assert pipeline is not None and pipeline._helper is not None
-    helper = pipeline._helper
+    telemetry, pipeline, helper = _metered(collector)
     server, port = _serve(telemetry.recorder)
     try:
         _call_n(port, 30)
         assert pipeline.flush(30.0)
         _call_n(port, 20)
-        deadline = time.monotonic() + 30
-        while helper.sent_records < 50 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert helper.sent_records == 50
+        _wait_handed_over(helper, 50)
         os.kill(helper.pid, signal.SIGKILL)
     finally:
         server.stop(None)
@@ -350,11 +358,7 @@ def test_calls_of_a_helper_killed_just_before_shutdown_are_counted_missing(colle
          unit="calls")
     assert stats.records_lost_in_helper == 20, stats
     collector.finish()
-    con = duckdb.connect(str(collector.store_path), read_only=True)
-    try:
-        assert sum(c.calls for c in read_calls(con).values()) == 30
-    finally:
-        con.close()
+    assert _calls_in_metric(collector) == 30
 
 
 def test_a_helper_reports_its_exports_without_being_asked_so_killing_it_after_counts_nothing_lost(collector):
