@@ -265,10 +265,11 @@ def _calls_dropped(collector: Any) -> dict[str, int]:
 
 
 def _metered(collector: Any) -> tuple[Any, Any, Any]:
-    """Telemetry exporting to ``collector`` whose RPC metrics go out only when flushed (a 600 s interval):
-    ``(telemetry, pipeline, helper)``, the helper process running."""
+    """Telemetry exporting to ``collector`` whose spans and RPC metrics go out only when flushed (600 s
+    schedule delay and interval: a killed helper takes both with it, and the report cannot count its calls by their
+    spans either): ``(telemetry, pipeline, helper)``, the helper process running."""
     telemetry = zoomer_serve.configure(service_name="metered", endpoint=collector.grpc_endpoint,
-                                       schedule_delay_ms=100, metric_export_interval_ms=600_000,
+                                       schedule_delay_ms=600_000, metric_export_interval_ms=600_000,
                                        set_global_providers=False)
     pipeline = telemetry.pipeline
     assert pipeline is not None and pipeline._helper is not None
