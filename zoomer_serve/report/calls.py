@@ -73,12 +73,17 @@ class MethodCalls:
     status_counts: dict[str, int] = field(default_factory=dict)
 
 
+def _has_metric_points(con: duckdb.DuckDBPyConnection) -> bool:
+    """Whether the store has a ``metric_points`` table (a store written without metrics may have none)."""
+    tables = {row[0] for row in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    return "metric_points" in tables
+
+
 def read_calls(con: duckdb.DuckDBPyConnection) -> dict[tuple[str, str], MethodCalls]:
     """Per (``service.name``, method), the calls the store's ``rpc.server.call.duration`` points count (see the
     module docstring). Empty when the store has no ``metric_points`` table or no such points (metrics off, or
     data from another instrumentation). Raises ``duckdb.Error`` when the table has other columns."""
-    tables = {row[0] for row in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
-    if "metric_points" not in tables:
+    if not _has_metric_points(con):
         return {}
     out: dict[tuple[str, str], MethodCalls] = {}
     for service, method, status, is_error, calls in con.execute(_CALLS_SQL, [CALLS_METRIC]).fetchall():
@@ -167,9 +172,8 @@ def read_losses(con: duckdb.DuckDBPyConnection) -> ExportLosses:
     are cumulative over its life, across export helper processes (each restarted one exports the counts of those
     before it), so each process counts the largest of its series' last points. Empty when the store has no
     ``metric_points`` table. Raises ``duckdb.Error`` when the table has other columns."""
-    tables = {row[0] for row in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
     losses = ExportLosses()
-    if "metric_points" not in tables:
+    if not _has_metric_points(con):
         return losses
     for metric, error_type, value in con.execute(_LOSSES_SQL, [SPANS_LOST_METRIC, CALLS_LOST_METRIC]).fetchall():
         n = int(value or 0)
