@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ from zoomer_serve.export import frames
 from zoomer_serve.export.worker import SPAN_OUTCOMES
 
 READY_TIMEOUT_S = 30.0
+_ROOM_POLL_S = 0.5  # a blocking write looks this often whether the helper still runs
 LAST_LINES_TIMEOUT_S = 2.0
 """Seconds a helper that died is given for its last lines to be read (its stdout to reach its end)."""
 
@@ -46,6 +48,8 @@ class HelperProcess:
         """Why :meth:`launch_in_background` could not start the process; None otherwise."""
         self.sent_spans = 0
         self.sent_records = 0
+        self._out = bytearray()  # the rest of the last frame taken, which the pipe had no room for yet
+        self._nonblocking_fd = -1  # the stdin descriptor made non-blocking
 
     @property
     def pid(self) -> int | None:
@@ -166,17 +170,74 @@ class HelperProcess:
         proc = self._proc
         return proc is not None and proc.poll() is None and not self._eof
 
-    def send(self, frame: bytes) -> None:
-        """Write one frame.
+    def send(self, frame: bytes, block: bool = True, deadline: float | None = None) -> bool:
+        """Write one frame, after what is left of the frames before it (:attr:`pending_bytes`). The pipe is
+        non-blocking: ``block=False`` never waits; it returns False, the frame not taken, when the earlier
+        frames' rest still does not fit the pipe; a frame taken may be written in part, its rest kept to go
+        first next time. ``block=True`` waits until the pipe took everything (up to ``deadline``,
+        ``time.monotonic()``, when given) and returns True.
 
         Raises:
-            OSError: the helper is gone (a broken pipe) or was disowned.
+            OSError: the helper is gone (a broken pipe), was disowned, or exited while a write waited;
+                TimeoutError (an OSError) at ``deadline``.
         """
+        fd = self._stdin_fd()
+        if not self._push(fd, block, deadline):
+            return False
+        view = memoryview(frame)
+        written = _write_some(fd, view)
+        if written < len(view):
+            self._out = bytearray(view[written:])
+            if block:
+                self._push(fd, True, deadline)
+        return True
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of a frame taken by :meth:`send` that the pipe had no room for yet."""
+        return len(self._out)
+
+    def push(self, block: bool = False) -> bool:
+        """Write what is left of the last frame taken; unless ``block``, only as far as the pipe takes it without
+        waiting. True once nothing is left.
+
+        Raises:
+            OSError: the helper is gone (a broken pipe), was disowned, or exited while a write waited.
+        """
+        return self._push(self._stdin_fd(), block, None)
+
+    def _stdin_fd(self) -> int:
         proc = self._proc
         if proc is None or proc.stdin is None:
             raise OSError("no export helper")
-        proc.stdin.write(frame)
-        proc.stdin.flush()
+        fd = proc.stdin.fileno()
+        if fd != self._nonblocking_fd:
+            os.set_blocking(fd, False)
+            self._nonblocking_fd = fd
+        return fd
+
+    def _push(self, fd: int, block: bool, deadline: float | None) -> bool:
+        """Write :attr:`pending_bytes` to ``fd``; when ``block``, wait for room (see :meth:`send`)."""
+        out = self._out
+        while out:
+            written = _write_some(fd, out)
+            del out[:written]
+            if not out or written:
+                continue
+            if not block:
+                return False
+            self._wait_for_room(fd, deadline)
+        return True
+
+    def _wait_for_room(self, fd: int, deadline: float | None) -> None:
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError("the export helper took no frame before the deadline")
+        wait_s = _ROOM_POLL_S if deadline is None else min(_ROOM_POLL_S, max(0.0, deadline - time.monotonic()))
+        poller = select.poll()  # not select.select: a server's descriptors may pass FD_SETSIZE
+        poller.register(fd, select.POLLOUT)
+        poller.poll(wait_s * 1000)
+        if not self.alive():
+            raise BrokenPipeError("the export helper exited")
 
     def unreported_spans(self) -> int:
         """Spans written to the helper that its last counters do not account for (neither exported nor
@@ -218,7 +279,7 @@ class HelperProcess:
         try:
             if proc.stdin is not None:
                 budget_s = max(0.1, deadline - time.monotonic() - 0.5)  # leave it time to report and exit
-                proc.stdin.write(frames.encode(frames.SHUTDOWN, budget_s))
+                self.send(frames.encode(frames.SHUTDOWN, budget_s), deadline=deadline)
                 proc.stdin.close()
         except (OSError, ValueError):
             pass
@@ -263,3 +324,11 @@ class HelperProcess:
 
 
 _DISOWNED: list[subprocess.Popen[bytes]] = []
+
+
+def _write_some(fd: int, data: bytes | bytearray | memoryview) -> int:
+    """``os.write`` on a non-blocking descriptor: how many bytes the pipe took, 0 when it had no room."""
+    try:
+        return os.write(fd, data)
+    except BlockingIOError:
+        return 0

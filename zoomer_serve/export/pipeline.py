@@ -28,8 +28,11 @@ taking the queue, pickles what it
 takes into full frames and holds them in a buffer until the helper says it is ready, then writes them, oldest
 first. It writes no further ahead than half the helper's own queue (:func:`~zoomer_serve.export.worker.
 queue_batches` frames of 128 records) past what the helper last reported having taken (its ``progress`` lines),
-so that the helper does not drop a burst; what is ahead waits in the buffer too. A flush, a signal's hand-off
-and the shutdown write everything. The buffer is bounded by :data:`BUFFER_BYTES`: records past it are dropped
+so that the helper does not drop a burst; what is ahead waits in the buffer too. Nor does the writer wait for the
+pipe: it is non-blocking, and a frame it has no room for (a helper starved of CPU reads nothing for a while) waits
+in the buffer as well (a blocking write stalled the writer while the queue filled: a CI run of a pre-forked
+server under full load on 2 vCPUs lost 582 spans as a full queue). A flush, a signal's hand-off and the shutdown
+write everything, waiting for the pipe. The buffer is bounded by :data:`BUFFER_BYTES`: records past it are dropped
 and counted as a full queue (``dropped``), and logged once. A helper that does not say it is ready within
 :data:`~zoomer_serve.export.helper_process.READY_TIMEOUT_S` is killed, and what the buffer held for it is
 counted the same way. A configured parent waits for its helper before serving instead (see
@@ -212,7 +215,9 @@ class ExportPipeline:
             return
         q = self._queue
         if not q:
-            if self._starting is not None or self._held or self._held_tail:
+            helper = self._helper
+            if (self._starting is not None or self._held or self._held_tail
+                    or (helper is not None and helper.pending_bytes)):
                 self._send_to_helper([], 0, force)  # what the buffer holds, once the helper takes it
             return
         batch = []
@@ -235,7 +240,8 @@ class ExportPipeline:
 
     def _send_to_helper(self, batch: list[tuple[Any, ...]], spans: int, force: bool = False) -> None:
         """Write ``batch`` to the helper process, after what the buffer holds; hold it instead while the helper
-        starts, or while it is behind (unless ``force``: a flush, a hand-off, the shutdown)."""
+        starts, while it is behind, or while its pipe is full (unless ``force``: a flush, a hand-off, the
+        shutdown, which wait for the pipe)."""
         helper = self._live_helper()
         if helper is None:
             if self._starting is not None:
@@ -243,27 +249,47 @@ class ExportPipeline:
             else:
                 self._lose(spans, len(batch))
             return
-        if not (self._held or self._held_tail) and (force or not self._behind(helper)):
-            self._write(helper, self._frames(batch), spans, len(batch))
+        if (not (self._held or self._held_tail or helper.pending_bytes)
+                and (force or not self._behind(helper))):
+            self._write(helper, self._frames(batch), spans, len(batch), block=force)
             return
         self._hold(batch)
         self._release_held(helper, force)
 
     def _write(self, helper: HelperProcess, frame_list: Iterable[tuple[bytes, int, int]], spans: int,
-               records: int) -> bool:
-        """Write ``(frame, spans, records)`` frames to ``helper``, in all ``spans`` and ``records``; False when it
-        is gone (what was not written is counted as lost)."""
-        for frame, frame_spans, frame_records in frame_list:
+               records: int, block: bool = True) -> bool:
+        """Write ``(frame, spans, records)`` frames to ``helper``, in all ``spans`` and ``records``; unless
+        ``block``, the frames its pipe has no room for go to the buffer (in order, after what it holds). False when
+        the helper is gone (what was not written is counted as lost)."""
+        frame_iter = iter(frame_list)
+        for item in frame_iter:
             try:
-                helper.send(frame)
+                taken = self._send_frame(helper, item, block)
             except (OSError, ValueError) as exc:
                 self._lose(spans, records)
                 self._helper_gone(helper, exc)
                 return False
-            helper.sent_spans += frame_spans
-            helper.sent_records += frame_records
-            spans -= frame_spans
-            records -= frame_records
+            if not taken:
+                for rest in itertools.chain([item], frame_iter):
+                    self._keep(rest)
+                return True
+            spans -= item[1]
+            records -= item[2]
+        return True
+
+    @staticmethod
+    def _send_frame(helper: HelperProcess, item: tuple[bytes, int, int], block: bool) -> bool:
+        """Write one ``(frame, spans, records)`` to ``helper`` (counted in its ``sent_*``); False when its pipe has
+        no room and ``block`` is False (the writer thread never waits for the helper: the queue would fill).
+
+        Raises:
+            OSError, ValueError: the helper is gone.
+        """
+        frame, spans, records = item
+        if not helper.send(frame, block):
+            return False
+        helper.sent_spans += spans
+        helper.sent_records += records
         return True
 
     def _live_helper(self) -> HelperProcess | None:
@@ -332,13 +358,19 @@ class ExportPipeline:
         records = self._held_tail + batch
         full = len(records) - len(records) % _FRAME_RECORDS
         self._held_tail = records[full:]
-        for frame, spans, n in self._frames(records[:full]):
-            if self._held_bytes + len(frame) > BUFFER_BYTES:
-                self._lose(spans, n)
-                self._log_buffer_full()
-                continue
-            self._held.append((frame, spans, n))
-            self._held_bytes += len(frame)
+        for item in self._frames(records[:full]):
+            self._keep(item)
+
+    def _keep(self, item: tuple[bytes, int, int]) -> None:
+        """Append one ``(frame, spans, records)`` to the buffer; past :data:`BUFFER_BYTES` it is dropped and
+        counted."""
+        frame, spans, n = item
+        if self._held_bytes + len(frame) > BUFFER_BYTES:
+            self._lose(spans, n)
+            self._log_buffer_full()
+            return
+        self._held.append(item)
+        self._held_bytes += len(frame)
 
     def _log_buffer_full(self) -> None:
         if not self._logged_buffer_full:
@@ -348,21 +380,27 @@ class ExportPipeline:
                            "still starting" if self._starting is not None else "behind", self._held_bytes)
 
     def _release_held(self, helper: HelperProcess, force: bool) -> None:
-        """Write what the buffer holds to ``helper``, oldest first, as long as it is not behind (all of it when
-        ``force``); once the buffer is empty, the loss counters as they are now (each held frame carries those of
-        when it was made). A helper that is gone leaves the rest held, for the next one."""
+        """Write what the buffer holds to ``helper``, oldest first, as long as it is not behind and its pipe has
+        room (all of it, waiting for the pipe, when ``force``); once the buffer is empty, the loss counters as
+        they are now (each held frame carries those of when it was made). A helper that is gone leaves the rest
+        held, for the next one."""
         held = self._held
-        while held and (force or not self._behind(helper)):
-            frame, spans, n = held.popleft()
-            self._held_bytes -= len(frame)
-            if not self._write(helper, [(frame, spans, n)], spans, n):
+        try:
+            if not helper.push(force):
                 return
+            while held and (force or not self._behind(helper)):
+                if not self._send_frame(helper, held[0], force):
+                    return
+                self._held_bytes -= len(held.popleft()[0])
+        except (OSError, ValueError) as exc:  # no byte of the frame at the head was written: it stays held
+            self._helper_gone(helper, exc)
+            return
         if held or (not force and self._behind(helper)):
             return
         tail, self._held_tail = self._held_tail, []
         counters = (frames.encode(frames.RECORDS, (self._counters(), [])), 0, 0)
         self._write(helper, itertools.chain(self._frames(tail), [counters]), sum(map(r.exported_spans, tail)),
-                    len(tail))
+                    len(tail), block=force)
 
     def _lose_held(self) -> tuple[int, int]:
         """Count what the buffer holds as lost and empty it; returns its (spans, records)."""
