@@ -336,3 +336,30 @@ def test_calls_and_spans_lost_on_a_full_queue_are_counted_and_the_report_and_ana
     assert args.func(args) == 0
     terminal = " ".join(capsys.readouterr().out.split())
     assert f"note: {calls_note}" in terminal and f"note: {spans_note}" in terminal
+
+
+def test_a_store_that_holds_only_lost_calls_says_so_beside_no_requests_recorded(tmp_path):
+    """A store whose processes lost every call on the way (here a process's exporter counted 12 calls dropped on
+    a full queue, and 12 spans; the store holds those counters and no call nor span). The report printed "no
+    requests recorded" and stopped there: nothing said that calls had been made and lost. Now it says so, as
+    for a store with requests, but without "the counts above" (there are none); ``report --json`` and
+    ``analyze --store`` give the same counts."""
+    with running_collector(tmp_path) as collector:
+        exporter = OTLPMetricExporter(endpoint=f"127.0.0.1:{collector.grpc_port}", insecure=True)
+        provider = MeterProvider(metric_readers=[PeriodicExportingMetricReader(
+            exporter, export_interval_millis=3_600_000)], resource=Resource.create({"service.name": "svc"}))
+        meter = provider.get_meter("zoomer_serve")
+        meter.create_counter("zoomer.exporter.call.dropped", unit="{call}").add(12, {"error.type": "queue_full"})
+        meter.create_counter("otel.sdk.exporter.span.exported", unit="{span}").add(12, {"error.type": "queue_full"})
+        provider.shutdown()
+
+    report = build_report(tmp_path / "store.duckdb")
+    assert report.empty and report.total_requests == 0
+    assert report.export_losses.calls == {"queue_full": 12} and report.export_losses.spans == {"queue_full": 12}
+    calls_note = f"12 calls are missing from {DURATION} (a full export queue: 12; zoomer.exporter.call.dropped)"
+    assert report.notes[0] == calls_note, report.notes
+    text = _text(report)
+    assert text.splitlines()[0] == "no requests recorded"
+    assert f"note: {calls_note}" in text and "note: 12 spans were lost on the way to the store" in text
+    doc = analyze([], tmp_path / "store.duckdb").to_dict()
+    assert doc["store"]["notes"] == report.notes

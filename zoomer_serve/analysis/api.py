@@ -23,7 +23,6 @@ from zoomer_serve.analysis.timeline import (
     request_gpu_time,
 )
 from zoomer_serve.analysis.trace_detectors import detect_trace
-from zoomer_serve.report.calls import loss_notes
 
 if TYPE_CHECKING:
     from zoomer_serve.analysis.store import StoreData
@@ -61,13 +60,16 @@ class AnalysisResult:
 
     def to_dict(self, rows: int | None = None) -> dict[str, Any]:
         """JSON-ready: findings, and each table with every row (at most ``rows`` when given)."""
+        from zoomer_serve.analysis.store import store_loss_notes
+
         return {
             "findings": [f.to_dict() for f in self.findings],
             "traces": [{"summary": r.trace.summary(), "tables": {k: t.to_dict(rows) for k, t in r.tables.items()}}
                        for r in self.traces],
             "store": None if self.store is None else {
                 "path": str(self.store.path), **self._store_counts(),
-                "export_losses": asdict(self.store.losses), "notes": loss_notes(self.store.losses),
+                "export_losses": asdict(self.store.losses),
+                "notes": store_loss_notes(self.store.losses, self.store_tables.get("request_percentiles")),
                 "tables": {k: t.to_dict(rows) for k, t in self.store_tables.items()}},
             "collectives": {k: t.to_dict(rows) for k, t in self.collective_tables.items()} or None,
         }

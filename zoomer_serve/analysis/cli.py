@@ -30,12 +30,11 @@ from zoomer_serve.analysis.render import (
     render_findings,
     rich_table,
 )
-from zoomer_serve.analysis.store import StoreAnalysisError, requests_note
+from zoomer_serve.analysis.store import StoreAnalysisError, requests_note, store_loss_notes
 from zoomer_serve.cli_output import TableOutput, add_format_option
 from zoomer_serve.cli_paths import output_problem
 from zoomer_serve.cli_types import INT32_MAX, int_between
 from zoomer_serve.collector.store import default_store_path
-from zoomer_serve.report.calls import loss_notes
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -278,7 +277,7 @@ def render_summary(result: AnalysisResult, console: Console | TableOutput, rows:
         shown.caption = requests_note(requests) + more
         shown.caption_justify = "left"
         console.print(shown)
-        for note in loss_notes(result.store.losses):
+        for note in store_loss_notes(result.store.losses, requests):
             console.print(Text(f"note: {note}"))
     console.rule(Text("findings"))
     render_findings(result.findings, console)

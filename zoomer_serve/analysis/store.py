@@ -33,7 +33,14 @@ from zoomer_serve.artifacts.storage import StorageError
 from zoomer_serve.batching.names import QUEUE_PHASE
 from zoomer_serve.collector.parquet import open_source
 from zoomer_serve.collector.store import StoreError
-from zoomer_serve.report.calls import MethodCalls, RequestCounts, read_calls, read_losses, request_counts
+from zoomer_serve.report.calls import (
+    MethodCalls,
+    RequestCounts,
+    loss_notes,
+    read_calls,
+    read_losses,
+    request_counts,
+)
 from zoomer_serve.report.model import COUNTS_FROM_METRIC, COUNTS_FROM_SPANS, ExportLosses
 from zoomer_serve.semconv import error_sql, method_sql, status_sql
 
@@ -495,6 +502,14 @@ def request_totals(table: Table) -> tuple[int, int, int]:
     if not len(table):
         return 0, 0, 0
     return int(table["count"].sum()), int(table["errors"].sum()), int(table["spans"].sum())
+
+
+def store_loss_notes(losses: ExportLosses, table: Table | None) -> list[str]:
+    """The notes on what was lost on the way to the store (:func:`~zoomer_serve.report.calls.loss_notes`), for the
+    Requests table ``table`` (:func:`request_percentiles`; None when there is none): calls missing from the metric
+    are said to be missing from its counts only where every row is counted by the metric."""
+    sources = set(table["counts_from"].tolist()) if table is not None and len(table) else set()
+    return loss_notes(losses, counted_by_metric=sources == {COUNTS_FROM_METRIC})
 
 
 def requests_note(table: Table) -> str:

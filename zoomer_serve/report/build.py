@@ -282,6 +282,6 @@ def build_report(store_path: str | os.PathLike[str], slowest: int = 10) -> Repor
         span_sample_ratio=ratio,
         notes=[note for (service, method), c in sorted(calls.items())
                if (note := short_metric(service, method, c, _spans(rows.get((service, method))))) is not None]
-        + loss_notes(losses),
+        + loss_notes(losses, counted_by_metric=counts_from == COUNTS_FROM_METRIC),
         export_losses=losses,
     )

@@ -187,11 +187,15 @@ _WHY = {"queue_full": "a full export queue", "too_large": "too large to export",
         "rejected": "rejected by the collector"}
 
 
-def loss_notes(losses: ExportLosses) -> list[str]:
-    """The notes the report and the store analysis print for non-zero export losses: how many and why."""
+def loss_notes(losses: ExportLosses, counted_by_metric: bool = True) -> list[str]:
+    """The notes the report and the store analysis print for non-zero export losses: how many and why.
+    ``counted_by_metric``: the request counts shown are every method's ``rpc.server.call.duration`` calls, so the
+    calls missing from the metric are missing from them too (the note says so); where some are counted by their
+    SERVER spans instead, a call missing from the metric may still have its span there."""
     notes = []
     if losses.calls_missing:
-        notes.append(f"{losses.calls_missing} calls are missing from {CALLS_METRIC} and the counts above "
+        counts = " and the counts above" if counted_by_metric else ""
+        notes.append(f"{losses.calls_missing} calls are missing from {CALLS_METRIC}{counts} "
                      f"({_reasons(losses.calls)}; {CALLS_LOST_METRIC})")
     if losses.spans_lost:
         notes.append(f"{losses.spans_lost} spans were lost on the way to the store ({_reasons(losses.spans)}; "

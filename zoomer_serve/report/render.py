@@ -183,12 +183,15 @@ def next_steps(store_path: str) -> list[str]:
 
 def render_report(report: Report, console: Any) -> None:
     """Print ``report`` to ``console`` (a rich Console, or a :class:`~zoomer_serve.cli_output.TableOutput`):
-    "no requests recorded" when empty, else a header line and the tables. The header gives the request
+    "no requests recorded" when empty (with its notes: calls and spans lost on the way), else a header line, the
+    notes and the tables. The header gives the request
     count, the window, where the counts come from (the ``rpc.server.call.duration`` metric or the spans) and how
     many spans the latency figures rest on (a sample, with the ratio seen, when fewer than the calls); per-method
     rates are only given for windows of at least 1 s (see :data:`~zoomer_serve.report.build.MIN_RATE_WINDOW_S`)."""
     if report.empty:
         console.print(NO_REQUESTS)
+        for note in report.notes:  # what was lost on the way, when that is why the store holds no request
+            console.print(Text(f"note: {note}"))
         return
     window_s = ((report.window_end_ns or 0) - (report.window_start_ns or 0)) / 1e9
     header = Text.assemble((str(report.total_requests), "bold"), " requests, ",
