@@ -363,3 +363,41 @@ def test_a_store_that_holds_only_lost_calls_says_so_beside_no_requests_recorded(
     assert f"note: {calls_note}" in text and "note: 12 spans were lost on the way to the store" in text
     doc = analyze([], tmp_path / "store.duckdb").to_dict()
     assert doc["store"]["notes"] == report.notes
+
+
+def test_spans_made_with_the_opentelemetry_api_that_are_dropped_are_no_calls_missing(collector, monkeypatch):
+    """The same full queue (``OTEL_BSP_MAX_QUEUE_SIZE=4``, 8 client threads), with a handler that makes a span of
+    its own with the OpenTelemetry API in every call (``user.work``): a second record per call, a span and no call.
+    The server counted every record it dropped as a call missing from ``rpc.server.call.duration``: of 1200 calls,
+    124 in the metric and 2151 counted missing. Now only request records count as calls: calls sent = calls in the
+    metric + calls counted missing (server counters and store), and spans sent (two per call) = spans stored +
+    spans counted lost."""
+    telemetry = _configure(collector, monkeypatch, OTEL_BSP_MAX_QUEUE_SIZE="4", OTEL_BSP_MAX_EXPORT_BATCH_SIZE="2")
+    monkeypatch.setattr(grpc_echo, "_TRACER_PROVIDER", [telemetry.tracer_provider])
+    server, target = grpc_echo.start_server([ZoomerServerInterceptor(server_address="127.0.0.1")])
+    per_thread = 150
+
+    def load() -> None:
+        client = grpc_echo.Client(target)
+        try:
+            for _ in range(per_thread):
+                assert client.unary(b"user_span") == b"ok"
+        finally:
+            client.close()
+
+    clients = [threading.Thread(target=load) for _ in range(8)]
+    try:
+        for t in clients:
+            t.start()
+        for t in clients:
+            t.join()
+    finally:
+        server.stop(None)
+    sent = 8 * per_thread
+    stats = zoomer_serve.shutdown()
+    assert stats is not None and stats.dropped_records > stats.dropped_calls > 0, stats  # both kinds were dropped
+    stored = len(collector.spans())  # (the collector stops: its store can be read)
+    report = build_report(collector.store_path)
+    assert report.export_losses.calls == {"queue_full": stats.dropped_calls}, (report.export_losses, stats)
+    assert report.total_requests + stats.dropped_calls == sent, (report.total_requests, stats)
+    assert stored + stats.dropped_queue == 2 * sent, (stored, stats)

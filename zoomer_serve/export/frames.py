@@ -6,8 +6,8 @@ A frame is a 4-byte big-endian payload length followed by a pickled ``(kind, bod
   server side's loss counters so far (``{"queue_full": spans, "helper_lost": spans, "too_large": spans}``, and
   ``exported`` / ``rejected`` / ``export_failed``: those of the helpers that died before this one), cumulative,
   reported by the helper in ``otel.sdk.exporter.span.exported``; and ``calls_queue_full``,
-  ``calls_too_large``, ``calls_helper_lost``: records whose calls are missing from the RPC metrics, reported in
-  ``zoomer.exporter.call.dropped``);
+  ``calls_too_large``, ``calls_helper_lost``: calls (request records; a span made with the OpenTelemetry API is
+  none) missing from the RPC metrics, reported in ``zoomer.exporter.call.dropped``);
 - ``(FLUSH, (seq, metrics))``: export everything received so far now (the RPC metrics too when ``metrics``);
   the helper answers ``{"event": "flushed", "seq": seq, "ok": bool}`` on stdout once it has been sent (or
   failed; ``ok``: whether the flush succeeded, :meth:`~zoomer_serve.export.worker.ExportWorker.flush`);

@@ -48,6 +48,7 @@ class HelperProcess:
         """Why :meth:`launch_in_background` could not start the process; None otherwise."""
         self.sent_spans = 0
         self.sent_records = 0
+        self.sent_calls = 0  # of sent_records, the calls (request records)
         self._out = bytearray()  # the rest of the last frame taken, which the pipe had no room for yet
         self._nonblocking_fd = -1  # the stdin descriptor made non-blocking
 
@@ -261,13 +262,13 @@ class HelperProcess:
         return unreported - in_flight, in_flight
 
     def calls_missing_from_metrics(self) -> int:
-        """Of the records written to a helper that is gone (:attr:`sent_records`), those whose calls are in no RPC
-        metric export it reported accepted (``metric_records`` of its last line) and that it did not report dropped
-        (``dropped_records``, counted with its other counters): their calls are missing from the RPC metrics.
-        Call after :meth:`taken_spans` (which reads its lines to the end)."""
+        """Of the calls written to a helper that is gone (:attr:`sent_calls`), those in no RPC metric export it
+        reported accepted (``metric_calls`` of its last line) and that it did not report dropped
+        (``dropped_calls``, counted with its other counters): they are missing from the RPC metrics. Call after
+        :meth:`taken_spans` (which reads its lines to the end)."""
         c = self.counters
-        covered = int(c.get("metric_records", 0)) + int(c.get("dropped_records", 0))
-        return max(0, self.sent_records - covered)
+        covered = int(c.get("metric_calls", 0)) + int(c.get("dropped_calls", 0))
+        return max(0, self.sent_calls - covered)
 
     def stop(self, deadline: float) -> dict[str, Any] | None:
         """Ask for the final flush (budget: up to ``deadline``, ``time.monotonic()``), close its stdin and wait

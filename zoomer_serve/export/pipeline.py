@@ -59,7 +59,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
-from typing import Any
+from typing import Any, NamedTuple
 
 from zoomer_serve.config import ExportConfig, SpanLimits
 from zoomer_serve.export import frames, rpc_metrics
@@ -74,6 +74,16 @@ RESTART_BACKOFF_S = 5.0
 """Least time between two starts of a helper process after one died (seconds)."""
 BUFFER_BYTES = 32 * 1024 * 1024
 """Most bytes of pickled records held while the helper process starts or is behind (see the module docstring)."""
+
+
+class _Frame(NamedTuple):
+    """One frame for the helper process and what it carries: sampled ``spans``, ``records``, and ``calls`` (request
+    records, each one call in the RPC metrics; the other records are spans only)."""
+
+    data: bytes
+    spans: int
+    records: int
+    calls: int
 
 
 class ExportPipeline:
@@ -96,7 +106,8 @@ class ExportPipeline:
         self.version = version
         self.limits = limits or SpanLimits()
         self.dropped = 0  # sampled spans dropped on the server side (queue full or worker gone)
-        self.dropped_records = 0  # records dropped there, sampled or not (their calls miss the RPC metrics)
+        self.dropped_records = 0  # records dropped there, sampled or not
+        self.dropped_calls = 0  # of those, calls (request records: they miss the RPC metrics), too large ones apart
         self.submitted = 0  # sampled spans handed to the worker
         self._moved_records = 0  # records taken from the queue (for the worker, or lost on the way)
         self.dropped_record_too_large = 0  # sampled spans of records too large for any frame
@@ -105,6 +116,7 @@ class ExportPipeline:
         self.unknown_in_helper = 0  # sampled spans that a helper which died may have sent (not reported)
         self.records_lost_in_helper = 0  # records written to a helper that died, their calls in no metric export
         self.records_too_large = 0  # records too large for any frame (of dropped_records)
+        self.calls_too_large = 0  # of those, calls
         self._gone_stats = ExportStats()  # the last counters of the helpers that died (their exports, ...)
         self.helper_restarts = 0
         self.records_after_close = 0  # records submitted once shutdown began (by the default after_close)
@@ -121,8 +133,8 @@ class ExportPipeline:
         self._helper: HelperProcess | None = None  # the helper that takes frames
         self._starting: HelperProcess | None = None  # one started, not ready yet
         self._ready_by = 0.0  # time.monotonic() by which it must be ready
-        # the buffer: frames held while the helper starts or is behind, (frame, spans, records), oldest first
-        self._held: collections.deque[tuple[bytes, int, int]] = collections.deque()
+        # the buffer: frames held while the helper starts or is behind, oldest first
+        self._held: collections.deque[_Frame] = collections.deque()
         self._held_bytes = 0
         self._held_tail: list[tuple[Any, ...]] = []  # records held, fewer than a frame's
         self._helper_room = queue_batches(cfg) * _FRAME_RECORDS // 2  # records the helper may be behind by
@@ -148,6 +160,8 @@ class ExportPipeline:
         if n >= self._max:
             self.dropped += r.exported_spans(record)
             self.dropped_records += 1
+            if record[r.R_FLAGS] & r.F_REQUEST:
+                self.dropped_calls += 1
             return
         q.append(record)
         if n == self._wake_at:
@@ -236,7 +250,7 @@ class ExportPipeline:
         elif self.cfg.mode == "process":
             self._send_to_helper(batch, spans, force)
         else:
-            self._lose(spans, len(batch))
+            self._lose(spans, len(batch), r.count_calls(batch))
 
     def _send_to_helper(self, batch: list[tuple[Any, ...]], spans: int, force: bool = False) -> None:
         """Write ``batch`` to the helper process, after what the buffer holds; hold it instead while the helper
@@ -247,49 +261,47 @@ class ExportPipeline:
             if self._starting is not None:
                 self._hold(batch)
             else:
-                self._lose(spans, len(batch))
+                self._lose(spans, len(batch), r.count_calls(batch))
             return
         if (not (self._held or self._held_tail or helper.pending_bytes)
                 and (force or not self._behind(helper))):
-            self._write(helper, self._frames(batch), spans, len(batch), block=force)
+            self._write(helper, self._frames(batch), block=force)
             return
         self._hold(batch)
         self._release_held(helper, force)
 
-    def _write(self, helper: HelperProcess, frame_list: Iterable[tuple[bytes, int, int]], spans: int,
-               records: int, block: bool = True) -> bool:
-        """Write ``(frame, spans, records)`` frames to ``helper``, in all ``spans`` and ``records``; unless
-        ``block``, the frames its pipe has no room for go to the buffer (in order, after what it holds). False when
-        the helper is gone (what was not written is counted as lost)."""
+    def _write(self, helper: HelperProcess, frame_list: Iterable[_Frame], block: bool = True) -> bool:
+        """Write ``frame_list`` to ``helper``; unless ``block``, the frames its pipe has no room for go to the buffer
+        (in order, after what it holds). False when the helper is gone (the frames not written are counted as
+        lost)."""
         frame_iter = iter(frame_list)
-        for item in frame_iter:
+        for frame in frame_iter:
             try:
-                taken = self._send_frame(helper, item, block)
+                taken = self._send_frame(helper, frame, block)
             except (OSError, ValueError) as exc:
-                self._lose(spans, records)
+                for lost in itertools.chain([frame], frame_iter):
+                    self._lose(lost.spans, lost.records, lost.calls)
                 self._helper_gone(helper, exc)
                 return False
             if not taken:
-                for rest in itertools.chain([item], frame_iter):
+                for rest in itertools.chain([frame], frame_iter):
                     self._keep(rest)
                 return True
-            spans -= item[1]
-            records -= item[2]
         return True
 
     @staticmethod
-    def _send_frame(helper: HelperProcess, item: tuple[bytes, int, int], block: bool) -> bool:
-        """Write one ``(frame, spans, records)`` to ``helper`` (counted in its ``sent_*``); False when its pipe has
-        no room and ``block`` is False (the writer thread never waits for the helper: the queue would fill).
+    def _send_frame(helper: HelperProcess, frame: _Frame, block: bool) -> bool:
+        """Write one frame to ``helper`` (counted in its ``sent_*``); False when its pipe has no room and ``block``
+        is False (the writer thread never waits for the helper: the queue would fill).
 
         Raises:
             OSError, ValueError: the helper is gone.
         """
-        frame, spans, records = item
-        if not helper.send(frame, block):
+        if not helper.send(frame.data, block):
             return False
-        helper.sent_spans += spans
-        helper.sent_records += records
+        helper.sent_spans += frame.spans
+        helper.sent_records += frame.records
+        helper.sent_calls += frame.calls
         return True
 
     def _live_helper(self) -> HelperProcess | None:
@@ -361,16 +373,14 @@ class ExportPipeline:
         for item in self._frames(records[:full]):
             self._keep(item)
 
-    def _keep(self, item: tuple[bytes, int, int]) -> None:
-        """Append one ``(frame, spans, records)`` to the buffer; past :data:`BUFFER_BYTES` it is dropped and
-        counted."""
-        frame, spans, n = item
-        if self._held_bytes + len(frame) > BUFFER_BYTES:
-            self._lose(spans, n)
+    def _keep(self, frame: _Frame) -> None:
+        """Append one frame to the buffer; past :data:`BUFFER_BYTES` it is dropped and counted."""
+        if self._held_bytes + len(frame.data) > BUFFER_BYTES:
+            self._lose(frame.spans, frame.records, frame.calls)
             self._log_buffer_full()
             return
-        self._held.append(item)
-        self._held_bytes += len(frame)
+        self._held.append(frame)
+        self._held_bytes += len(frame.data)
 
     def _log_buffer_full(self) -> None:
         if not self._logged_buffer_full:
@@ -391,24 +401,23 @@ class ExportPipeline:
             while held and (force or not self._behind(helper)):
                 if not self._send_frame(helper, held[0], force):
                     return
-                self._held_bytes -= len(held.popleft()[0])
+                self._held_bytes -= len(held.popleft().data)
         except (OSError, ValueError) as exc:  # no byte of the frame at the head was written: it stays held
             self._helper_gone(helper, exc)
             return
         if held or (not force and self._behind(helper)):
             return
         tail, self._held_tail = self._held_tail, []
-        counters = (frames.encode(frames.RECORDS, (self._counters(), [])), 0, 0)
-        self._write(helper, itertools.chain(self._frames(tail), [counters]), sum(map(r.exported_spans, tail)),
-                    len(tail), block=force)
+        counters = _Frame(frames.encode(frames.RECORDS, (self._counters(), [])), 0, 0, 0)
+        self._write(helper, itertools.chain(self._frames(tail), [counters]), block=force)
 
     def _lose_held(self) -> tuple[int, int]:
         """Count what the buffer holds as lost and empty it; returns its (spans, records)."""
         held, tail = self._held, self._held_tail
         self._held, self._held_tail, self._held_bytes = collections.deque(), [], 0
-        spans = sum(s for _, s, _ in held) + sum(map(r.exported_spans, tail))
-        records = sum(n for _, _, n in held) + len(tail)
-        self._lose(spans, records)
+        spans = sum(f.spans for f in held) + sum(map(r.exported_spans, tail))
+        records = sum(f.records for f in held) + len(tail)
+        self._lose(spans, records, sum(f.calls for f in held) + r.count_calls(tail))
         return spans, records
 
     def _await_helper(self, deadline: float) -> None:
@@ -439,10 +448,11 @@ class ExportPipeline:
     def _count_after_close(self, record: tuple[Any, ...]) -> None:
         self.records_after_close += 1
 
-    def _lose(self, spans: int, records: int) -> None:
-        """Count a batch that will not reach the worker: its sampled spans and its records."""
+    def _lose(self, spans: int, records: int, calls: int) -> None:
+        """Count a batch that will not reach the worker: its sampled spans, its records and its calls."""
         self.dropped += spans
         self.dropped_records += records
+        self.dropped_calls += calls
 
     def _counters(self) -> dict[str, int]:
         """The server side's loss counters that the helper reports with its own (see frames.RECORDS), with those of
@@ -452,21 +462,21 @@ class ExportPipeline:
                 "too_large": self.dropped_record_too_large + gone.dropped_too_large,
                 "helper_lost": self.lost_in_helper, "exported": gone.exported, "rejected": gone.dropped_rejected,
                 "export_failed": gone.dropped_export - gone.dropped_rejected - gone.dropped_too_large,
-                "calls_queue_full": self.dropped_records - self.records_too_large + self._gone_stats.dropped_records,
-                "calls_too_large": self.records_too_large, "calls_helper_lost": self.records_lost_in_helper}
+                "calls_queue_full": self.dropped_calls + gone.dropped_calls,
+                "calls_too_large": self.calls_too_large, "calls_helper_lost": self.records_lost_in_helper}
 
-    def _frames(self, batch: list[tuple[Any, ...]]) -> Iterator[tuple[bytes, int, int]]:
-        """The helper's frames for ``batch``, made one at a time, as ``(frame, spans, records)``: at most
+    def _frames(self, batch: list[tuple[Any, ...]]) -> Iterator[_Frame]:
+        """The helper's frames for ``batch``, made one at a time: at most
         :data:`_FRAME_RECORDS` records and :data:`~zoomer_serve.export.frames.MAX_FRAME_BYTES` bytes each. A
         chunk whose pickle is too large is split in halves; a single record too large goes as :meth:`_too_large`
         says."""
         for i in range(0, len(batch), _FRAME_RECORDS):
             yield from self._bounded_frames(batch[i:i + _FRAME_RECORDS])
 
-    def _bounded_frames(self, chunk: list[tuple[Any, ...]]) -> Iterator[tuple[bytes, int, int]]:
+    def _bounded_frames(self, chunk: list[tuple[Any, ...]]) -> Iterator[_Frame]:
         payload = frames.pickled(frames.RECORDS, (self._counters(), chunk))
         if len(payload) <= frames.MAX_FRAME_BYTES:
-            yield frames.framed(payload), sum(map(r.exported_spans, chunk)), len(chunk)
+            yield _Frame(frames.framed(payload), sum(map(r.exported_spans, chunk)), len(chunk), r.count_calls(chunk))
         elif len(chunk) > 1:
             mid = len(chunk) // 2
             yield from self._bounded_frames(chunk[:mid])
@@ -474,7 +484,7 @@ class ExportPipeline:
         else:
             yield from self._too_large(chunk[0], len(payload))
 
-    def _too_large(self, rec: tuple[Any, ...], size: int) -> Iterator[tuple[bytes, int, int]]:
+    def _too_large(self, rec: tuple[Any, ...], size: int) -> Iterator[_Frame]:
         """The frame for a record of ``size`` pickled bytes, too large for any frame: its spans are dropped and
         counted (``dropped_record_too_large``, reported as ``too_large``); a request record goes on reduced to what
         the RPC metrics read (:func:`~zoomer_serve.export.rpc_metrics.metrics_only`), so that its call still
@@ -488,8 +498,9 @@ class ExportPipeline:
         if rec[r.R_FLAGS] & r.F_REQUEST:
             payload = frames.pickled(frames.RECORDS, (self._counters(), [rpc_metrics.metrics_only(rec)]))
             if len(payload) <= frames.MAX_FRAME_BYTES:
-                yield frames.framed(payload), 0, 1
+                yield _Frame(frames.framed(payload), 0, 1, 1)
                 return
+            self.calls_too_large += 1
         self.dropped_records += 1
         self.records_too_large += 1
 
@@ -591,6 +602,7 @@ class ExportPipeline:
             stats = self._shut_down_helper(deadline)
         stats.dropped_queue += self.dropped
         stats.dropped_records += self.dropped_records
+        stats.dropped_calls += self.dropped_calls + self.calls_too_large
         stats.dropped_record_too_large += self.dropped_record_too_large
         _add_counters(stats, asdict(self._gone_stats))
         stats.lost_in_helper += self.lost_in_helper
@@ -653,8 +665,9 @@ def _log_losses(stats: ExportStats, endpoint: str) -> None:
                        stats.dropped_too_large + stats.dropped_record_too_large, stats.lost_in_helper,
                        stats.last_error)
     if stats.dropped_records:
-        logger.warning("zoomer-serve: %d records did not reach the exporter; their calls are missing from the RPC "
-                       "metrics (and their spans, when sampled, are counted above)", stats.dropped_records)
+        logger.warning("zoomer-serve: %d records did not reach the exporter; %d of them were calls, missing from the "
+                       "RPC metrics (their spans, when sampled, are counted above)", stats.dropped_records,
+                       stats.dropped_calls)
     if stats.records_lost_in_helper:
         logger.warning("zoomer-serve: %d calls are missing from the RPC metrics: an export helper process died "
                        "holding them before a metric export covered them (counted in zoomer.exporter.call.dropped, "

@@ -44,21 +44,25 @@ then, is given to count the request it was retrying."""
 class ExportStats:
     """Counters of the export path, in spans unless named otherwise.
 
-    ``records``: records the worker received; ``exported``: spans the collector accepted; ``dropped_export``:
+    ``records``: records the worker received, of which ``calls`` were calls (request records: the others, a
+    batch's span or a span made with the OpenTelemetry API, are no call); ``exported``: spans the collector
+    accepted; ``dropped_export``:
     spans lost after the worker's queue, for any reason, of which ``dropped_rejected`` the collector rejected in
     a partial success and ``dropped_too_large`` were too large for any export request
     (``ZOOMER_EXPORT_MAX_REQUEST_BYTES`` or the collector's own limit), the rest lost to failed exports;
     ``dropped_queue``: sampled spans that did not fit a queue (server side included); ``dropped_records``: records
-    (sampled or not) that never reached a worker: their calls are missing from the RPC metrics too;
+    (sampled or not) that never reached a worker, of which ``dropped_calls`` were calls: those are missing from the
+    RPC metrics too;
     ``dropped_record_too_large``: spans of records too large for a frame to the helper process
     (:data:`zoomer_serve.export.frames.MAX_FRAME_BYTES`; a request record goes on without them, so its call still
     counts in the RPC metrics); ``records_after_shutdown``: records (requests) that
     ended once shutdown had begun, too late for the last export (their spans are not in ``dropped``);
     ``lost_in_helper``: spans handed to a helper process that
     died holding them, before it sent them (in the pipe, its queue or its pending batch);
-    ``records_lost_in_helper``: records (calls) written to a helper process that died before a metric export
-    covering them succeeded: their calls are missing from the RPC metrics; ``metric_records``: records whose
-    calls the last fully accepted export of the RPC metrics covered (cumulative; summed over helper processes);
+    ``records_lost_in_helper``: calls (request records) written to a helper process that died before a metric
+    export covering them succeeded: they are missing from the RPC metrics; ``metric_records``: records that the
+    last fully accepted export of the RPC metrics covered, of which ``metric_calls`` calls (cumulative; summed
+    over helper processes);
     ``helper_restarts``:
     helper processes started again after one died; ``unknown``: spans whose outcome is not known, neither counted
     as exported nor as dropped: those of the export request in flight when the shutdown budget ran out (the
@@ -70,16 +74,19 @@ class ExportStats:
     """
 
     records: int = 0
+    calls: int = 0
     exported: int = 0
     dropped_export: int = 0
     dropped_queue: int = 0
     dropped_records: int = 0
+    dropped_calls: int = 0
     dropped_rejected: int = 0
     dropped_too_large: int = 0
     dropped_record_too_large: int = 0
     lost_in_helper: int = 0
     records_lost_in_helper: int = 0
     metric_records: int = 0
+    metric_calls: int = 0
     records_after_shutdown: int = 0
     helper_restarts: int = 0
     unknown: int = 0
@@ -199,6 +206,7 @@ class ExportWorker:
         except queue.Full:
             self.stats.dropped_queue += spans
             self.stats.dropped_records += len(batch)
+            self.stats.dropped_calls += r.count_calls(batch)
         else:
             self._received += spans
 
@@ -285,6 +293,8 @@ class ExportWorker:
         sampled = r.F_SAMPLED if self.cfg.traces else 0  # OTEL_TRACES_EXPORTER=none: no span is encoded
         for rec in batch:
             self.stats.records += 1
+            if rec[r.R_FLAGS] & r.F_REQUEST:
+                self.stats.calls += 1
             before = len(pending)
             try:
                 if rec[r.R_FLAGS] & sampled:
@@ -430,7 +440,7 @@ class ExportWorker:
                 (("error.type", "rejected"),): s.metric_points_rejected,
             },
             CALL_DROPPED: {
-                (("error.type", "queue_full"),): s.dropped_records + parent.get("calls_queue_full", 0),
+                (("error.type", "queue_full"),): s.dropped_calls + parent.get("calls_queue_full", 0),
                 (("error.type", "too_large"),): parent.get("calls_too_large", 0),
                 (("error.type", "helper_lost"),): parent.get("calls_helper_lost", 0),
             },
@@ -445,6 +455,7 @@ class ExportWorker:
         with self._metrics_lock:
             points = self._metrics.data_points(self._metrics_start_ns, time.time_ns(), self._counters())
             covered = self.stats.records  # every record aggregated so far is in these points
+            covered_calls = self.stats.calls
         requests, too_large = self._metrics_encoder.pack(points, self.cfg.max_request_bytes)
         tally = _Tally(too_large=too_large)
         for request in requests:
@@ -466,6 +477,7 @@ class ExportWorker:
                            "out and counted (logged once)", tally.too_large, endpoint, self.cfg.max_request_bytes)
         if tally.dropped == 0 and covered > stats.metric_records:
             stats.metric_records = covered
+            stats.metric_calls = covered_calls
             if self.on_metrics is not None:
                 self.on_metrics()
         return tally.dropped == 0

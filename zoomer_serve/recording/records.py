@@ -38,7 +38,7 @@ takes it out and writes the OTLP ``dropped_events_count`` / ``dropped_links_coun
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 R_TRACE_ID = 0
@@ -88,6 +88,12 @@ PH_END_NS = 4
 PHASE_ENTRY_LEN = 5
 
 SpanRecord = tuple[Any, ...]
+
+
+def count_calls(records: Iterable[SpanRecord]) -> int:
+    """How many of ``records`` are calls: request records (``F_REQUEST``), each one call in the RPC metrics. The
+    others (a batch's span, a span made with the OpenTelemetry API) are spans only."""
+    return sum(1 for rec in records if rec[R_FLAGS] & F_REQUEST)
 
 
 def exported_spans(rec: SpanRecord) -> int:
