@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -119,6 +120,24 @@ def test_serve_demo_refuses_bad_profiling_settings_before_its_telemetry_starts(t
     assert proc.returncode == 2
     assert next(iter(env)) in proc.stderr and "Traceback" not in proc.stderr
     assert "export" not in proc.stderr.lower() and "4317" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_serve_demo_on_a_port_in_use_says_so_before_its_telemetry_starts():
+    """A port another server listens on: exit 1 naming the address, and nothing tries to export on the way out
+    (the bind came after the telemetry and the model had started: a trial waited 13 s of flush retries against a
+    closed port, their errors after the message)."""
+    closed = f"http://127.0.0.1:{free_port()}"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "zoomer_serve", "serve-demo", "--port", str(port)],
+                              capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": closed})
+    assert proc.returncode == 1, proc.stderr
+    assert f"cannot bind 127.0.0.1:{port}: Address already in use" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "export" not in proc.stderr.lower(), proc.stderr
 
 
 def test_demo_with_an_unusable_store_says_why_without_a_traceback(tmp_path):

@@ -113,8 +113,13 @@ def _serve_demo(args: argparse.Namespace, config: Any, stop: threading.Event) ->
 
     import zoomer_serve
     from zoomer_serve.demo.model import build_model, pick_device
-    from zoomer_serve.demo.service import ServerBindError
+    from zoomer_serve.demo.service import ServerBindError, check_port_free
 
+    try:
+        check_port_free(args.host, args.port)
+    except ServerBindError as exc:
+        print(f"zoomer-serve serve-demo: {exc}", file=sys.stderr)
+        return 1
     try:
         ServerProfiling.configs(args)  # checked before telemetry starts, whose shutdown would flush first
         # configure from OTEL_* / ZOOMER_* before the first request; spans and profiling sessions are named
