@@ -342,7 +342,11 @@ def test_calls_of_a_helper_killed_just_before_shutdown_are_counted_missing(colle
     """C14, with no call after the kill: the export helper is killed (``kill -9``) holding 20 calls it had not
     exported in a metric export, and the server shuts down without writing to it again. Those calls are counted
     missing from the RPC metrics at shutdown (and logged); the store's metric holds the 30 of the export before:
-    30 + 20 = the 50 calls sent."""
+    30 + 20 = the 50 calls sent. The store said nothing of the 20 (no helper ran to export the loss counters):
+    now the shutdown starts one for them, and the store has them as ``zoomer.exporter.call.dropped``, with the
+    20 spans the killed helper held as ``helper_lost``."""
+    from zoomer_serve.report import build_report
+
     telemetry, pipeline, helper = _metered(collector)
     server, port = _serve(telemetry.recorder)
     try:
@@ -357,9 +361,12 @@ def test_calls_of_a_helper_killed_just_before_shutdown_are_counted_missing(colle
     assert stats is not None
     note("C14", "calls of an export helper killed just before shutdown", 50, 30, stats.records_lost_in_helper,
          unit="calls")
-    assert stats.records_lost_in_helper == 20, stats
+    assert stats.records_lost_in_helper == 20 and stats.lost_in_helper == 20 and stats.helper_restarts == 1, stats
     collector.finish()
     assert _calls_in_metric(collector) == 30
+    assert _calls_dropped(collector) == {"helper_lost": 20}
+    report = build_report(collector.store_path)
+    assert report.export_losses.calls == {"helper_lost": 20} and report.export_losses.spans == {"helper_lost": 20}
 
 
 def test_a_helper_reports_its_exports_without_being_asked_so_killing_it_after_counts_nothing_lost(collector):

@@ -46,7 +46,9 @@ outcome is ``unknown`` (the collector may have stored them). The records (calls)
 export it reported accepted covers are ``records_lost_in_helper``: their calls are missing from the metrics
 (:meth:`~zoomer_serve.export.helper_process.HelperProcess.calls_missing_from_metrics`). Every record lost while
 none runs is counted too. The calls missing from the metrics, by reason, go to the helper with every frame
-(:meth:`_counters`), so that the next one exports them (``zoomer.exporter.call.dropped``).
+(:meth:`_counters`), so that the next one exports them (``zoomer.exporter.call.dropped``). At shutdown, a helper
+that is gone and took something with it (or left records held) gets a successor whatever the back-off, to export
+them and the loss counters; its final counters go to it in a frame of their own before the shutdown frame.
 Export never stays off for the rest of the process's life.
 """
 
@@ -617,6 +619,8 @@ class ExportPipeline:
     def _shut_down_helper(self, deadline: float) -> ExportStats:
         """Have the helper export what it was given and what the start-up buffer holds, and stop it, by
         ``deadline``; one still starting gets until a second before it."""
+        with self._write_lock:
+            self._start_successor()
         self._await_helper(deadline - 1.0)
         with self._write_lock:
             if self._starting is not None:
@@ -630,8 +634,26 @@ class ExportPipeline:
             return ExportStats()
         return self._stop_helper(helper, deadline)
 
+    def _start_successor(self) -> None:
+        """At shutdown, when the helper is gone and took spans or calls with it, or left records held (or none ran
+        since records were lost): start one now, within :data:`RESTART_BACKOFF_S` of the last start too. It is the
+        last chance to export them and the loss counters; without it the store held no trace of those losses (they
+        were only logged)."""
+        helper = self._helper
+        if self._starting is not None or (helper is not None and helper.alive()):
+            return
+        if helper is not None:
+            self._helper_gone(helper, None)
+        if self._held or self._held_tail or self._losses() or self.dropped_calls or self.records_lost_in_helper:
+            self._next_start = 0.0
+            self._launch()
+
     def _stop_helper(self, helper: HelperProcess, deadline: float) -> ExportStats:
         with self._write_lock:
+            try:  # the loss counters as they are now (what the buffer held may have been lost since the last frame)
+                helper.send(frames.encode(frames.RECORDS, (self._counters(), [])), deadline=deadline)
+            except (OSError, ValueError):
+                pass
             data = helper.stop(deadline)
         if data is not None:
             data = {k: v for k, v in data.items() if k in ExportStats.__dataclass_fields__}
