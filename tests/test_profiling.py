@@ -433,13 +433,17 @@ def test_aio_demo_operators_in_the_executor_belong_to_their_request(model: DLRM,
     ``asyncio.to_thread`` on an executor thread. Each phase there opens the request's range on that thread too,
     so the request's operators (and, on a GPU, their kernels) are attributed to it: every OK request's
     ``zoomer.profile.request`` child counts CPU operators, and its range time is the loop thread's range (the
-    executor's ranges lie inside it and are not added on top)."""
+    executor's ranges lie inside it and are not added on top). The two callers' requests interleave on the loop
+    thread, opening and closing their ranges out of order: once all ended, no thread is left marked as running
+    one for the CPU sampler (a request was left marked on the loop's thread, gone with the test, and a later
+    thread with its ident had its samples labelled with that request)."""
     import numpy as np
 
     from zoomer_serve.demo import ranker_pb2_grpc
     from zoomer_serve.demo.aio_server import aio_server_in_thread
     from zoomer_serve.demo.load import make_request
     from zoomer_serve.profiling import ProfilerConfig, ProfilerController
+    from zoomer_serve.profiling.labels import THREAD_REQUESTS
     from zoomer_serve.profiling.summary import summarize_events
 
     controller = ProfilerController(ProfilerConfig(profiles_dir=profiles_dir), telemetry).attach()
@@ -464,6 +468,7 @@ def test_aio_demo_operators_in_the_executor_belong_to_their_request(model: DLRM,
         controller.close(timeout_s=60)
     info = controller.last
     assert info is not None and info.outcome == "done" and info.requests == 6
+    assert THREAD_REQUESTS == {}
     data = read_chrome_trace(Path(info.trace_path))
     ranges: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for ev in data["traceEvents"]:
@@ -483,6 +488,28 @@ def test_aio_demo_operators_in_the_executor_belong_to_their_request(model: DLRM,
         profile = summary.requests[ids]
         assert profile.cpu_op_count > 0, ids
         assert profile.start_us == outer["ts"] and profile.duration_us == pytest.approx(outer["dur"], abs=1e-3)
+
+
+def test_request_marks_for_the_cpu_sampler_may_close_in_any_order() -> None:
+    """The marks the in-process CPU sampler labels samples with, as an asyncio server's interleaved requests
+    leave them on the loop's thread: A opens, B opens, A closes (the thread still runs B), B closes (nothing is
+    left); and in the usual nested order. Restoring "the mark replaced" on close left A marked after both."""
+    from zoomer_serve.profiling.labels import THREAD_REQUESTS, enter_thread_request, exit_thread_request
+
+    me = threading.get_ident()
+    a = enter_thread_request(1, 1, "svc.S/A")
+    b = enter_thread_request(2, 2, "svc.S/B")
+    assert THREAD_REQUESTS[me][2] == "svc.S/B"
+    exit_thread_request(a)
+    assert THREAD_REQUESTS[me][2] == "svc.S/B"
+    exit_thread_request(b)
+    assert me not in THREAD_REQUESTS
+    a = enter_thread_request(1, 1, "svc.S/A")
+    b = enter_thread_request(2, 2, "svc.S/B")
+    exit_thread_request(b)
+    assert THREAD_REQUESTS[me] == (f"{1:032x}", f"{1:016x}", "svc.S/A")
+    exit_thread_request(a)
+    assert me not in THREAD_REQUESTS
 
 
 def test_profile_cli_against_a_server_without_the_admin_service_says_what_is_missing() -> None:

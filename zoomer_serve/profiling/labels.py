@@ -80,24 +80,39 @@ def parse_member_label(name: str) -> tuple[int, int, int, int] | None:
 
 THREAD_REQUESTS: dict[int, tuple[str, str, str]] = {}
 """While a profiling session runs: thread ident (``threading.get_ident()``) -> ``(trace_id, span_id, rpc.method)``
-(ids as lowercase hex) of the covered request whose range is open on that thread. Set and cleared with the
-request's range (:func:`enter_thread_request`), read by the in-process CPU sampler to label its samples. A
-dict set and a pop per range, under the interpreter lock: no lock of its own."""
+(ids as lowercase hex) of the covered request whose range was opened last, of those still open on that thread. Set
+and cleared with the request's range (:func:`enter_thread_request`), read by the in-process CPU sampler to label its
+samples. Plain dict operations under the interpreter lock: no lock of its own."""
+
+_OPEN: dict[int, list[tuple[str, str, str]]] = {}
+"""Thread ident -> the requests whose ranges are open on it, in the order they were opened. Ranges need not close
+in the reverse order: an asyncio server's requests open and close theirs on the event loop's thread as their
+coroutines interleave (restoring "the one it replaced" there left a request that had ended marked on a thread
+that was gone, and a later thread with the same ident had its samples labelled with it)."""
 
 
-def enter_thread_request(trace_id: int, span_id: int, method: str) -> tuple[int, tuple[str, str, str] | None]:
-    """Mark this thread as running the request; returns the token for :func:`exit_thread_request` (the
-    request it replaces, if one was open here)."""
+def enter_thread_request(trace_id: int, span_id: int, method: str) -> tuple[int, tuple[str, str, str]]:
+    """Mark this thread as running the request; returns the token for :func:`exit_thread_request`."""
     ident = threading.get_ident()
-    previous = THREAD_REQUESTS.get(ident)
-    THREAD_REQUESTS[ident] = (f"{trace_id:032x}", f"{span_id:016x}", method)
-    return ident, previous
+    entry = (f"{trace_id:032x}", f"{span_id:016x}", method)
+    _OPEN.setdefault(ident, []).append(entry)
+    THREAD_REQUESTS[ident] = entry
+    return ident, entry
 
 
-def exit_thread_request(token: tuple[int, tuple[str, str, str] | None]) -> None:
-    """Undo :func:`enter_thread_request` (restore what it replaced)."""
-    ident, previous = token
-    if previous is None:
-        THREAD_REQUESTS.pop(ident, None)
+def exit_thread_request(token: tuple[int, tuple[str, str, str]]) -> None:
+    """Undo :func:`enter_thread_request`, in any order: the thread is then marked with the request opened last of
+    those still open on it, or not at all."""
+    ident, entry = token
+    open_here = _OPEN.get(ident)
+    if open_here is None:
+        return
+    for i in range(len(open_here) - 1, -1, -1):
+        if open_here[i] is entry:
+            del open_here[i]
+            break
+    if open_here:
+        THREAD_REQUESTS[ident] = open_here[-1]
     else:
-        THREAD_REQUESTS[ident] = previous
+        _OPEN.pop(ident, None)
+        THREAD_REQUESTS.pop(ident, None)
