@@ -121,8 +121,9 @@ def test_the_writer_pickles_a_large_batch_in_frames_of_at_most_128_records():
     pipeline.dropped = 7
     batch = _records(300)
     made = list(pipeline._frames(batch))
-    decoded = _decode_frames([frame for frame, _, _ in made])
-    assert [n for _, _, n in made] == [128, 128, 44] and [s for _, s, _ in made] == [128, 128, 44]
+    decoded = _decode_frames([f.data for f in made])
+    assert [f.records for f in made] == [128, 128, 44] and [f.spans for f in made] == [128, 128, 44]
+    assert [f.calls for f in made] == [128, 128, 44]
     assert {kind for kind, _ in decoded} == {"records"}
     assert [len(records) for _, (_, records) in decoded] == [128, 128, 44]
     assert {counters["queue_full"] for _, (counters, _) in decoded} == {7}
@@ -146,17 +147,18 @@ def test_frames_are_bounded_by_bytes_and_a_record_too_large_for_any_frame_loses_
         "op", attributes={"blob": "z" * 300_000}, is_request=False).end()
     batch = small[:25] + large[:5] + huge[:1] + large[5:] + not_request + huge[1:] + small[25:]
     made = list(pipeline._frames(batch))
-    assert all(len(frame) - 4 <= 200_000 for frame, _, _ in made)
+    assert all(len(f.data) - 4 <= 200_000 for f in made)
     assert len(made) >= 4
-    sent = [rec for _, (_, records) in _decode_frames([f for f, _, _ in made]) for rec in records]
+    sent = [rec for _, (_, records) in _decode_frames([f.data for f in made]) for rec in records]
     reduced = [rpc_metrics.metrics_only(rec) for rec in huge]
     assert sent == small[:25] + large[:5] + reduced[:1] + large[5:] + reduced[1:] + small[25:]
     for rec, whole in zip(reduced, huge):
         assert rec[r.R_ATTRS] == {"rpc.method": "a/b", "zoomer.rpc.request.bytes": 7}
         assert rec[r.R_FLAGS] == r.F_REQUEST and r.exported_spans(rec) == 0
         assert rec[r.R_START_NS:r.R_STATUS + 1] == whole[r.R_START_NS:r.R_STATUS + 1]
-    assert sum(n for _, _, n in made) == 62 and sum(s for _, s, _ in made) == 60
-    assert (pipeline.dropped_record_too_large, pipeline.dropped_records) == (3, 1)
+    assert sum(f.records for f in made) == 62 and sum(f.spans for f in made) == 60
+    assert sum(f.calls for f in made) == 62  # the reduced request records are calls still
+    assert (pipeline.dropped_record_too_large, pipeline.dropped_records, pipeline.dropped_calls) == (3, 1, 0)
     stats = pipeline.shutdown(0.5)
     assert stats.dropped_record_too_large == 3 and stats.dropped >= 3
 
