@@ -20,9 +20,12 @@ helper skips (and counts) a longer frame instead of stopping.
 
 from __future__ import annotations
 
+import io
 import pickle
 import struct
 from typing import Any
+
+from zoomer_serve.export.otlp_wire import numpy_scalar_item
 
 HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 8 * 1024 * 1024
@@ -40,9 +43,36 @@ def encode(kind: str, body: Any) -> bytes:
     return HEADER.pack(len(payload)) + payload
 
 
+_OWN_TYPES = (str, bool, int, float, bytes)
+
+
+class _PlainPickler(pickle.Pickler):
+    """Pickles records as they are, except a value of any other type than Python's own (an attribute value: an
+    enum or a class of the server's ``__main__``, a tensor ...): a NumPy scalar as its Python value, anything else
+    as its ``str()``, what the exporter would encode it as anyway. The helper process could not load such a class
+    (``Can't get attribute 'Color' on <module ...>``) and skipped the whole frame, up to 128 calls, counted
+    nowhere."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        # never called for None, bool, int, float, str, bytes, list, tuple, dict, set (what records are made of)
+        if type(obj) in (bytearray, frozenset, complex) or any(obj is t for t in _OWN_TYPES):  # the latter: our reducers' callables
+            return NotImplemented
+        plain = numpy_scalar_item(obj)
+        if plain is not obj and type(plain) in (bool, int, float, str, bytes):
+            return type(plain), (plain,)
+        try:
+            text = str(obj)
+        except Exception:  # a user's value must not stop the export
+            text = f"<{type(obj).__qualname__} whose str() failed>"
+        return str, (text,)
+
+
 def pickled(kind: str, body: Any) -> bytes:
-    """The payload of a frame, without its header (to check its size before framing it)."""
-    return pickle.dumps((kind, body), protocol=pickle.HIGHEST_PROTOCOL)
+    """The payload of a frame, without its header (to check its size before framing it). Values of other types
+    than Python's own go as their ``str()`` (see :class:`_PlainPickler`)."""
+    out = io.BytesIO()
+    _PlainPickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump((kind, body))
+    return out.getvalue()
 
 
 def framed(payload: bytes) -> bytes:
