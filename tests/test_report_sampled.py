@@ -269,24 +269,16 @@ def test_metric_points_add_up_over_exports_instances_restarts_and_temporalities(
         {"Scorer/score": 2, "pkg.S/M": 2, "pkg.S/Other": 2})  # each method in the Requests and Status tables
 
 
-def test_calls_and_spans_lost_on_a_full_queue_are_counted_and_the_report_and_analysis_say_so(
-        collector, monkeypatch, capsys):
-    """C12-style loss accounting: ``OTEL_BSP_MAX_QUEUE_SIZE=4`` under load from 8 client threads, so the server's
-    export queue overflows. The trial: the server logged "N records did not reach the exporter", the store held
-    ``otel.sdk.exporter.span.exported{error.type=queue_full}``, yet ``zoomer-serve report`` printed the calls left
-    in the metric with no note. Now the calls missing from the metric are exported as
-    ``zoomer.exporter.call.dropped{error.type=queue_full}``: calls sent = calls in the metric + calls counted
-    missing, and spans sent = spans stored + spans counted lost; the report (terminal and ``--json``, key
-    ``export_losses``) and ``analyze`` say how many and why."""
-    _configure(collector, monkeypatch, OTEL_BSP_MAX_QUEUE_SIZE="4", OTEL_BSP_MAX_EXPORT_BATCH_SIZE="2")
+def _load_8_threads(request: bytes, per_thread: int = 150) -> int:
+    """Call ``Unary`` with ``request`` from 8 client threads, ``per_thread`` times each, on a gRPC echo server
+    behind the zoomer interceptor, each answer checked (b"ok"); returns the calls sent."""
     server, target = grpc_echo.start_server([ZoomerServerInterceptor(server_address="127.0.0.1")])
-    per_thread = 150
 
     def load() -> None:
         client = grpc_echo.Client(target)
         try:
             for _ in range(per_thread):
-                assert client.unary(b"ok") == b"ok"
+                assert client.unary(request) == b"ok"
         finally:
             client.close()
 
@@ -298,7 +290,20 @@ def test_calls_and_spans_lost_on_a_full_queue_are_counted_and_the_report_and_ana
             t.join()
     finally:
         server.stop(None)
-    sent = 8 * per_thread
+    return 8 * per_thread
+
+
+def test_calls_and_spans_lost_on_a_full_queue_are_counted_and_the_report_and_analysis_say_so(
+        collector, monkeypatch, capsys):
+    """C12-style loss accounting: ``OTEL_BSP_MAX_QUEUE_SIZE=4`` under load from 8 client threads, so the server's
+    export queue overflows. The trial: the server logged "N records did not reach the exporter", the store held
+    ``otel.sdk.exporter.span.exported{error.type=queue_full}``, yet ``zoomer-serve report`` printed the calls left
+    in the metric with no note. Now the calls missing from the metric are exported as
+    ``zoomer.exporter.call.dropped{error.type=queue_full}``: calls sent = calls in the metric + calls counted
+    missing, and spans sent = spans stored + spans counted lost; the report (terminal and ``--json``, key
+    ``export_losses``) and ``analyze`` say how many and why."""
+    _configure(collector, monkeypatch, OTEL_BSP_MAX_QUEUE_SIZE="4", OTEL_BSP_MAX_EXPORT_BATCH_SIZE="2")
+    sent = _load_8_threads(b"ok")
     stats = zoomer_serve.shutdown()
     assert stats is not None and stats.dropped_records > 0, stats  # the queue did overflow
     stored = len(collector.spans("SERVER"))
@@ -374,26 +379,7 @@ def test_spans_made_with_the_opentelemetry_api_that_are_dropped_are_no_calls_mis
     spans counted lost."""
     telemetry = _configure(collector, monkeypatch, OTEL_BSP_MAX_QUEUE_SIZE="4", OTEL_BSP_MAX_EXPORT_BATCH_SIZE="2")
     monkeypatch.setattr(grpc_echo, "_TRACER_PROVIDER", [telemetry.tracer_provider])
-    server, target = grpc_echo.start_server([ZoomerServerInterceptor(server_address="127.0.0.1")])
-    per_thread = 150
-
-    def load() -> None:
-        client = grpc_echo.Client(target)
-        try:
-            for _ in range(per_thread):
-                assert client.unary(b"user_span") == b"ok"
-        finally:
-            client.close()
-
-    clients = [threading.Thread(target=load) for _ in range(8)]
-    try:
-        for t in clients:
-            t.start()
-        for t in clients:
-            t.join()
-    finally:
-        server.stop(None)
-    sent = 8 * per_thread
+    sent = _load_8_threads(b"user_span")
     stats = zoomer_serve.shutdown()
     assert stats is not None and stats.dropped_records > stats.dropped_calls > 0, stats  # both kinds were dropped
     stored = len(collector.spans())  # (the collector stops: its store can be read)
