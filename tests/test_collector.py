@@ -604,6 +604,25 @@ def test_cli_ready_line_and_clean_stop_on_sigterm(tmp_path: Path, capsys: pytest
     assert query(store, "SELECT count(*) FROM spans") == [(10,)]
 
 
+def test_a_duckdb_file_whose_spans_table_is_another_tools_is_refused(tmp_path: Path) -> None:
+    """Another tool's DuckDB file with a ``spans`` table of its own columns: the collector said it was ready, then
+    refused every span it was sent, three log lines each (trial). Refused at open, naming the table and what it
+    lacks; the file left as it was."""
+    import duckdb
+
+    path = tmp_path / "theirs.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE spans (a INTEGER)")
+    con.close()
+    with pytest.raises(StoreError, match="not a zoomer-serve store .its table 'spans' has no column trace_id"):
+        Store(path)
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        assert [t for (t,) in con.execute("SELECT table_name FROM duckdb_tables()").fetchall()] == ["spans"]
+    finally:
+        con.close()
+
+
 def test_a_store_with_a_table_named_like_the_writers_batch_is_refused(tmp_path: Path) -> None:
     """The writer inserts each batch by reading a Python variable by its name; DuckDB looks a name up in the
     file's catalog first, so a table of that name would be inserted instead of the batch. Refused, the file

@@ -259,6 +259,24 @@ def _batch_name_free(con: duckdb.DuckDBPyConnection, path: Path) -> None:
                          "the name the collector's writer reads its batches by; rename it")
 
 
+def _tables_fit(con: duckdb.DuckDBPyConnection, path: Path) -> None:
+    """Refuse a store whose file already has a ``spans`` or ``metric_points`` table without the store's columns
+    (another tool's file): the collector said it was ready, then refused every row it was sent, logging each.
+
+    Raises:
+        StoreError: such a table (``con`` is closed).
+    """
+    for table, columns in TABLES.items():
+        present = {name for (name,) in con.execute(
+            "SELECT column_name FROM duckdb_columns() WHERE table_name = ? AND schema_name = current_schema()",
+            [table]).fetchall()}
+        missing = [name for name, _, _ in columns if name not in present]
+        if present and missing:
+            con.close()
+            raise StoreError(f"cannot open store {path} for writing: it is not a zoomer-serve store (its table "
+                             f"{table!r} has no column {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''})")
+
+
 def _file_backed(con: duckdb.DuckDBPyConnection, path: Path) -> duckdb.DuckDBPyConnection:
     """``con`` if its database is the file at ``path``. DuckDB opens an existing JSON, CSV or Parquet file as
     an in-memory database that reads it: rows written there would be acknowledged and lost.
@@ -404,6 +422,7 @@ class Store:
             path.parent.mkdir(parents=True, exist_ok=True)
             con = _file_backed(duckdb.connect(str(path), config=NO_EXTENSION_DOWNLOADS), path)
             _batch_name_free(con, path)
+            _tables_fit(con, path)
             con.execute(SCHEMA)
             con.execute("SET python_enable_replacements = true")  # how _insert hands DuckDB its batch
             con.execute(
