@@ -22,7 +22,6 @@ the feature and the offending value; see ``InvalidRequestError``.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
+from zoomer_serve.netaddr import bind_probe, format_hostport
 from zoomer_serve.recording import phase
 
 from . import ranker_pb2, ranker_pb2_grpc
@@ -355,31 +355,23 @@ class RankerServicer(ranker_pb2_grpc.RankerServicer):
             yield self._score_or_abort(request, context)
 
 
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+_address = format_hostport
 
 
 def check_port_free(host: str, port: int) -> None:
     """Fail now when ``host``:``port`` cannot be bound (in use, not a local address), before telemetry and the
     model start: the server's own bind comes after them, and a failed start then waited for telemetry's shutdown
-    flush (13 s with no collector listening). Port 0 always passes, as does a host that does not resolve here; a
-    port taken between this check and the server's bind is still reported by the server.
+    flush (13 s with no collector listening). Port 0 always passes; a port taken between this check and the
+    server's bind is still reported by the server.
 
     Raises:
-        ServerBindError: the address cannot be bound (the OS error's text).
+        ServerBindError: the address cannot be bound (why, from :func:`~zoomer_serve.netaddr.bind_probe`).
     """
     if port == 0:
         return
-    try:
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except (OSError, IndexError):
-        return
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: a TIME_WAIT port is free
-        try:
-            probe.bind(sockaddr)
-        except OSError as exc:
-            raise ServerBindError(f"cannot bind {_address(host, port)}: {exc.strerror or exc}") from exc
+    reason = bind_probe(host, port)
+    if reason is not None:
+        raise ServerBindError(f"cannot bind {_address(host, port)}: {reason}")
 
 
 def _register_extra(server: grpc.Server, extra: ExtraServicer) -> None:

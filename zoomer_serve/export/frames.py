@@ -58,7 +58,7 @@ class _PlainPickler(pickle.Pickler):
         if type(obj) in (bytearray, frozenset, complex) or any(obj is t for t in _OWN_TYPES):  # the latter: our reducers' callables
             return NotImplemented
         plain = numpy_scalar_item(obj)
-        if plain is not obj and type(plain) in (bool, int, float, str, bytes):
+        if plain is not obj and type(plain) in _OWN_TYPES:
             return type(plain), (plain,)
         try:
             text = str(obj)
